@@ -1,0 +1,111 @@
+"""Shared input validation.
+
+Metadata checks (dtype, rank, shape, device, static ints) raise ``ValueError("op: arg expected X, got Y")``
+and are safe to call from fake implementations. Value checks (ids in range, capacity) never become Python
+control flow on traced or CUDA tensors: on real CPU tensors they raise ``ValueError`` (no cost: CPU is
+synchronous), on CUDA they raise ``ValueError`` only in debug mode (``EPMOE_DEBUG=1`` or
+:func:`set_debug`), otherwise they enqueue a device-side assert (no host sync, CUDA-graph safe), and while
+tracing they become a functional assert in the graph.
+"""
+
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+_DEBUG = os.environ.get("EPMOE_DEBUG", "0") not in ("", "0")
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn on eager value checks on CUDA (each costs one host sync; never use while capturing)."""
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _DEBUG
+
+
+def fail(op: str, arg: str, expected: str, got: object) -> "ValueError":
+    return ValueError(f"{op}: {arg} expected {expected}, got {got}")
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d) for d in dtypes)
+
+
+def check_tensor(op: str, arg: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise fail(op, arg, "a torch.Tensor", type(t).__name__)
+
+
+def check_dtype(op: str, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
+    check_tensor(op, arg, t)
+    if t.dtype not in dtypes:
+        raise fail(op, arg, f"dtype {_names(dtypes)}", t.dtype)
+
+
+def check_ndim(op: str, arg: str, t: torch.Tensor, ndims: Sequence[int]) -> None:
+    check_tensor(op, arg, t)
+    if t.dim() not in ndims:
+        want = " or ".join(f"{n}-D" for n in ndims)
+        raise fail(op, arg, f"a {want} tensor", f"shape {tuple(t.shape)}")
+
+
+def check_shape(op: str, arg: str, t: torch.Tensor, shape: Sequence[object]) -> None:
+    """``shape`` entries may be None (any size)."""
+    check_tensor(op, arg, t)
+    ok = t.dim() == len(shape) and all(s is None or t.shape[i] == s for i, s in enumerate(shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise fail(op, arg, f"shape {want}", f"{list(t.shape)}")
+
+
+def check_device(op: str, arg: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    check_tensor(op, arg, t)
+    if t.device != ref.device:
+        raise fail(op, arg, f"device {ref.device} (same as the first input)", t.device)
+
+
+def check_positive_int(op: str, arg: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise fail(op, arg, "a positive int", repr(v))
+    return v
+
+
+def check_choice(op: str, arg: str, v: object, choices: Sequence[object]) -> None:
+    if v not in choices:
+        raise fail(op, arg, "one of " + ", ".join(repr(c) for c in choices), repr(v))
+
+
+def check_multiple(op: str, arg: str, v: int, of: int, why: str = "") -> None:
+    if v % of != 0:
+        raise fail(op, arg, f"a multiple of {of}{' ' + why if why else ''}", v)
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+def check_values(ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None) -> None:
+    """Value check; ``ok`` is a 0-d bool tensor that is True when the input is valid."""
+    if _tracing(ok):
+        torch._assert_async(ok, f"{op}: {arg} expected {expected}")
+        return
+    if ok.device.type == "cpu" or _DEBUG:
+        if not bool(ok):
+            raise fail(op, arg, expected, got or "values outside it")
+        return
+    torch._assert_async(ok, f"{op}: {arg} expected {expected}")
+
+
+def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:
+    """Ids must be -1 or in [0, hi)."""
+    if ids.numel() == 0:
+        return
+    ok = ((ids >= -1) & (ids < hi)).all()
+    check_values(ok, op, arg, f"ids in [0, {hi}) or -1")

@@ -1,0 +1,25 @@
+"""Every stage of the expert-parallel MoE layer as a ``torch.ops.epmoe.*`` op (one module per stage)."""
+
+from epmoe.ops.activation import silu_and_mul, silu_and_mul_quant
+from epmoe.ops.combine import ht_combine, ll_combine
+from epmoe.ops.dispatch import HTDispatchResult, LLDispatchResult, ht_dispatch, ll_dispatch
+from epmoe.ops.gemm import grouped_gemm
+from epmoe.ops.permute import PermuteResult, permute
+from epmoe.ops.quantize import quantize
+from epmoe.ops.unpermute import unpermute
+
+__all__ = [
+    "HTDispatchResult",
+    "LLDispatchResult",
+    "PermuteResult",
+    "grouped_gemm",
+    "ht_combine",
+    "ht_dispatch",
+    "ll_combine",
+    "ll_dispatch",
+    "permute",
+    "quantize",
+    "silu_and_mul",
+    "silu_and_mul_quant",
+    "unpermute",
+]

@@ -1,0 +1,83 @@
+"""Stage: combine. Return expert outputs to the ranks their tokens came from.
+
+Contract:
+- ``ht_combine(y, handle, comm_key)``: y bf16 `[N, H]` (rows already weighted by unpermute) -> bf16
+  `[T, H]`, out[t] = sum over the ranks t was sent to of their row (unweighted). CUDA-graph safe when the
+  handle came from a worst-case dispatch.
+- ``ll_combine(y, topk_ids, topk_weights, handle, comm_key)``: y bf16 `[E, C, H]` (rows past masked_m
+  never read) -> bf16 `[T, H]`, out[t] = sum_k topk_weights[t,k] * y[expert of (t,k), its slot].
+  CUDA-graph safe.
+"""
+
+from typing import List, Sequence
+
+import torch
+
+from epmoe import _checks
+from epmoe.comm import _registry
+
+
+def _validate_ht(comm, y, handle) -> None:
+    _checks.check_dtype("combine", "y", y, (torch.bfloat16,))
+    _checks.check_shape("combine", "y", y, (None, comm.hidden_size))
+    if len(handle) == 0:
+        raise _checks.fail("combine", "handle", "the handle returned by ht_dispatch", "[]")
+
+
+def _validate_ll(comm, y, topk_ids, topk_weights) -> None:
+    op = "ll_combine"
+    _checks.check_dtype(op, "y", y, (torch.bfloat16,))
+    _checks.check_shape(op, "y", y, (comm.num_local_experts, comm.ll_capacity, comm.hidden_size))
+    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
+    _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
+    _checks.check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape))
+
+
+@torch.library.custom_op("epmoe::ht_combine", mutates_args=())
+def _ht_combine_op(y: torch.Tensor, handle: List[torch.Tensor], comm_key: int) -> torch.Tensor:
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, y, handle)
+    return comm.ht_combine(y, list(handle))
+
+
+@_ht_combine_op.register_fake
+def _(y, handle, comm_key):
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, y, handle)
+    return y.new_empty((handle[0].shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("epmoe::ll_combine", mutates_args=())
+def _ll_combine_op(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: List[torch.Tensor],
+    comm_key: int,
+) -> torch.Tensor:
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    return comm.ll_combine(y, topk_ids, topk_weights, list(handle))
+
+
+@_ll_combine_op.register_fake
+def _(y, topk_ids, topk_weights, handle, comm_key):
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    return y.new_empty((topk_ids.shape[0], y.shape[2]))
+
+
+def ht_combine(y: torch.Tensor, handle: Sequence[torch.Tensor], comm_key: int) -> torch.Tensor:
+    """Unweighted HT combine: y bf16 `[N, H]` -> bf16 `[T, H]`."""
+    return _ht_combine_op(y, list(handle), comm_key)
+
+
+def ll_combine(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: Sequence[torch.Tensor],
+    comm_key: int,
+) -> torch.Tensor:
+    """Weighted LL combine: y bf16 `[E, C, H]` -> bf16 `[T, H]`."""
+    return _ll_combine_op(y, topk_ids, topk_weights, list(handle), comm_key)

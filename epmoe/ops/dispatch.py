@@ -1,0 +1,157 @@
+"""Stage: dispatch. Send each token to the ranks that hold its experts.
+
+Contract (HT): ``d = ht_dispatch(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False)``
+- x: bf16/fp8/int8 `[T, H]`; topk_ids: int64 `[T, K]` global expert id or -1; topk_weights: float32
+  `[T, K]`; x_scales: float32 `[T, S]` or None.
+- d.x `[N, H]`, d.x_scales `[N, S]` | None, d.topk_ids int64 `[N, K]` LOCAL ids (-1 for experts on other
+  ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`, d.handle
+  (tuple of tensors for :func:`epmoe.ops.combine.ht_combine`).
+- worst_case=True: N = T * world (static, no host sync, CUDA-graph safe; unused rows have all ids -1).
+  worst_case=False: N is exact and data-dependent (host sync; the fake declares a dynamic size; not
+  CUDA-graph safe, tagged ``cudagraph_unsafe``).
+
+Contract (LL): ``d = ll_dispatch(x, topk_ids, comm_key, use_fp8=False)``
+- x: bf16 `[T, H]` with T <= max_tokens_per_rank; topk_ids int64 `[T, K]` global ids or -1.
+- d.x `[E, C, H]` (C = world * max_tokens_per_rank; float8_e4m3fn when use_fp8), d.x_scales
+  `[E, C, H/128]` | None, d.masked_m int32 `[E]`, d.handle. Static shapes: CUDA-graph safe.
+
+The communicator (``epmoe.comm``) is looked up by its int key; it cannot be an op argument.
+"""
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from epmoe import _checks
+from epmoe.comm import _registry
+
+_PAYLOAD = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+class HTDispatchResult(NamedTuple):
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_counts: torch.Tensor
+    handle: Tuple[torch.Tensor, ...]
+
+
+class LLDispatchResult(NamedTuple):
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    masked_m: torch.Tensor
+    handle: Tuple[torch.Tensor, ...]
+
+
+def _validate_ht(comm, x, topk_ids, topk_weights, x_scales) -> None:
+    op = "dispatch"
+    _checks.check_dtype(op, "x", x, _PAYLOAD)
+    _checks.check_shape(op, "x", x, (None, comm.hidden_size))
+    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
+    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
+    _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
+    _checks.check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape))
+    _checks.check_device(op, "topk_ids", topk_ids, x)
+    _checks.check_device(op, "topk_weights", topk_weights, x)
+    if x_scales is not None:
+        _checks.check_dtype(op, "x_scales", x_scales, (torch.float32,))
+        _checks.check_shape(op, "x_scales", x_scales, (x.shape[0], None))
+        _checks.check_device(op, "x_scales", x_scales, x)
+
+
+def _validate_ll(comm, x, topk_ids, use_fp8) -> None:
+    op = "ll_dispatch"
+    _checks.check_dtype(op, "x", x, (torch.bfloat16,))
+    _checks.check_shape(op, "x", x, (None, comm.hidden_size))
+    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
+    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
+    _checks.check_device(op, "topk_ids", topk_ids, x)
+    if not comm.max_tokens_per_rank:
+        raise _checks.fail(op, "max_tokens_per_rank", "a positive int for LL mode", None)
+    if x.shape[0] > comm.max_tokens_per_rank:
+        raise _checks.fail(
+            op, "x", f"at most max_tokens_per_rank={comm.max_tokens_per_rank} tokens", x.shape[0]
+        )
+    if use_fp8:
+        _checks.check_multiple(op, "hidden_size", x.shape[1], 128, "(fp8 groups)")
+
+
+@torch.library.custom_op("epmoe::ht_dispatch", mutates_args=())
+def _ht_dispatch_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    x_scales: Optional[torch.Tensor],
+    comm_key: int,
+) -> List[torch.Tensor]:
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+    return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, True)
+
+
+@_ht_dispatch_op.register_fake
+def _(x, topk_ids, topk_weights, x_scales, comm_key):
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+    return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, True)
+
+
+@torch.library.custom_op("epmoe::ht_dispatch_exact", mutates_args=(), tags=_UNSAFE)
+def _ht_dispatch_exact_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    x_scales: Optional[torch.Tensor],
+    comm_key: int,
+) -> List[torch.Tensor]:
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+    return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, False)
+
+
+@_ht_dispatch_exact_op.register_fake
+def _(x, topk_ids, topk_weights, x_scales, comm_key):
+    comm = _registry.get(comm_key)
+    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+    return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, False)
+
+
+@torch.library.custom_op("epmoe::ll_dispatch", mutates_args=())
+def _ll_dispatch_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool
+) -> List[torch.Tensor]:
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, x, topk_ids, use_fp8)
+    return comm.ll_dispatch(x, topk_ids, None, use_fp8)
+
+
+@_ll_dispatch_op.register_fake
+def _(x, topk_ids, comm_key, use_fp8):
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, x, topk_ids, use_fp8)
+    return comm.ll_dispatch_fake(x, topk_ids, None, use_fp8)
+
+
+def ht_dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    comm_key: int,
+    x_scales: Optional[torch.Tensor] = None,
+    worst_case: bool = False,
+) -> HTDispatchResult:
+    """HT dispatch through communicator ``comm_key`` (see module docstring for shapes)."""
+    op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
+    out = op(x, topk_ids, topk_weights, x_scales, comm_key)
+    rx, rs, rids, rw, counts = out[:5]
+    return HTDispatchResult(rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:]))
+
+
+def ll_dispatch(
+    x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool = False
+) -> LLDispatchResult:
+    """LL dispatch into the masked `[E, C, H]` layout (see module docstring)."""
+    out = _ll_dispatch_op(x, topk_ids, comm_key, use_fp8)
+    return LLDispatchResult(out[0], out[1] if use_fp8 else None, out[2], tuple(out[3:]))

@@ -1,0 +1,278 @@
+"""Pure-torch specification of every stage, and the CPU kernels of the ``epmoe`` ops.
+
+Everything here is sync-free with static output shapes (it also runs on CUDA and traces under
+torch.compile), written for clarity rather than speed. Shape legend: ``T`` tokens (``M`` received rows),
+``K`` top-k, ``H`` hidden, ``E`` local experts, ``A`` alignment, ``N``/``Kd`` GEMM output/reduction dims,
+``S`` scale groups per row.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from epmoe import _checks
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0  # symmetric range: -128 is never produced
+SCALE_EPS = 1e-10  # floor for scales so all-zero groups give q = 0, not NaN
+FP8_WEIGHT_BLOCK = 128  # weights are quantized per 128x128 block (DeepSeek-V3 recipe)
+QUANT_SCHEMES = ("bf16", "fp8", "int8")
+
+
+def round_up(x, m: int):
+    return (x + m - 1) // m * m
+
+
+def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """Static bound M_sum = round_up(M*K + E*(A-1), A) on the rows of the permuted layout."""
+    return round_up(num_rows * top_k + num_experts * (alignment - 1), alignment)
+
+
+# ----------------------------------------------------------------------------------------- quantize
+def _round_half_away(v: torch.Tensor) -> torch.Tensor:
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def quantize_fp8(x: torch.Tensor, group_size: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x: float `[..., H]` -> (float8_e4m3fn `[..., H]`, float32 `[..., H // group_size]`)."""
+    shape = x.shape
+    g = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    s = (g.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_EPS)
+    q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(shape), s
+
+
+def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x: float `[..., H]` -> (int8 `[..., H]`, float32 `[..., 1]`), per-row symmetric scale."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(SCALE_EPS)
+    q = _round_half_away(xf / s).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, s
+
+
+def quantize(x: torch.Tensor, scheme: str, group_size: int = 128):
+    if scheme == "fp8":
+        return quantize_fp8(x, group_size)
+    if scheme == "int8":
+        return quantize_int8(x)
+    raise _checks.fail("quantize", "scheme", "'fp8' or 'int8'", repr(scheme))
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize` in float32; the group size is H // s.shape[-1]."""
+    groups = s.shape[-1]
+    qf = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
+    return (qf * s.unsqueeze(-1)).reshape(q.shape)
+
+
+def quantize_weights(w: torch.Tensor, scheme: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Expert weights w: float `[E, N, Kd]` -> quantized weights and scales.
+
+    fp8: float8_e4m3fn `[E, N, Kd]`, float32 `[E, N/128, Kd/128]` (128x128 blocks).
+    int8: int8 `[E, N, Kd]`, float32 `[E, N]` (per output channel).
+    bf16: bf16 copy, None.
+    """
+    if scheme == "bf16":
+        return w.to(torch.bfloat16).contiguous(), None
+    E, N, Kd = w.shape
+    wf = w.float()
+    if scheme == "fp8":
+        b = FP8_WEIGHT_BLOCK
+        blocks = wf.reshape(E, N // b, b, Kd // b, b)
+        s = (blocks.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(SCALE_EPS)
+        q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return q.reshape(E, N, Kd), s
+    if scheme == "int8":
+        s = (wf.abs().amax(dim=-1) / INT8_MAX).clamp_min(SCALE_EPS)
+        q = _round_half_away(wf / s.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return q, s
+    raise _checks.fail("quantize_weights", "scheme", "one of 'bf16', 'fp8', 'int8'", repr(scheme))
+
+
+def dequantize_weights(q: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights` in float32 `[E, N, Kd]`."""
+    if s is None:
+        return q.float()
+    if q.dtype == torch.int8:
+        return q.float() * s.unsqueeze(-1)
+    E, N, Kd = q.shape
+    bn, bk = N // s.shape[1], Kd // s.shape[2]
+    blocks = q.float().reshape(E, s.shape[1], bn, s.shape[2], bk)
+    return (blocks * s[:, :, None, :, None]).reshape(E, N, Kd)
+
+
+# ------------------------------------------------------------------------------------------ permute
+def permute(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int,
+    x_scales: Optional[torch.Tensor] = None,
+):
+    """Scatter rows into expert-contiguous, ``alignment``-aligned blocks.
+
+    Args:
+        x: any dtype `[M, H]`. topk_ids: int32/int64 `[M, K]`, local expert id in [0, E) or -1.
+        x_scales: float32 `[M, S]` or None.
+    Returns:
+        (x_perm `[M_sum, H]`, scales `[M_sum, S]` (S = 0 when None), m_indices int32 `[M_sum]`,
+        inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
+    """
+    _checks.check_ids(topk_ids, num_experts, "permute", "topk_ids")
+    M, K = topk_ids.shape
+    E, A = num_experts, alignment
+    M_sum = permuted_rows(M, K, E, A)
+    dev = x.device
+    flat = topk_ids.reshape(-1).long()
+    valid = flat >= 0
+    bucket = torch.where(valid, flat, E)  # -1 goes to a dump bucket after the last expert
+    counts_all = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, bucket, torch.ones_like(bucket)
+    )
+    counts = counts_all[:E]
+    offsets = torch.zeros(E + 1, dtype=torch.long, device=dev)
+    offsets[1:] = torch.cumsum(round_up(counts, A), 0)
+    # stable sort keeps (t, k) order inside each expert: deterministic rows
+    order = torch.sort(bucket, stable=True).indices
+    sorted_bucket = bucket[order]
+    starts = torch.zeros(E + 2, dtype=torch.long, device=dev)
+    starts[1:] = torch.cumsum(counts_all, 0)
+    rank_sorted = torch.arange(M * K, device=dev) - starts[sorted_bucket]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    row = torch.where(valid, offsets[bucket.clamp(max=E - 1)] + rank, M_sum)  # M_sum = dump row
+    inv_perm = torch.where(valid, row, -1).to(torch.int32).reshape(M, K)
+
+    src = torch.arange(M, device=dev).repeat_interleave(K)
+    xr = x.view(torch.uint8) if x.element_size() == 1 else x  # fp8 has no index_copy kernel
+    x_out = xr.new_zeros((M_sum + 1, x.shape[1]))
+    x_out.index_copy_(0, row, xr[src])
+    x_out = x_out.view(x.dtype)
+    if x_scales is not None:
+        s_out = x_scales.new_zeros((M_sum + 1, x_scales.shape[1]))
+        s_out.index_copy_(0, row, x_scales[src])
+        s_out = s_out[:M_sum]
+    else:
+        s_out = torch.empty((M_sum, 0), dtype=torch.float32, device=dev)
+
+    r = torch.arange(M_sum, device=dev)
+    e_of_row = torch.searchsorted(offsets[1:], r, right=True)
+    e_c = e_of_row.clamp(max=E - 1)
+    used = (e_of_row < E) & (r < offsets[e_c] + counts[e_c])
+    m_indices = torch.where(used, e_of_row, -1).to(torch.int32)
+    return x_out[:M_sum], s_out, m_indices, inv_perm, offsets.to(torch.int32)
+
+
+# -------------------------------------------------------------------------------------------- gemm
+def _dequant_rows(a: torch.Tensor, a_scales: Optional[torch.Tensor]) -> torch.Tensor:
+    if a_scales is None:
+        return a.float()
+    return dequantize(a, a_scales)
+
+
+def grouped_gemm_contiguous(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """out[r] = deq(a[r]) @ deq(w[m_indices[r]]).T in float32 -> bf16 `[M_sum, N]`; -1 rows are zero."""
+    af = _dequant_rows(a, a_scales)
+    wf = dequantize_weights(w, w_scales)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
+    for e in range(w.shape[0]):  # static loop over experts; masked so shapes never depend on data
+        sel = (m_indices == e).unsqueeze(1)
+        out = torch.where(sel, af @ wf[e].t(), out)
+    return out.to(torch.bfloat16)
+
+
+def grouped_gemm_masked(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """a `[E, T, Kd]`, w `[E, N, Kd]` -> bf16 `[E, T, N]`; rows t >= masked_m[e] are zero here."""
+    af = _dequant_rows(a, a_scales)
+    wf = dequantize_weights(w, w_scales)
+    out = torch.bmm(af, wf.transpose(1, 2))
+    live = torch.arange(a.shape[1], device=a.device)[None, :] < masked_m.to(a.device)[:, None]
+    return torch.where(live.unsqueeze(-1), out, 0.0).to(torch.bfloat16)
+
+
+# -------------------------------------------------------------------------------------- activation
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    """y `[..., 2I]` -> `[..., I]` in y.dtype: silu(gate) * up, gate first, float32 math."""
+    inter = y.shape[-1] // 2
+    yf = y.float()
+    return (F.silu(yf[..., :inter]) * yf[..., inter:]).to(y.dtype)
+
+
+def silu_and_mul_quant(y: torch.Tensor, scheme: str, group_size: int = 128):
+    """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as unfused)."""
+    return quantize(silu_and_mul(y), scheme, group_size)
+
+
+# ---------------------------------------------------------------------------------------- unpermute
+def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k [inv_perm[t,k] >= 0] * w[t,k] * y[inv_perm[t,k]], float32 sum -> y.dtype `[M, H]`."""
+    _checks.check_ids(inv_perm, y.shape[0], "unpermute", "inv_perm")
+    valid = inv_perm >= 0
+    rows = y[inv_perm.clamp(min=0).long()].float()  # [M, K, H]
+    w = torch.where(valid, topk_weights.float(), 0.0)
+    return (rows * w.unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+# ------------------------------------------------------------------------------------- whole layer
+def dense_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE layer in float32, no EP and no quantization.
+
+    x `[T, H]`; topk_ids int `[T, K]` global ids or -1; topk_weights float `[T, K]`;
+    w1 `[E, 2I, H]` (gate rows first); w2 `[E, H, I]` -> float32 `[T, H]`.
+    """
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for e in range(w1.shape[0]):
+        hit = (topk_ids == e).float() * topk_weights.float()  # [T, K]
+        coef = hit.sum(dim=1, keepdim=True)
+        h = silu_and_mul(xf @ w1[e].float().t())
+        out = out + coef * (h @ w2[e].float().t())
+    return out
+
+
+def quantized_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: str,
+) -> torch.Tensor:
+    """Quant-aware reference: what an exact ``scheme`` layer computes, in float32 `[T, H]`.
+
+    x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights with
+    :func:`quantize_weights`; everything is dequantized and multiplied in float32.
+    """
+    if scheme == "bf16":
+        xs = x.to(torch.bfloat16).float()
+        w1d, w2d = w1.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
+    else:
+        xs = dequantize(*quantize(x, scheme))
+        w1d = dequantize_weights(*quantize_weights(w1, scheme))
+        w2d = dequantize_weights(*quantize_weights(w2, scheme))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        coef = ((topk_ids == e).float() * topk_weights.float()).sum(dim=1, keepdim=True)
+        h = silu_and_mul((xs @ w1d[e].t()).to(torch.bfloat16))
+        h = h.float() if scheme == "bf16" else dequantize(*quantize(h, scheme))
+        out = out + coef * (h @ w2d[e].t())
+    return out
