@@ -1,0 +1,34 @@
+import os
+
+import pytest
+import torch
+
+# Kernels under test must not depend on the order tests run in.
+torch.manual_seed(0)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n = _gpus()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
+    for item in items:
+        if "multi_gpu" in item.keywords and n < 2:
+            item.add_marker(skip_multi)
+        elif "gpu" in item.keywords and n < 1:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(1234)
+    return 1234
+
+
+@pytest.fixture
+def triton_interpret():
+    """True when Triton kernels run on CPU tensors (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
