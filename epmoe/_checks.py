@@ -105,7 +105,5 @@ def check_values(ok: torch.Tensor, op: str, arg: str, expected: str, got: Option
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:
     """Ids must be -1 or in [0, hi)."""
-    if ids.numel() == 0:
-        return
     ok = ((ids >= -1) & (ids < hi)).all()
     check_values(ok, op, arg, f"ids in [0, {hi}) or -1")

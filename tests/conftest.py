@@ -1,7 +1,14 @@
 import os
+import sys
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels are tested on CPU tensors through the interpreter. The variable must be
+# set before triton is first imported (torch does not import it), so one `pytest` runs everything.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Kernels under test must not depend on the order tests run in.
 torch.manual_seed(0)
@@ -15,7 +22,11 @@ def pytest_collection_modifyitems(config, items):
     n = _gpus()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    skip_interp = pytest.mark.skip(reason="Triton interpreter tests need TRITON_INTERPRET=1 (no GPU)")
     for item in items:
+        if "interpret" in item.keywords and not interpret:
+            item.add_marker(skip_interp)
         if "multi_gpu" in item.keywords and n < 2:
             item.add_marker(skip_multi)
         elif "gpu" in item.keywords and n < 1:

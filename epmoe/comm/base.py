@@ -3,7 +3,7 @@
 Shape legend: ``T`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``S`` scale columns, ``P`` world size,
 ``E`` local experts, ``Et`` global experts (P*E), ``N`` received rows, ``C`` = P * max_tokens_per_rank.
 
-HT dispatch returns the list [recv_x `[N, H]`, recv_scales `[N, S]` (S = 0 without scales),
+HT dispatch (N = world * ht_capacity(T) in the worst case) returns the list [recv_x `[N, H]`, recv_scales `[N, S]` (S = 0 without scales),
 recv_topk_ids int64 `[N, K]` (local ids, -1 for experts elsewhere and on padding rows), recv_topk_weights
 float32 `[N, K]`, expert_counts int32 `[E]`, *handle]; the handle is tensors only and handle[0] is
 is_token_in_rank bool `[T, P]` (its shape gives T to combine's fake). HT combine sums rows home, unweighted.
@@ -50,6 +50,20 @@ class Communicator:
         e = self.num_local_experts
         return self.rank * e, (self.rank + 1) * e
 
+    def ht_capacity(self, num_tokens):
+        """Slots each rank reserves per peer in worst-case HT dispatch (N = world * capacity).
+
+        max_tokens_per_rank when set (ranks may then hold different T <= it), else T itself, in which
+        case every rank must pass the same T (the static-shape contract of a captured prefill)."""
+        if self.max_tokens_per_rank:
+            if isinstance(num_tokens, int) and num_tokens > self.max_tokens_per_rank:
+                raise _checks.fail(
+                    "dispatch", "x", f"at most max_tokens_per_rank={self.max_tokens_per_rank} "
+                    "tokens for worst-case dispatch", num_tokens,
+                )
+            return self.max_tokens_per_rank
+        return num_tokens
+
     @property
     def ll_capacity(self) -> int:
         return self.world_size * int(self.max_tokens_per_rank or 0)
@@ -71,6 +85,11 @@ class Communicator:
 
     def ll_combine(self, y, topk_ids, topk_weights, handle: List[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def ll_combine_out(self, out, y, topk_ids, topk_weights, handle: List[torch.Tensor]) -> None:
+        """ll_combine into a preallocated bf16 `[T, H]` ``out``; backends that can write in place
+        (deep_ep) override this."""
+        out.copy_(self.ll_combine(y, topk_ids, topk_weights, handle))
 
     def close(self) -> None:
         pass

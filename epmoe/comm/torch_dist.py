@@ -10,7 +10,6 @@ LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout lo
 each (token, k) row to its source with one all-to-all and applies the weights there.
 """
 
-from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,11 +23,19 @@ _U8 = torch.uint8
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """`[R, ...]` any dtype -> uint8 `[R, bytes per row]`."""
     t = t.contiguous()
-    return t.reshape(t.shape[0], -1).view(_U8)
+    cols = 1
+    for d in t.shape[1:]:
+        cols *= d
+    return t.reshape(t.shape[0], cols).view(_U8)
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    """uint8 `[R, cols * itemsize]` (any strides) -> a fresh dtype `[R, cols]` (never a view: op
+    outputs must not alias each other)."""
+    out = torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
+    if cols:
+        out.view(_U8).copy_(b)
+    return out
 
 
 class _Layout:
@@ -111,14 +118,15 @@ class TorchComm(Communicator):
         T = x.shape[0]
         packed, in_rank, lay = self._pack_for_peers(x, topk_ids, topk_weights, x_scales)
         if worst_case or P == 1:  # with one rank both variants are static: N = T
+            cap = self.ht_capacity(T) if worst_case else T
             slot = torch.cumsum(in_rank.long(), dim=0) - 1  # [T, P]
             slot = torch.where(in_rank, slot, -1)
-            send = torch.zeros((P, T + 1, lay.width), dtype=_U8, device=x.device)
+            send = torch.zeros((P, cap + 1, lay.width), dtype=_U8, device=x.device)
             send[:, :, lay.s_end : lay.id_end] = 255  # padding slots carry ids -1
             p_idx = torch.arange(P, device=x.device).view(1, P).expand(T, P)
-            dst = torch.where(in_rank, slot, T)  # rows not sent go to a dump slot
+            dst = torch.where(in_rank, slot, cap)  # rows not sent go to a dump slot
             send[p_idx, dst] = packed.permute(1, 0, 2)
-            send = send[:, :T].reshape(P * T, lay.width)
+            send = send[:, :cap].reshape(P * cap, lay.width)
             recv = self._all_to_all(torch.empty_like(send), send)
             handle = [in_rank, slot]
         else:
@@ -137,7 +145,7 @@ class TorchComm(Communicator):
     def ht_dispatch_fake(self, x, topk_ids, topk_weights, x_scales, worst_case):
         P, (T, K) = self.world_size, topk_ids.shape
         if worst_case or P == 1:
-            n = P * T
+            n = P * (self.ht_capacity(T) if worst_case else T)
         else:
             n = torch.library.get_ctx().new_dynamic_size()
         S = 0 if x_scales is None else x_scales.shape[1]
@@ -162,9 +170,9 @@ class TorchComm(Communicator):
         in_rank = handle[0]
         T, P = in_rank.shape
         H = y.shape[1]
-        if len(handle) == 2:  # worst case: P * T static slots
+        if len(handle) == 2:  # worst case: P * capacity static slots
             back = self._all_to_all(torch.empty_like(_as_bytes(y)), _as_bytes(y))
-            back = _from_bytes(back, y.dtype, H).view(P, T, H)
+            back = _from_bytes(back, y.dtype, H).view(P, y.shape[0] // P, H)
             slot = handle[1]
             p_idx = torch.arange(P, device=y.device).view(1, P).expand(T, P)
             rows = back[p_idx, slot.clamp(min=0)].float()  # [T, P, H]

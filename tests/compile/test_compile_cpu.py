@@ -1,0 +1,81 @@
+"""torch.compile(EPMoE, fullgraph=True) on CPU: no graph breaks, same outputs as eager, one compile
+per mode across token counts (dynamic=True); local backend here, torch backend on 2 gloo ranks."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import epmoe
+from tests._moe import SMALL, check_layer_output, global_weights, tokens
+from tests._tol import rel_l2
+from tests.comm._mp import run_ranks
+
+CONFIGS = [("ht", False), ("ht", True), ("ll", False)]
+
+
+def make_layer(quant, mode, worst, group=None, backend="local"):
+    layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, group=group, backend=backend, alignment=8,
+                        max_tokens_per_rank=16, worst_case=worst, device="cpu")
+    layer.load_weights(*global_weights(**SMALL))
+    return layer
+
+
+def _same(a, b):
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("mode,worst", CONFIGS)
+def test_fullgraph_matches_eager_and_compiles_once(quant, mode, worst):
+    torch._dynamo.reset()
+    layer = make_layer(quant, mode, worst)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=cnt, fullgraph=True, dynamic=True)
+    for T in (5, 9, 16, 3):
+        x, ids, w = tokens(T, seed=T, **SMALL)
+        _same(compiled(x, ids, w), layer(x, ids, w))
+    assert cnt.frame_count == 1, f"recompiled: {cnt.frame_count} compiles for 4 token counts"
+
+
+@pytest.mark.parametrize("mode,worst", CONFIGS)
+def test_no_graph_breaks(mode, worst):
+    torch._dynamo.reset()
+    layer = make_layer("fp8", mode, worst)
+    x, ids, w = tokens(6, seed=0, **SMALL)
+    explain = torch._dynamo.explain(layer)(x, ids, w)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant,mode,worst", [("fp8", "ht", True), ("int8", "ll", False),
+                                              ("bf16", "ht", False)])
+def test_inductor_matches_eager(quant, mode, worst):
+    torch._dynamo.reset()
+    layer = make_layer(quant, mode, worst)
+    compiled = torch.compile(layer, fullgraph=True)
+    x, ids, w = tokens(11, seed=1, **SMALL)
+    # Inductor reorders float math (e.g. x / s as x * (1 / s)), which moves some fp8/int8 rounding
+    # boundaries: the compiled layer must meet the same bounds as eager, and stay close to it
+    out = compiled(x, ids, w)
+    check_layer_output(out, x, ids, w, *global_weights(**SMALL), quant)
+    assert rel_l2(out, layer(x, ids, w)) < 2e-2
+
+
+def _compile_rank(rank, world):
+    for mode, worst in CONFIGS:
+        torch._dynamo.reset()
+        layer = make_layer("int8", mode, worst, group=dist.group.WORLD, backend="torch")
+        cnt = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=cnt, fullgraph=True, dynamic=True)
+        for T in (4, 7, 12):  # ranks hold different token counts (<= max_tokens_per_rank = 16)
+            x, ids, w = tokens(T + rank, seed=rank * 10 + T, **SMALL)
+            _same(compiled(x, ids, w), layer(x, ids, w))
+        assert cnt.frame_count == 1, (mode, worst, cnt.frame_count)
+    return True
+
+
+@pytest.mark.slow
+def test_fullgraph_torch_backend_two_ranks():
+    assert run_ranks(_compile_rank, 2, "gloo") == [True, True]

@@ -1,0 +1,99 @@
+"""quantize: the documented formulas, opcheck, errors (CPU)."""
+
+import pytest
+import torch
+
+from epmoe import ops, reference
+from tests._opcheck import opcheck
+
+
+@pytest.mark.parametrize("shape", [(5, 256), (3, 4, 128), (0, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_formula(shape, dtype, seed):
+    x = (torch.randn(shape) * 3).to(dtype)
+    q, s = ops.quantize(x, "fp8", group_size=128)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (*shape[:-1], shape[-1] // 128)
+    g = x.float().reshape(*shape[:-1], shape[-1] // 128, 128)
+    want_s = (g.abs().amax(-1) / 448.0).clamp_min(1e-10)
+    assert torch.equal(s, want_s)
+    want_q = (g / want_s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(shape)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (2, 3, 33)])
+def test_int8_formula(shape, seed):
+    x = torch.randn(shape).bfloat16()
+    x[..., 0] = 0.5  # exercise round-half-away on a tie after scaling
+    q, s = ops.quantize(x, "int8")
+    assert q.dtype == torch.int8 and s.shape == (*shape[:-1], 1)
+    xf = x.float()
+    want_s = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-10)
+    v = xf / want_s
+    want_q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+    assert int(q.abs().max()) == 127
+
+
+def test_round_half_away_ties():
+    # amax 127 -> s = 1, so x / s is exact and ties stay ties
+    x = torch.tensor([[127.0, 2.5, -2.5, 0.5, -0.5, 1.49]])
+    q, s = ops.quantize(x, "int8")
+    assert float(s) == 1.0
+    assert q.tolist() == [[127, 3, -3, 1, -1, 1]]
+
+
+def test_zeros_give_zero(seed):
+    for scheme in ("fp8", "int8"):
+        q, s = ops.quantize(torch.zeros(2, 128), scheme)
+        assert (q.float() == 0).all() and (s > 0).all()
+
+
+def test_masked_m_rows_inside_count_match(seed):
+    x = torch.randn(3, 5, 128).bfloat16()
+    masked_m = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q, s = ops.quantize(x, "fp8", masked_m=masked_m)
+    q_ref, s_ref = reference.quantize_fp8(x)
+    for e, n in enumerate(masked_m.tolist()):
+        assert torch.equal(q[e, :n].view(torch.uint8), q_ref[e, :n].view(torch.uint8))
+        assert torch.equal(s[e, :n], s_ref[e, :n])
+
+
+def test_dequantize_roundtrip(seed):
+    x = torch.randn(16, 256)
+    for scheme, tol in (("fp8", 0.07), ("int8", 0.01)):
+        err = (reference.dequantize(*ops.quantize(x, scheme)) - x).norm() / x.norm()
+        assert err < tol
+
+
+def test_weight_quant_roundtrip(seed):
+    w = torch.randn(2, 256, 128)
+    for scheme, tol in (("fp8", 0.07), ("int8", 0.01)):
+        q, s = reference.quantize_weights(w, scheme)
+        assert q.shape == w.shape
+        assert s.shape == ((2, 2, 1) if scheme == "fp8" else (2, 256))
+        err = (reference.dequantize_weights(q, s) - w).norm() / w.norm()
+        assert err < tol
+
+
+def test_quantize_opcheck(seed):
+    x = torch.randn(4, 256).bfloat16()
+    opcheck(torch.ops.epmoe.quantize.default, (x, "fp8", 128, None))
+    opcheck(torch.ops.epmoe.quantize.default, (x, "int8", 128, None))
+    x3 = torch.randn(2, 3, 128).bfloat16()
+    m = torch.tensor([1, 3], dtype=torch.int32)
+    opcheck(torch.ops.epmoe.quantize.default, (x3, "fp8", 128, m))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.zeros(2, 100), "fp8"), "quantize: x.shape\\[-1\\] expected a multiple of 128"),
+        ((torch.zeros(2, 128), "nf4"), "quantize: scheme expected one of"),
+        ((torch.zeros(2, 128, dtype=torch.int32), "int8"), "quantize: x expected dtype"),
+        ((torch.zeros(128), "int8"), "quantize: x expected a 2-D or 3-D tensor"),
+    ],
+)
+def test_quantize_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        ops.quantize(*args)

@@ -1,0 +1,47 @@
+"""`import epmoe` is lean: no deep_ep / deep_gemm, no CUDA initialization, ops registered."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys, torch
+import epmoe
+from epmoe import ops, reference
+assert "deep_ep" not in sys.modules and "deep_gemm" not in sys.modules, "GPU backend imported"
+assert not torch.cuda.is_initialized(), "CUDA initialized on import"
+names = ["quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quant",
+         "grouped_gemm_contiguous", "grouped_gemm_masked", "ht_dispatch", "ht_dispatch_exact",
+         "ht_combine", "ll_dispatch", "ll_combine"]
+missing = [n for n in names if not hasattr(torch.ops.epmoe, n)]
+assert not missing, missing
+assert epmoe.__version__
+print("ok")
+"""
+
+
+def test_lean_import():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_missing_backend_hint(monkeypatch):
+    import builtins
+
+    from epmoe import _deps
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "deep_gemm":
+            raise ImportError("No module named 'deep_gemm'")
+        return real_import(name, *a, **k)
+
+    _deps._load.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    try:
+        import pytest
+
+        with pytest.raises(ImportError, match="pip install"):
+            _deps.deep_gemm()
+    finally:
+        _deps._load.cache_clear()

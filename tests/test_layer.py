@@ -1,0 +1,103 @@
+"""EPMoE on one rank (local backend) vs the references, all modes and schemes; bad input."""
+
+import pytest
+import torch
+
+import epmoe
+from tests._moe import SMALL, check_layer_output, global_weights, tokens
+
+
+def make_layer(quant, mode, worst_case=False, **kw):
+    layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, backend="local", alignment=16,
+                        max_tokens_per_rank=32, worst_case=worst_case, device="cpu", **kw)
+    layer.load_weights(*global_weights(**SMALL))
+    return layer
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("mode,worst_case", [("ht", False), ("ht", True), ("ll", False)])
+@pytest.mark.parametrize("T", [0, 1, 29])
+def test_layer_one_rank(quant, mode, worst_case, T):
+    layer = make_layer(quant, mode, worst_case)
+    x, ids, w = tokens(T, seed=T, **SMALL)
+    out = layer(x, ids, w)
+    check_layer_output(out, x, ids, w, *global_weights(**SMALL), quant)
+
+
+def test_all_tokens_to_one_expert():
+    layer = make_layer("bf16", "ht")
+    x, ids, w = tokens(12, seed=3, **SMALL)
+    ids = torch.full_like(ids, 5)
+    ids[:, 1:] = -1
+    check_layer_output(layer(x, ids, w), x, ids, w, *global_weights(**SMALL), "bf16")
+
+
+def test_all_padding_tokens_give_zero():
+    layer = make_layer("int8", "ll")
+    x, ids, w = tokens(4, seed=3, **SMALL)
+    out = layer(x, torch.full_like(ids, -1), w)
+    assert (out == 0).all()
+
+
+def _bad(**kw):
+    args = dict(SMALL, quant="bf16", mode="ht", backend="local", device="cpu")
+    args.update(kw)
+    return lambda: epmoe.EPMoE(**args)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (_bad(alignment=0), "EPMoE: alignment expected a positive int, got 0"),
+        (_bad(alignment=-128), "EPMoE: alignment expected a positive int"),
+        (_bad(alignment=16.0), "EPMoE: alignment expected a positive int"),
+        (_bad(quant="fp4"), "EPMoE: quant expected one of"),
+        (_bad(mode="xx"), "EPMoE: mode expected one of"),
+        (_bad(quant="fp8", hidden_size=200), "EPMoE: hidden_size expected a multiple of 128"),
+        (_bad(quant="fp8", intermediate_size=64), "EPMoE: intermediate_size expected a multiple"),
+        (_bad(mode="ll"), "EPMoE: max_tokens_per_rank expected a positive int"),
+        (_bad(backend="nccl"), "EPMoE: backend expected one of"),
+    ],
+)
+def test_layer_bad_config(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_alignment_must_match_gemm_row_block(monkeypatch):
+    from epmoe import layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "contiguous_row_block", lambda scheme, device: 128)
+    with pytest.raises(ValueError, match="EPMoE: alignment expected a multiple of 128"):
+        _bad(alignment=64)()
+
+
+def test_layer_bad_input():
+    layer = make_layer("bf16", "ht")
+    ll = make_layer("bf16", "ll")
+    x, ids, w = tokens(6, seed=1, **SMALL)
+    cases = [
+        (lambda: layer(x.float(), ids, w), "EPMoE: x expected dtype torch.bfloat16"),
+        (lambda: layer(x[:, :100], ids, w), "EPMoE: x expected shape"),
+        (lambda: layer(x, ids.int(), w), "EPMoE: topk_ids expected dtype torch.int64"),
+        (lambda: layer(x, ids[:, :2], w), "EPMoE: topk_ids expected shape"),
+        (lambda: layer(x, ids, w.double()), "EPMoE: topk_weights expected dtype"),
+        (lambda: layer(x, torch.full_like(ids, 8), w), "dispatch: topk_ids expected ids in \\[0, 8\\)"),
+        (lambda: ll(x, torch.full_like(ids, 99), w), "ll_dispatch: topk_ids expected ids in \\[0, 8\\)"),
+        (lambda: ll(*tokens(33, seed=1, **SMALL)), "ll_dispatch: x expected at most "
+         "max_tokens_per_rank=32 tokens, got 33"),
+        (lambda: layer.load_weights(torch.zeros(8, 128, 256), torch.zeros(8, 256, 128)),
+         "load_weights: w1 expected shape"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_device_mismatch_is_value_error():
+    layer = make_layer("bf16", "ht")
+    x, ids, w = tokens(4, seed=1, **SMALL)
+    with pytest.raises(ValueError, match="EPMoE: x expected device cpu"):
+        layer(x.to("meta"), ids, w)
+    with pytest.raises(ValueError, match="EPMoE: topk_ids expected device cpu"):
+        layer(x, ids.to("meta"), w)
