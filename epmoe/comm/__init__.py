@@ -1,8 +1,8 @@
 """Communication backends for dispatch/combine: local (one rank), torch.distributed, deep_ep.
 
 ``create(backend, group, ...)`` builds a communicator, registers it and returns it (``comm.key`` is the
-int the ops take). ``backend="auto"`` picks deep_ep on CUDA when it imports, else torch (local for a
-group of one).
+int the ops take). ``backend="auto"`` picks local for a group of one, else deep_ep on CUDA when it
+imports, else torch.
 """
 
 import torch
@@ -19,16 +19,18 @@ def resolve_backend(backend: str, group, device) -> str:
     _checks.check_choice("EPMoE", "backend", backend, BACKENDS)
     if backend != "auto":
         return backend
+    world = 1
+    if group is not None and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return "local"
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
         from epmoe import _deps
 
         if _deps.available("deep_ep"):
             return "deepep"
-    world = 1
-    if group is not None and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size(group)
-    return "local" if world == 1 else "torch"
+    return "torch"
 
 
 def create(

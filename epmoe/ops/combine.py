@@ -2,14 +2,16 @@
 
 Contract:
 - ``ht_combine(y, handle, comm_key)``: y bf16 `[N, H]` (rows already weighted by unpermute) -> bf16
-  `[T, H]`, out[t] = sum over the ranks t was sent to of their row (unweighted). CUDA-graph safe when the
-  handle came from a worst-case dispatch.
-- ``ll_combine(y, topk_ids, topk_weights, handle, comm_key)``: y bf16 `[E, C, H]` (rows past masked_m
-  never read) -> bf16 `[T, H]`, out[t] = sum_k topk_weights[t,k] * y[expert of (t,k), its slot].
-  CUDA-graph safe.
+  `[T, H]`, out[t] = sum over the ranks t was sent to of their row (unweighted). CUDA-graph safe
+  when the handle came from a worst-case dispatch.
+- ``ll_combine(y, topk_ids, topk_weights, handle, comm_key, out=None)``: y bf16 `[E, C, H]`
+  (rows past masked_m never read) -> bf16 `[T, H]`,
+  out[t] = sum_k topk_weights[t,k] * y[expert of (t,k), its slot]. With ``out`` (bf16 `[T, H]`,
+  contiguous, e.g. a CUDA-graph runner's static output) the result is written there
+  (``epmoe::ll_combine_out``, which mutates ``out``) and ``out`` is returned. CUDA-graph safe.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -22,6 +24,14 @@ def _validate_ht(comm, y, handle) -> None:
     _checks.check_shape("combine", "y", y, (None, comm.hidden_size))
     if len(handle) == 0:
         raise _checks.fail("combine", "handle", "the handle returned by ht_dispatch", "[]")
+
+
+def _validate_out(y, topk_ids, out) -> None:
+    _checks.check_dtype("ll_combine", "out", out, (torch.bfloat16,))
+    _checks.check_shape("ll_combine", "out", out, (topk_ids.shape[0], y.shape[2]))
+    _checks.check_device("ll_combine", "out", out, y)
+    if not out.is_contiguous():
+        raise _checks.fail("ll_combine", "out", "a contiguous tensor", f"strides {out.stride()}")
 
 
 def _validate_ll(comm, y, topk_ids, topk_weights) -> None:
@@ -67,6 +77,28 @@ def _(y, topk_ids, topk_weights, handle, comm_key):
     return y.new_empty((topk_ids.shape[0], y.shape[2]))
 
 
+@torch.library.custom_op("epmoe::ll_combine_out", mutates_args=("out",))
+def _ll_combine_out_op(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: List[torch.Tensor],
+    comm_key: int,
+    out: torch.Tensor,
+) -> None:
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    _validate_out(y, topk_ids, out)
+    comm.ll_combine_out(out, y, topk_ids, topk_weights, list(handle))
+
+
+@_ll_combine_out_op.register_fake
+def _(y, topk_ids, topk_weights, handle, comm_key, out):
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    _validate_out(y, topk_ids, out)
+
+
 def ht_combine(y: torch.Tensor, handle: Sequence[torch.Tensor], comm_key: int) -> torch.Tensor:
     """Unweighted HT combine: y bf16 `[N, H]` -> bf16 `[T, H]`."""
     return _ht_combine_op(y, list(handle), comm_key)
@@ -78,6 +110,10 @@ def ll_combine(
     topk_weights: torch.Tensor,
     handle: Sequence[torch.Tensor],
     comm_key: int,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Weighted LL combine: y bf16 `[E, C, H]` -> bf16 `[T, H]`."""
-    return _ll_combine_op(y, topk_ids, topk_weights, list(handle), comm_key)
+    """Weighted LL combine: y bf16 `[E, C, H]` -> bf16 `[T, H]`, written into ``out`` if given."""
+    if out is None:
+        return _ll_combine_op(y, topk_ids, topk_weights, list(handle), comm_key)
+    _ll_combine_out_op(y, topk_ids, topk_weights, list(handle), comm_key, out)
+    return out

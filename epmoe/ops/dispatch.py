@@ -6,7 +6,8 @@ Contract (HT): ``d = ht_dispatch(x, topk_ids, topk_weights, comm_key, x_scales=N
 - d.x `[N, H]`, d.x_scales `[N, S]` | None, d.topk_ids int64 `[N, K]` LOCAL ids (-1 for experts on other
   ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`, d.handle
   (tuple of tensors for :func:`epmoe.ops.combine.ht_combine`).
-- worst_case=True: N = T * world (static, no host sync, CUDA-graph safe; unused rows have all ids -1).
+- worst_case=True: N = world * (max_tokens_per_rank of the communicator, or T when unset, in which case
+  every rank must pass the same T) - static, no host sync, CUDA-graph safe; unused rows have ids -1.
   worst_case=False: N is exact and data-dependent (host sync; the fake declares a dynamic size; not
   CUDA-graph safe, tagged ``cudagraph_unsafe``).
 

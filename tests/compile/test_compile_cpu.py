@@ -79,3 +79,29 @@ def _compile_rank(rank, world):
 @pytest.mark.slow
 def test_fullgraph_torch_backend_two_ranks():
     assert run_ranks(_compile_rank, 2, "gloo") == [True, True]
+
+
+def test_helpers_detect_graph_breaks_and_mark_dynamic():
+    import epmoe.compile
+
+    torch._dynamo.reset()
+    layer = make_layer("int8", "ht", True)
+    x, ids, w = tokens(6, seed=0, **SMALL)
+    epmoe.compile.assert_no_graph_breaks(layer, x, ids, w)
+
+    def breaks(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    with pytest.raises(AssertionError, match="1 graph break"):
+        epmoe.compile.assert_no_graph_breaks(breaks, torch.ones(3))
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(layer, backend=cnt, fullgraph=True)
+    for T in (4, 10):
+        x, ids, w = tokens(T, seed=T, **SMALL)
+        epmoe.compile.mark_dynamic_tokens(x, ids, w, min=1, max=16)
+        f(x, ids, w)
+    assert cnt.frame_count == 1

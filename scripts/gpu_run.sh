@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device session on the 2xH200 machine: environment, GPU tests, benchmarks; logs go to $OUT.
+# Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh [tests] [bench] [demo]
+set -uo pipefail
+OUT=${OUT:-/tmp/epmoe-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget=${EPMOE_BUDGET_S:-540}
+start=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - start) )); }
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -5
+  python3 -m epmoe env
+} > "$OUT/env.txt" 2>&1
+for step in "$@"; do
+  t=$(left); [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
+  case "$step" in
+    tests)
+      timeout $((t - 10)) python3 -m pytest tests -m "gpu or multi_gpu" -q -rfEs -p no:cacheprovider \
+        ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests.log" 2>&1
+      echo "tests rc=$?" >> "$OUT/summary.txt" ;;
+    bench)
+      timeout $((t - 10)) python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable \
+        --benchmark-json "$OUT/bench.json" ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} \
+        > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?" >> "$OUT/summary.txt" ;;
+    deepep_bench)
+      timeout $((t - 10)) python3 benchmarks/bench_deepep.py --out "$OUT/deepep.json" \
+        > "$OUT/deepep_bench.log" 2>&1
+      echo "deepep_bench rc=$?" >> "$OUT/summary.txt" ;;
+    demo)
+      timeout $((t - 10)) python3 -m epmoe demo > "$OUT/demo.log" 2>&1
+      echo "demo rc=$?" >> "$OUT/summary.txt" ;;
+  esac
+done
+cat "$OUT/summary.txt" 2>/dev/null
+tail -5 "$OUT"/*.log 2>/dev/null
