@@ -18,7 +18,7 @@ _HINTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(name: str):
     try:
         return importlib.import_module(name)
@@ -39,6 +39,6 @@ def deep_gemm():
 def available(name: str) -> bool:
     try:
         _load(name)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a backend that fails to load for any reason is unusable
         return False
     return True

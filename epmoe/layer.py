@@ -28,6 +28,7 @@ from epmoe.ops import (
     silu_and_mul_quant,
     unpermute,
 )
+from epmoe.ops import gemm
 from epmoe.ops.gemm import contiguous_row_block
 
 OP = "EPMoE"
@@ -145,6 +146,7 @@ class EPMoE(nn.Module):
         lo, hi = self.comm.expert_range
         for name, w in (("w1", w1), ("w2", w2)):
             q, s = reference.quantize_weights(w[lo:hi].to(self.device), self.quant)
+            q, s = gemm.prepare_weights(q, s, self.quant, self.device)
             setattr(self, name, q)
             setattr(self, name + "_scale", s)
 
@@ -183,11 +185,35 @@ class EPMoE(nn.Module):
         d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, self.worst_case)
         p = permute(d.x, d.topk_ids, self.num_local_experts, self.alignment, d.x_scales)
         y = grouped_gemm(p.x, self.w1, m_indices=p.m_indices, a_scales=p.x_scales,
-                         w_scales=self.w1_scale)
+                         w_scales=self.w1_scale, expert_offsets=p.expert_offsets)
         h, hs = self._act(y)
-        y = grouped_gemm(h, self.w2, m_indices=p.m_indices, a_scales=hs, w_scales=self.w2_scale)
+        y = grouped_gemm(h, self.w2, m_indices=p.m_indices, a_scales=hs, w_scales=self.w2_scale,
+                         expert_offsets=p.expert_offsets)
         y = unpermute(y, p.inv_perm, d.topk_weights)
         return ht_combine(y, d.handle, self.comm_key)
+
+    @torch.no_grad()
+    def warmup(self, token_counts=None) -> None:
+        """Compile every GEMM kernel this layer launches (deep_gemm JIT, Triton autotune) for the given
+        per-rank token counts, so nothing compiles later inside CUDA-graph capture. No-op on CPU.
+
+        Args:
+            token_counts: per-rank batch sizes that will run (default: max_tokens_per_rank).
+        """
+        if self.device.type != "cuda" or self.w1 is None:
+            return
+        counts = sorted(set(token_counts or [self.max_tokens_per_rank or 1]), reverse=True)
+        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        for (w, s), (n, k) in (((self.w1, self.w1_scale), (2 * I, H)),
+                               ((self.w2, self.w2_scale), (H, I))):
+            if self.mode == "ht":  # largest first: it drives INT8 autotuning
+                rows = [self.world_size * (self.max_tokens_per_rank if self.worst_case
+                                           and self.max_tokens_per_rank else t) for t in counts]
+                m = [reference.permuted_rows(r, self.top_k, E, self.alignment) for r in rows]
+                gemm.warmup(self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s)
+            else:
+                gemm.warmup(self.quant, E, n, k, self.device, masked_t=self.comm.ll_capacity,
+                            expected_m=self.expected_m(), w=w, w_scales=s)
 
     def expected_m(self) -> int:
         """Static hint of rows per local expert in LL (uniform routing at full capacity)."""
