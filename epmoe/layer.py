@@ -88,7 +88,10 @@ class EPMoE(nn.Module):
             _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         if alignment is None:
             alignment = DEFAULT_ALIGNMENT
         _checks.check_positive_int(OP, "alignment", alignment)

@@ -750,7 +750,7 @@ def _opcheck_rank(rank, world):
 
     def check(op, args):
         try:
-            torch.library.opcheck(op, args, test_utils=_OPCHECK_UTILS)
+            opcheck(op, args, utils=_OPCHECK_UTILS)
         except Exception as e:  # noqa: BLE001 - report every op, keep the ranks in step
             fails.append(f"rank {rank} {op}: {e}")
 
