@@ -1,0 +1,485 @@
+"""grouped_gemm CUDA backends (deep_gemm FP8/BF16, torch._grouped_mm, Triton INT8) vs the
+quant-aware reference; layout invariants (-1 rows, masked rows past the count, empty experts);
+opcheck; CUDA graphs.
+
+Run on a GPU machine: pytest tests/ops/test_gemm_gpu.py  (the CPU-only helper tests run anywhere).
+"""
+
+import pytest
+import torch
+
+from epmoe import reference
+from epmoe.ops import gemm
+from epmoe.ops.gemm import grouped_gemm
+from tests._opcheck import opcheck
+from tests._tol import GEMM_VS_QUANT_AWARE, rel_l2
+
+SCHEMES = ("bf16", "fp8", "int8")
+ALIGN = 128  # a multiple of every backend's contiguous row block
+
+
+def _operands(scheme, lead, E, N, K, device, gen):
+    """(a, a_scales, w, w_scales) quantized like the layer does, on ``device``."""
+    a = torch.randn(*lead, K, generator=gen).to(device)
+    w = (torch.randn(E, N, K, generator=gen) / K**0.5).to(device)
+    if scheme == "bf16":
+        return a.bfloat16(), None, w.bfloat16(), None
+    aq, as_ = reference.quantize(a, scheme)
+    wq, ws = reference.quantize_weights(w, scheme)
+    wq, ws = gemm.prepare_weights(wq, ws, scheme, device)
+    return aq, as_, wq, ws
+
+
+# Raw-library baselines; the benchmarks import these, so both call the libraries the same way.
+def raw_deep_gemm_contiguous(scheme, a, a_scales, w, w_scales, m_indices, out):
+    """deep_gemm's contiguous grouped GEMM called directly into ``out`` (bf16 `[M_sum, N]`)."""
+    fn = gemm._dg_functions()[f"{scheme}_contiguous"]
+    if scheme == "fp8":
+        fn((a, a_scales), (w, w_scales), out, m_indices)
+    else:
+        fn(a, w, out, m_indices)
+    return out
+
+
+def raw_deep_gemm_masked(scheme, a, a_scales, w, w_scales, masked_m, expected_m, out):
+    """deep_gemm's masked grouped GEMM called directly into ``out`` (bf16 `[E, T, N]`)."""
+    fn = gemm._dg_functions()[f"{scheme}_masked"]
+    if scheme == "fp8":
+        fn((a, a_scales), (w, w_scales), out, masked_m, expected_m)
+    else:
+        fn(a, w, out, masked_m, expected_m)
+    return out
+
+
+def raw_grouped_mm(a, w, expert_offsets):
+    """torch._grouped_mm on the contiguous layout (groups end at expert_offsets[1:])."""
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=expert_offsets[1:])
+
+
+def needs_deep_gemm(scheme, layout="contiguous"):
+    if not gemm._dg_role(f"{scheme}_{layout}", torch.device("cuda")):
+        pytest.skip(f"deep_gemm {scheme} {layout} not available on this GPU")
+
+
+def _layout(counts, align, trailing_blocks=1):
+    """m_indices for expert row counts, blocks padded to ``align`` rows, plus trailing -1 blocks."""
+    parts = []
+    for e, c in enumerate(counts):
+        pad = -(-c // align) * align - c
+        parts += [torch.full((c,), e, dtype=torch.int32), torch.full((pad,), -1, dtype=torch.int32)]
+    parts.append(torch.full((trailing_blocks * align,), -1, dtype=torch.int32))
+    return torch.cat(parts)
+
+
+def _poison_rows(a, a_scales, rows):
+    """Fill ``rows`` (bool mask over the leading dims) with NaN (or int8 +127 and NaN scales)."""
+    a = a.clone()
+    if a.dtype == torch.int8:
+        a[rows] = 127
+    else:
+        a.view(torch.uint8 if a.element_size() == 1 else torch.int16)[rows] = (
+            0x7F if a.element_size() == 1 else 0x7FC0  # fp8 e4m3 NaN / bf16 NaN
+        )
+    if a_scales is not None:
+        a_scales = a_scales.clone()
+        a_scales[rows] = float("nan")
+    return a, a_scales
+
+
+def _mn_major(s):
+    out = gemm.empty_fp8_act_scales(s.shape[:-1], s.shape[-1], s.device)
+    out.copy_(s)
+    return out
+
+
+def _live(masked_m, T):
+    return torch.arange(T, device=masked_m.device)[None, :] < masked_m[:, None]
+
+
+def _block_store_model(block, calls=None):
+    """CPU model of deep_gemm's masked kernel addressing (same signatures as its entry points).
+
+    a and out are used as 2-D `[E * T, *]` tensors; expert e computes ceil(masked_m[e] / block)
+    row blocks starting at row e * T + i * block with w[e] and stores each whole (clipped only at
+    E * T), as the TMA store does: for T not a multiple of ``block`` the last block of expert e
+    overwrites the first rows of expert e + 1. The GPU runs the blocks concurrently; the model
+    runs the experts last to first, the race's worst outcome. ``calls`` (a list) records the
+    (a, a_scales) passed in.
+    """
+
+    def fn(a_arg, w_arg, out, masked_m, expected_m):
+        (a, a_s), (w, w_s) = (
+            (a_arg, w_arg) if isinstance(a_arg, tuple) else ((a_arg, None), (w_arg, None))
+        )
+        if calls is not None:
+            calls.append((a, a_s))
+        E, T, K = a.shape
+        rows = a.reshape(E * T, K)
+        rows = (
+            reference.dequantize(rows, a_s.reshape(E * T, -1)) if a_s is not None else rows.float()
+        )
+        wf = reference.dequantize_weights(w, w_s)
+        flat = out.view(E * T, out.shape[-1])
+        for e in reversed(range(E)):
+            for i in range(-(-int(masked_m[e]) // block)):
+                r0 = e * T + i * block
+                r1 = min(r0 + block, E * T)
+                flat[r0:r1] = (rows[r0:r1] @ wf[e].T).to(out.dtype)
+
+    return fn
+
+
+# ----------------------------------------------------------------------- CPU-side helpers (no GPU)
+def test_group_ends_from_m_indices():
+    m = torch.tensor([-1, -1, 1, 1, -1, -1, 3, -1], dtype=torch.int32)
+    assert gemm._group_ends(m, 5).tolist() == [0, 4, 4, 7, 7]
+
+
+def test_cpu_row_block_and_prepare_identity():
+    assert gemm.contiguous_row_block("fp8", torch.device("cpu")) == 1
+    wq, ws = reference.quantize_weights(torch.randn(2, 128, 256), "fp8")
+    pq, ps = gemm.prepare_weights(wq, ws, "fp8", "cpu")
+    assert torch.equal(pq.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(ps, ws)
+    with pytest.raises(ValueError, match="prepare_weights: w_q expected dtype"):
+        gemm.prepare_weights(wq, ws, "int8", "cpu")
+
+
+def test_expert_offsets_argument_cpu():
+    gen = torch.Generator().manual_seed(20)
+    m_idx = _layout([3, 0, 5], 4, trailing_blocks=1)
+    a, as_, w, ws = _operands("int8", (m_idx.numel(),), 3, 32, 64, "cpu", gen)
+    offs = torch.tensor([0, 4, 4, 12], dtype=torch.int32)
+    y = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws, expert_offsets=offs)
+    assert torch.equal(y, reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws))
+    opcheck(torch.ops.epmoe.grouped_gemm_contiguous.default, (a, w, m_idx, as_, ws, offs))
+    with pytest.raises(ValueError, match="grouped_gemm: expert_offsets expected shape"):
+        grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws, expert_offsets=offs[:3])
+    with pytest.raises(ValueError, match="grouped_gemm: expert_offsets expected dtype"):
+        grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws, expert_offsets=offs.long())
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("T", [38, 96, 128, 130])
+def test_deep_gemm_masked_padding_cpu_model(scheme, T):
+    """The padding path against a model of deep_gemm's 2-D block stores: exact live rows for any
+    T, while the same model run unpadded (block 1 = no padding) corrupts the next expert."""
+    gen = torch.Generator().manual_seed(21)
+    E, N, K, block = 3, 128, 256, 128
+    a, as_, w, ws = _operands(scheme, (E, T), E, N, K, "cpu", gen)
+    mm = torch.tensor([T, T, T - 1], dtype=torch.int32)
+    live = _live(mm, T)
+    want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
+    calls = []
+    y = gemm._deep_gemm_masked(_block_store_model(block, calls), a, w, mm, as_, ws, 1, block)
+    assert y.shape == (E, T, N) and y.is_contiguous()
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+    (pa, ps), t_pad = calls[0], -(-T // block) * block
+    assert pa.shape == (E, t_pad, K)
+    if T % block:
+        assert torch.equal(pa[:, :T].view(torch.uint8), a.view(torch.uint8))
+    if ps is not None and T % block:
+        assert (
+            ps.shape == (E, t_pad, K // 128) and ps.stride(1) == 1 and torch.equal(ps[:, :T], as_)
+        )
+    raw = gemm._deep_gemm_masked(_block_store_model(block), a, w, mm, as_, ws, 1, 1)
+    raw_ok = rel_l2(raw[live], want[live]) < GEMM_VS_QUANT_AWARE
+    assert raw_ok == (T % block == 0)
+
+
+def test_masked_row_block_cpu():
+    assert gemm.masked_row_block("fp8", torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="grouped_gemm: scheme expected"):
+        gemm.masked_row_block("fp4", torch.device("cuda"))
+
+
+def test_dummy_operands_keep_shapes():
+    for scheme in SCHEMES:
+        w, _ = gemm._dummy_weights(scheme, 2, 128, 256, "cpu")
+        a, _ = gemm._dummy_acts(scheme, (3, 5), 256, "cpu", mn_major=True)
+        assert w.shape == (2, 128, 256) and a.shape == (3, 5, 256)
+        assert w.dtype == a.dtype == gemm._SCHEME_DTYPE[scheme]
+
+
+def test_empty_fp8_act_scales_layout():
+    s = gemm.empty_fp8_act_scales((6,), 3, "cpu")
+    assert s.shape == (6, 3) and s.stride() == (1, 8)
+    s3 = gemm.empty_fp8_act_scales((2, 5), 4, "cpu")
+    assert s3.shape == (2, 5, 4) and s3.stride() == (32, 1, 8)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_contiguous_vs_reference(scheme):
+    gen = torch.Generator().manual_seed(11)
+    dev = torch.device("cuda")
+    E, N, K = 6, 256, 512
+    counts = [0, 1, 130, 128, 7, 0]  # empty experts first and last, partial and exact blocks
+    m_idx = _layout(counts, ALIGN).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), E, N, K, dev, gen)
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    live = m_idx >= 0
+    pa, pas = _poison_rows(a, as_, ~live)  # -1 rows are never used for live rows
+    y = grouped_gemm(pa, w, m_indices=m_idx, a_scales=pas, w_scales=ws)
+    assert y.dtype == torch.bfloat16 and y.shape == (m_idx.numel(), N)
+    assert torch.isfinite(y[live]).all()
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("expected_m", ["low", "high"])
+def test_masked_vs_reference(scheme, expected_m):
+    gen = torch.Generator().manual_seed(12)
+    dev = torch.device("cuda")
+    E, T, N, K = 5, 96, 256, 384
+    masked_m = torch.tensor([0, 3, 96, 40, 64], dtype=torch.int32, device=dev)
+    em = 1 if expected_m == "low" else 4 * T  # beyond T: clamped
+    a, as_, w, ws = _operands(scheme, (E, T), E, N, K, dev, gen)
+    want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
+    live = torch.arange(T, device=dev)[None, :] < masked_m[:, None]
+    pa, pas = _poison_rows(a, as_, ~live)  # rows past the count: never read into live rows
+    y = grouped_gemm(pa, w, masked_m=masked_m, a_scales=pas, w_scales=ws, expected_m=em)
+    assert y.shape == (E, T, N)
+    assert torch.isfinite(y[live]).all()
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+
+
+# (T, expected_m): T on and off deep_gemm's row blocks (64/128), expected_m regimes (0 = T); few
+# distinct expected_m values, since deep_gemm JIT-compiles a kernel per heuristic choice.
+ANY_T = [(1, 0), (38, 1), (38, 8), (96, 64), (130, 0), (256, 8), (256, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T,expected_m", ANY_T)
+def test_masked_any_t(scheme, T, expected_m):
+    """Full experts next to each other: the rows a row block that does not divide T overwrites."""
+    gen = torch.Generator().manual_seed(22)
+    dev = torch.device("cuda")
+    E, N, K = 4, 256, 512  # the shape of the other masked tests: shares their compiled kernels
+    mm = torch.tensor([T, T, max(T - 1, 0), T], dtype=torch.int32, device=dev)
+    a, as_, w, ws = _operands(scheme, (E, T), E, N, K, dev, gen)
+    want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
+    live = _live(mm, T)
+    for _ in range(3):  # the overwrite was a race: repeat
+        y = grouped_gemm(a, w, masked_m=mm, a_scales=as_, w_scales=ws, expected_m=expected_m)
+        assert y.shape == (E, T, N) and y.is_contiguous()
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+def test_masked_row_block_cuda():
+    dev = torch.device("cuda")
+    assert gemm.masked_row_block("int8", dev) == 1
+    for scheme in ("bf16", "fp8"):
+        block = gemm.masked_row_block(scheme, dev)
+        if not gemm._dg_role(f"{scheme}_masked", dev):
+            assert block == 1
+        elif torch.cuda.get_device_capability()[0] == 9:
+            assert block == 128  # deep_gemm sm90 masked BLOCK_M candidates: 64, 128
+        else:
+            assert block % 128 == 0
+
+
+@pytest.mark.gpu
+def test_fp8_scale_layouts_agree():
+    """Row-major scales (deep_gemm transposes them) and MN-major TMA-aligned scales: same result."""
+    gen = torch.Generator().manual_seed(13)
+    dev = torch.device("cuda")
+    E, N, K = 4, 256, 512
+    m_idx = _layout([100, 0, 200, 3], ALIGN).to(dev)
+    a, as_, w, ws = _operands("fp8", (m_idx.numel(),), E, N, K, dev, gen)
+    live = m_idx >= 0
+    y1 = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws)
+    y2 = grouped_gemm(a, w, m_indices=m_idx, a_scales=_mn_major(as_), w_scales=ws)
+    assert torch.equal(y1[live], y2[live])
+    T = 38  # not a multiple of 4: the TMA-aligned layout pads
+    a3, as3, _, _ = _operands("fp8", (E, T), E, N, K, dev, gen)
+    mm = torch.tensor([38, 0, 5, 17], dtype=torch.int32, device=dev)
+    live3 = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    z1 = grouped_gemm(a3, w, masked_m=mm, a_scales=as3, w_scales=ws, expected_m=8)
+    z2 = grouped_gemm(a3, w, masked_m=mm, a_scales=_mn_major(as3), w_scales=ws, expected_m=8)
+    assert torch.equal(z1[live3], z2[live3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["fp8", "bf16"])
+def test_op_matches_raw_deep_gemm(scheme):
+    """Our op adds no math: bitwise equal to deep_gemm called directly (both layouts)."""
+    needs_deep_gemm(scheme)
+    gen = torch.Generator().manual_seed(19)
+    dev = torch.device("cuda")
+    E, N, K = 4, 256, 512
+    m_idx = _layout([300, 0, 128, 5], ALIGN).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), E, N, K, dev, gen)
+    if as_ is not None:
+        as_ = _mn_major(as_)
+    live = m_idx >= 0
+    y = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws)
+    raw = raw_deep_gemm_contiguous(scheme, a, as_, w, ws, m_idx, torch.empty_like(y))
+    assert torch.equal(y[live], raw[live])
+    block = gemm.masked_row_block(scheme, dev)
+    T = block  # a multiple of the row block: deep_gemm runs on our tensors as they are
+    a3, as3, _, _ = _operands(scheme, (E, T), E, N, K, dev, gen)
+    mm = torch.tensor([T, 0, 9, 33], dtype=torch.int32, device=dev)
+    live3 = _live(mm, T)
+    z = grouped_gemm(a3, w, masked_m=mm, a_scales=as3, w_scales=ws, expected_m=16)
+    raw3 = raw_deep_gemm_masked(scheme, a3, as3, w, ws, mm, 16, torch.empty_like(z))
+    assert torch.equal(z[live3], raw3[live3])
+    # other T: same as deep_gemm on a copy padded to a multiple of the block
+    T = 38
+    a4, as4, _, _ = _operands(scheme, (E, T), E, N, K, dev, gen)
+    mm4 = torch.tensor([T, 0, 9, 33], dtype=torch.int32, device=dev)
+    z4 = grouped_gemm(a4, w, masked_m=mm4, a_scales=as4, w_scales=ws, expected_m=16)
+    pa = torch.zeros((E, block, K), dtype=a4.dtype, device=dev)
+    pa[:, :T] = a4
+    pas = None
+    if as4 is not None:
+        pas = gemm.empty_fp8_act_scales((E, block), K // 128, dev).fill_(1.0)
+        pas[:, :T] = as4
+    raw4 = raw_deep_gemm_masked(
+        scheme, pa, pas, w, ws, mm4, 16, torch.empty((E, block, N), dtype=z4.dtype, device=dev)
+    )
+    live4 = _live(mm4, T)
+    assert torch.equal(z4[live4], raw4[:, :T][live4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_bf16_grouped_mm_fallback(monkeypatch, with_offsets):
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90+")
+    monkeypatch.setattr(
+        gemm,
+        "_backend",
+        lambda scheme, layout, *a: {"contiguous": "grouped_mm", "masked": "bmm"}[layout],
+    )
+    gen = torch.Generator().manual_seed(14)
+    dev = torch.device("cuda")
+    E, N, K = 5, 256, 384
+    counts = [0, 33, 0, 256, 1]
+    m_idx = _layout(counts, ALIGN).to(dev)
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // ALIGN) * ALIGN)
+    offs = torch.tensor(offsets, dtype=torch.int32, device=dev) if with_offsets else None
+    a, _, w, _ = _operands("bf16", (m_idx.numel(),), E, N, K, dev, gen)
+    live = m_idx >= 0
+    pa, _ = _poison_rows(a, None, ~live)
+    y = grouped_gemm(pa, w, m_indices=m_idx, expert_offsets=offs)
+    want = reference.grouped_gemm_contiguous(a, w, m_idx)
+    assert torch.isfinite(y[live]).all()
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+    mm = torch.tensor([0, 4, 16, 9, 1], dtype=torch.int32, device=dev)
+    a3, _, _, _ = _operands("bf16", (E, 16), E, N, K, dev, gen)
+    z = grouped_gemm(a3, w, masked_m=mm, expected_m=4)
+    live3 = torch.arange(16, device=dev)[None, :] < mm[:, None]
+    assert rel_l2(z[live3], reference.grouped_gemm_masked(a3, w, mm)[live3]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_zero_rows(scheme):
+    gen = torch.Generator().manual_seed(15)
+    dev = torch.device("cuda")
+    a, as_, w, ws = _operands(scheme, (0,), 3, 128, 256, dev, gen)
+    y = grouped_gemm(
+        a, w, m_indices=torch.empty(0, dtype=torch.int32, device=dev), a_scales=as_, w_scales=ws
+    )
+    assert y.shape == (0, 128)
+    a3, as3, _, _ = _operands(scheme, (3, 8), 3, 128, 256, dev, gen)
+    zero = torch.zeros(3, dtype=torch.int32, device=dev)
+    z = grouped_gemm(a3, w, masked_m=zero, a_scales=as3, w_scales=ws, expected_m=8)
+    assert z.shape == (3, 8, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_opcheck_cuda(scheme):
+    """Fully specified inputs (no -1 rows, masked_m == T): test_aot_dispatch_dynamic compares
+    whole outputs, and unspecified rows (-1 / past the count) are uninitialized memory."""
+    gen = torch.Generator().manual_seed(16)
+    dev = torch.device("cuda")
+    E, N, K = 3, 128, 256
+    m_idx = _layout([ALIGN, 0, 2 * ALIGN], ALIGN, trailing_blocks=0).to(dev)
+    assert bool((m_idx >= 0).all())
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), E, N, K, dev, gen)
+    opcheck(torch.ops.epmoe.grouped_gemm_contiguous.default, (a, w, m_idx, as_, ws))
+    T = 16  # deep_gemm: not a multiple of masked_row_block, so the padded path is checked
+    a3, as3, _, _ = _operands(scheme, (E, T), E, N, K, dev, gen)
+    mm = torch.full((E,), T, dtype=torch.int32, device=dev)
+    opcheck(torch.ops.epmoe.grouped_gemm_masked.default, (a3, w, mm, as3, ws, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cuda_graph_replay_after_warmup(scheme):
+    """warmup() compiles everything; captured GEMMs replay with new routing (no recompiles)."""
+    gen = torch.Generator().manual_seed(17)
+    dev = torch.device("cuda")
+    E, T, N, K, M = 4, 32, 256, 256, 4 * ALIGN
+    a, as_, w, ws = _operands(scheme, (M,), E, N, K, dev, gen)
+    a3, as3, _, _ = _operands(scheme, (E, T), E, N, K, dev, gen)
+    em = 8
+    gemm.warmup(scheme, E, N, K, dev, contiguous_m=[M], masked_t=T, expected_m=em, w=w, w_scales=ws)
+    m_idx = _layout([ALIGN, ALIGN, 0, ALIGN], ALIGN, trailing_blocks=1).to(dev)
+    mm = torch.tensor([8, 0, 32, 3], dtype=torch.int32, device=dev)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws)
+        z = grouped_gemm(a3, w, masked_m=mm, a_scales=as3, w_scales=ws, expected_m=em)
+    for new_counts, new_layout in (
+        ([1, 2, 3, 4], [0, ALIGN, 2 * ALIGN, 0]),
+        ([0, 32, 7, 0], [3 * ALIGN, 0, 0, 0]),
+    ):
+        mm.copy_(torch.tensor(new_counts, dtype=torch.int32))
+        m_idx.copy_(_layout(new_layout, ALIGN, trailing_blocks=4 - sum(new_layout) // ALIGN))
+        g.replay()
+        torch.cuda.synchronize()
+        live = m_idx >= 0
+        want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+        live3 = torch.arange(T, device=dev)[None, :] < mm[:, None]
+        want3 = reference.grouped_gemm_masked(a3, w, mm, as3, ws)
+        assert rel_l2(z[live3], want3[live3]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_block_and_alignment_error(scheme):
+    from epmoe import EPMoE
+
+    dev = torch.device("cuda")
+    block = gemm.contiguous_row_block(scheme, dev)
+    if scheme == "int8":
+        assert block == 128
+    elif gemm._dg_role(f"{scheme}_contiguous", dev):
+        import deep_gemm
+
+        assert block == deep_gemm.get_mk_alignment_for_contiguous_layout()
+    if block > 1:
+        with pytest.raises(ValueError, match="alignment expected a multiple of"):
+            EPMoE(8, 256, 128, 2, quant=scheme, alignment=block // 2, backend="local", device=dev)
+
+
+@pytest.mark.gpu
+def test_masked_counts_out_of_range_debug():
+    from epmoe import _checks
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(18)
+    a3, as3, w, ws = _operands("int8", (2, 8), 2, 64, 64, dev, gen)
+    _checks.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="masked_m expected counts in"):
+            grouped_gemm(
+                a3,
+                w,
+                masked_m=torch.tensor([9, 0], dtype=torch.int32, device=dev),
+                a_scales=as3,
+                w_scales=ws,
+            )
+    finally:
+        _checks.set_debug(False)

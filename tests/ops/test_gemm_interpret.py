@@ -1,0 +1,120 @@
+"""INT8 W8A8 Triton grouped GEMM kernels on CPU tensors under TRITON_INTERPRET=1, vs the reference.
+
+Run: TRITON_INTERPRET=1 pytest -m interpret tests/ops/test_gemm_interpret.py
+"""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (own process)"
+    ),
+]
+
+from epmoe import reference  # noqa: E402
+from epmoe.ops import gemm  # noqa: E402
+from tests._tol import assert_close  # noqa: E402
+
+# Small tiles: the interpreter runs every program in Python.
+CONTIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4)
+MASKED = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
+
+
+def _int8_operands(lead, E, N, K, gen):
+    a = torch.randn(*lead, K, generator=gen)
+    w = torch.randn(E, N, K, generator=gen) / K**0.5
+    aq, as_ = reference.quantize(a, "int8")
+    wq, ws = reference.quantize_weights(w, "int8")
+    return aq, as_, wq, ws
+
+
+def _contiguous_layout(counts, block):
+    """m_indices for expert row counts, each expert's block padded to ``block`` rows with -1."""
+    parts = []
+    for e, c in enumerate(counts):
+        pad = -(-c // block) * block - c
+        parts += [torch.full((c,), e, dtype=torch.int32), torch.full((pad,), -1, dtype=torch.int32)]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize(
+    "counts,K",
+    [
+        ([5, 0, 16, 33], 64),  # empty expert, partial and exact blocks
+        ([0, 0, 7, 0], 80),  # K not a multiple of BLOCK_K (masked K tail)
+        ([17, 3, 0, 1], 96),
+    ],
+)
+def test_int8_contiguous_matches_reference(counts, K):
+    gen = torch.Generator().manual_seed(7)
+    E, N = len(counts), 40  # N not a multiple of BLOCK_N: wrapped tail columns
+    m_idx = _contiguous_layout(counts, CONTIG["BLOCK_M"])
+    m_idx = torch.cat([m_idx, torch.full((16,), -1, dtype=torch.int32)])  # a whole -1 block
+    a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
+    y = gemm._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG)
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    live = m_idx >= 0
+    assert y.dtype == torch.bfloat16 and y.shape == want.shape
+    assert_close(y[live], want[live])
+
+
+def test_int8_contiguous_skips_minus_one_blocks():
+    gen = torch.Generator().manual_seed(8)
+    E, N, K = 2, 32, 64
+    m1 = torch.full((16,), -1, dtype=torch.int32)
+    m_idx = torch.cat([m1, torch.ones(16, dtype=torch.int32), m1, m1])
+    a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
+    as_[m_idx < 0] = float("nan")  # a -1 block's rows hold garbage: never used
+    sentinel = torch.full((m_idx.numel(), N), 3.0, dtype=torch.bfloat16)
+    y = gemm._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG, out=sentinel.clone())
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    assert_close(y[16:32], want[16:32])
+    assert torch.equal(y[m_idx < 0], sentinel[m_idx < 0])  # -1 blocks: no program wrote them
+
+
+@pytest.mark.parametrize("expected_m", [0, 1, 9])
+def test_int8_masked_matches_reference(expected_m):
+    gen = torch.Generator().manual_seed(9)
+    E, T, N, K = 4, 20, 24, 80
+    masked_m = torch.tensor([0, 7, 20, 16], dtype=torch.int32)  # empty, partial, full, one block
+    a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
+    # rows past the count are never read: poison them
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    as_poison = torch.where(live.unsqueeze(-1), as_, float("nan"))
+    a_poison = torch.where(live.unsqueeze(-1), a, torch.full_like(a, 127))
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
+    y = gemm._int8_masked_triton(
+        a_poison, w, masked_m, as_poison, ws, expected_m, config=MASKED, out=sentinel.clone()
+    )
+    want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
+    assert y.shape == (E, T, N)
+    assert torch.isfinite(y[live]).all()
+    assert_close(y[live], want[live])
+    assert torch.equal(y[~live], sentinel[~live])  # rows past the count: never computed
+
+
+def test_int8_masked_split_loops_over_blocks():
+    """A grid split smaller than the count's blocks: programs loop over their row blocks."""
+    gen = torch.Generator().manual_seed(10)
+    E, T, N, K = 2, 64, 16, 32
+    masked_m = torch.tensor([64, 37], dtype=torch.int32)
+    a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
+    cfg = dict(MASKED, BLOCK_M=16, M_SPLIT=2)
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
+    y = gemm._int8_masked_triton(a, w, masked_m, as_, ws, config=cfg, out=sentinel.clone())
+    want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    assert_close(y[live], want[live])
+    assert torch.equal(y[~live], sentinel[~live])
+
+
+def test_masked_tiling_static():
+    assert gemm._masked_tiling(256, 8) == (16, 1)
+    assert gemm._masked_tiling(256, 0) == (64, 4)  # expected_m = T
+    assert gemm._masked_tiling(256, 100) == (64, 2)
+    assert gemm._masked_tiling(256, 33) == (64, 1)
+    assert gemm._masked_tiling(8, 1000) == (16, 1)  # clamped to T
