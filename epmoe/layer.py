@@ -176,20 +176,26 @@ class EPMoE(nn.Module):
             return self._forward_ht(x, topk_ids, topk_weights)
         return self._forward_ll(x, topk_ids, topk_weights)
 
-    def _act(self, y, masked_m=None):
+    def _act(self, y, masked_m=None, m_indices=None):
         if self.quant == "bf16":
-            return silu_and_mul(y), None
-        return silu_and_mul_quant(y, self.quant, masked_m)
+            return silu_and_mul(y, masked_m=masked_m, m_indices=m_indices), None
+        # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
+        return silu_and_mul_quant(y, self.quant, masked_m=masked_m, m_indices=m_indices,
+                                  scale_layout=self._scale_layout())
+
+    def _scale_layout(self) -> str:
+        return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
 
     def _forward_ht(self, x, topk_ids, topk_weights):
         scales = None
         if self.quant != "bf16":
             x, scales = quantize(x, self.quant)
         d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, self.worst_case)
-        p = permute(d.x, d.topk_ids, self.num_local_experts, self.alignment, d.x_scales)
+        p = permute(d.x, d.topk_ids, self.num_local_experts, self.alignment, d.x_scales,
+                    scale_layout=self._scale_layout())
         y = grouped_gemm(p.x, self.w1, m_indices=p.m_indices, a_scales=p.x_scales,
                          w_scales=self.w1_scale, expert_offsets=p.expert_offsets)
-        h, hs = self._act(y)
+        h, hs = self._act(y, m_indices=p.m_indices)  # padding rows are skipped
         y = grouped_gemm(h, self.w2, m_indices=p.m_indices, a_scales=hs, w_scales=self.w2_scale,
                          expert_offsets=p.expert_offsets)
         y = unpermute(y, p.inv_perm, d.topk_weights)

@@ -1,27 +1,260 @@
 """Stage: SiLU-and-mul between the two grouped GEMMs, optionally fused with the next quantize.
 
 Contract:
-- ``h = silu_and_mul(y)``: y bf16/fp16/fp32 `[..., 2I]` (`[M_sum, 2I]` or `[E, T, 2I]`) -> `[..., I]`,
-  silu(y[..., :I]) * y[..., I:] (gate first), float32 math, y.dtype out.
-- ``q, s = silu_and_mul_quant(y, scheme, masked_m=None, group_size=128)``: same, then the quantize rules
-  of :mod:`epmoe.ops.quantize` applied to the y.dtype-rounded activation (identical to the unfused pair).
-  masked_m int32 `[E]` for 3-D y: rows t >= masked_m[e] unspecified.
+- ``h = silu_and_mul(y, masked_m=None, m_indices=None)``: y bf16/fp16/fp32 `[..., 2I]`
+  (`[M_sum, 2I]` or `[E, T, 2I]`) -> `[..., I]`, silu(y[..., :I]) * y[..., I:] (gate first),
+  float32 math, y.dtype out.
+- ``q, s = silu_and_mul_quant(y, scheme, masked_m=None, group_size=128, m_indices=None,
+  scale_layout="row")``: same, then the quantize rules of :mod:`epmoe.ops.quantize` applied to the
+  y.dtype-rounded activation (identical to the unfused pair); ``scale_layout`` as in quantize.
+- masked_m: int32 `[E]` for 3-D y: rows t >= masked_m[e] are unspecified and never read.
+- m_indices: int32 `[M_sum]` for 2-D y (the permute layout): rows with m_indices == -1 (alignment
+  padding, unused tail) are unspecified and never read.
 
-CUDA-graph safe.
+CUDA-graph safe (fixed grid from shapes only). The fused kernel uses the same SiLU code as the
+unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_quant(y)`` equals
+``quantize(silu_and_mul(y))`` bit for bit on the same backend.
 """
 
+import importlib
 from typing import Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, reference
 
+# jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
+# globals (a module attribute such as ``_q._quant_int8`` would not be found)
+from epmoe.ops.quantize import (
+    _int8_scale,
+    _quant_fp8_groups,
+    _quant_int8,
+    _row_bound,
+    round_float,
+)
+
+# epmoe.ops re-exports a function named ``quantize``: import the module itself for host helpers.
+_q = importlib.import_module("epmoe.ops.quantize")
+
 OP = "silu_and_mul"
 OPQ = "silu_and_mul_quant"
 
+# ------------------------------------------------------------------------------ launch heuristics
+SILU_TILE = 2048  # outputs per silu_and_mul program: 8 KiB of bf16 input, 4 warps
+FP8_TILE = 1024  # outputs per fused fp8 program (groups x group size), reads 4 KiB of bf16
+FP8_TILE_MASKED = 4096  # masked (decode): whole rows of I <= 4096 per program
+INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows recompute in a 2nd pass
+INT8_CHUNK = 4096
+# programs per column chunk when m_indices marks padding rows: at workload W over half of the
+# M_sum rows are padding or unused tail, cheaper to skip inside a loop than as exiting programs
+ROW_PROGRAMS = 4096
 
-def _validate(op, y, masked_m=None) -> None:
+
+# --------------------------------------------------------------------------------- jit helpers
+@triton.jit
+def _silu_mul(g, u):
+    """silu(g) * u in float32, g / (1 + exp(-g)) as torch computes it."""
+    return tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _live_cols(mi_ptr, t, n, HAS_ROWS: tl.constexpr):
+    """n, or 0 when m_indices marks row t as padding (a scalar bound folds into every mask)."""
+    if HAS_ROWS:
+        return tl.where(tl.load(mi_ptr + t) >= 0, n, 0)
+    else:
+        return n
+
+
+@triton.jit
+def _load_h(y_row, cols, mask, I, stride_yh):
+    """silu(gate) * up at columns ``cols`` of one row, rounded to y's dtype, as float32."""
+    g = tl.load(y_row + cols * stride_yh, mask=mask, other=0.0)
+    u = tl.load(y_row + (cols + I) * stride_yh, mask=mask, other=0.0)
+    h = _silu_mul(g.to(tl.float32), u.to(tl.float32))
+    return round_float(h, g.dtype).to(tl.float32)
+
+
+# -------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _silu_mul_kernel(
+    # tensors
+    y_ptr, h_ptr, mm_ptr, mi_ptr,
+    # sizes
+    T, I, NUM_SLOTS,
+    # strides (elements)
+    stride_ye, stride_yt, stride_yh, stride_he, stride_ht,
+    # meta
+    BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    e = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    e64 = e.to(tl.int64)
+    for t in range(slot, bound, NUM_SLOTS):
+        t64 = tl.cast(t, tl.int64)
+        m = cols < _live_cols(mi_ptr, t64, I, HAS_ROWS)
+        h = _load_h(y_ptr + e64 * stride_ye + t64 * stride_yt, cols, m, I, stride_yh)
+        tl.store(h_ptr + e64 * stride_he + t64 * stride_ht + cols, h, mask=m)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(
+    # tensors
+    y_ptr, q_ptr, s_ptr, mm_ptr, mi_ptr,
+    # sizes
+    T, I, NUM_GROUPS, NUM_SLOTS,
+    # strides (elements)
+    stride_ye, stride_yt, stride_yh, stride_qe, stride_qt,
+    stride_se, stride_st, stride_sg,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    e = tl.program_id(1)
+    groups = tl.program_id(2) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    inner = tl.arange(0, BLOCK_G)
+    cols = groups[:, None] * GROUP + inner[None, :]
+    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    e64 = e.to(tl.int64)
+    for t in range(slot, bound, NUM_SLOTS):
+        t64 = tl.cast(t, tl.int64)
+        live_groups = _live_cols(mi_ptr, t64, NUM_GROUPS, HAS_ROWS)
+        m = (groups[:, None] < live_groups) & (inner[None, :] < GROUP)
+        h = _load_h(y_ptr + e64 * stride_ye + t64 * stride_yt, cols, m, I, stride_yh)
+        q, s = _quant_fp8_groups(h)
+        tl.store(q_ptr + e64 * stride_qe + t64 * stride_qt + cols, q, mask=m)
+        s_off = e64 * stride_se + t64 * stride_st + groups * stride_sg
+        tl.store(s_ptr + s_off, s, mask=groups < live_groups)
+
+
+@triton.jit
+def _silu_mul_int8_kernel(
+    # tensors
+    y_ptr, q_ptr, s_ptr, mm_ptr, mi_ptr,
+    # sizes
+    T, I, NUM_SLOTS,
+    # strides (elements)
+    stride_ye, stride_yt, stride_yh, stride_qe, stride_qt, stride_se, stride_st,
+    # meta
+    BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    e = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    e64 = e.to(tl.int64)
+    for t in range(slot, bound, NUM_SLOTS):
+        t64 = tl.cast(t, tl.int64)
+        live_cols = _live_cols(mi_ptr, t64, I, HAS_ROWS)
+        y_row = y_ptr + e64 * stride_ye + t64 * stride_yt
+        q_row = q_ptr + e64 * stride_qe + t64 * stride_qt
+        if SINGLE_PASS:
+            m = offs < live_cols
+            h = _load_h(y_row, offs, m, I, stride_yh)
+            s = _int8_scale(tl.max(tl.abs(h), axis=0))
+            tl.store(q_row + offs, _quant_int8(h, s), mask=m)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c0 in range(0, I, BLOCK):
+                m = c0 + offs < live_cols
+                amax = tl.maximum(amax, tl.abs(_load_h(y_row, c0 + offs, m, I, stride_yh)))
+            s = _int8_scale(tl.max(amax, axis=0))
+            for c0 in range(0, I, BLOCK):
+                m = c0 + offs < live_cols
+                h = _load_h(y_row, c0 + offs, m, I, stride_yh)
+                tl.store(q_row + c0 + offs, _quant_int8(h, s), mask=m)
+        if HAS_ROWS:
+            tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live_cols > 0)
+        else:
+            tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s)
+
+
+# ----------------------------------------------------------------------------- host-side launch
+def _grid_rows(y, masked_m, m_indices):
+    """(E, T, strides, row slots). With m_indices a fixed number of programs loops over the rows:
+    one program per row would leave most of the grid as programs that only find a -1 and exit."""
+    E, T, strides = _q.as_3d(y)
+    if m_indices is not None:
+        return E, T, strides, min(T, ROW_PROGRAMS)
+    return E, T, strides, _q.num_slots(E, T, masked_m is not None)
+
+
+def _silu_and_mul_triton(
+    y: torch.Tensor,
+    masked_m: Optional[torch.Tensor] = None,
+    m_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    inter = y.shape[-1] // 2
+    h = torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
+    E, T, (sye, syt, syh), slots = _grid_rows(y, masked_m, m_indices)
+    _, _, (she, sht, _) = _q.as_3d(h)
+    if E * T == 0 or inter == 0:
+        return h
+    block = min(triton.next_power_of_2(inter), SILU_TILE)
+    grid = (slots, E, triton.cdiv(inter, block))
+    _q._kernel(_silu_mul_kernel)[grid](
+        y, h, masked_m if masked_m is not None else y, m_indices if m_indices is not None else y,
+        T, inter, slots, sye, syt, syh, she, sht,
+        BLOCK=block, HAS_MASK=masked_m is not None, HAS_ROWS=m_indices is not None, num_warps=4,
+    )  # fmt: skip
+    return h
+
+
+def _silu_and_mul_quant_triton(
+    y: torch.Tensor,
+    scheme: str,
+    masked_m: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    m_indices: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Fused silu_and_mul + quantize on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    inter = y.shape[-1] // 2
+    lead = tuple(y.shape[:-1])
+    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
+    groups = inter // group_size if scheme == "fp8" else 1
+    q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
+    s = _q.alloc_scales(lead, groups, scale_layout, y.device)
+    E, T, (sye, syt, syh), slots = _grid_rows(y, masked_m, m_indices)
+    _, _, (sqe, sqt, _) = _q.as_3d(q)
+    _, _, (sse, sst, ssg) = _q.as_3d(s)
+    if E * T == 0 or inter == 0:
+        return q, s
+    mm = masked_m if masked_m is not None else y  # placeholder pointers, never read
+    mi = m_indices if m_indices is not None else y
+    flags = dict(HAS_MASK=masked_m is not None, HAS_ROWS=m_indices is not None)
+    if scheme == "fp8":
+        block_g = triton.next_power_of_2(group_size)
+        tile = FP8_TILE if masked_m is None else FP8_TILE_MASKED
+        gpp = min(triton.next_power_of_2(groups), max(1, tile // block_g))
+        grid = (slots, E, triton.cdiv(groups, gpp))
+        _q._kernel(_silu_mul_fp8_kernel)[grid](
+            y, q, s, mm, mi, T, inter, groups, slots,
+            sye, syt, syh, sqe, sqt, sse, sst, ssg,
+            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp,
+            num_warps=_q._warps(gpp * block_g), **flags,
+        )  # fmt: skip
+    else:
+        single = inter <= INT8_SINGLE_PASS_MAX
+        block = triton.next_power_of_2(inter) if single else INT8_CHUNK
+        _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
+            y, q, s, mm, mi, T, inter, slots,
+            sye, syt, syh, sqe, sqt, sse, sst,
+            BLOCK=block, SINGLE_PASS=single, num_warps=8 if block >= 4096 else 4, **flags,
+        )  # fmt: skip
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------ ops
+def _validate(op, y, masked_m=None, m_indices=None) -> None:
     _checks.check_dtype(op, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(op, "y", y, (2, 3))
     _checks.check_multiple(op, "y.shape[-1]", y.shape[-1], 2, "(gate and up halves)")
@@ -31,49 +264,104 @@ def _validate(op, y, masked_m=None) -> None:
         _checks.check_dtype(op, "masked_m", masked_m, (torch.int32, torch.int64))
         _checks.check_shape(op, "masked_m", masked_m, (y.shape[0],))
         _checks.check_device(op, "masked_m", masked_m, y)
+    if m_indices is not None:
+        if y.dim() != 2:
+            raise _checks.fail(op, "m_indices", "None for a 3-D y", "a tensor")
+        _checks.check_dtype(op, "m_indices", m_indices, (torch.int32,))
+        _checks.check_shape(op, "m_indices", m_indices, (y.shape[0],))
+        _checks.check_device(op, "m_indices", m_indices, y)
 
 
-def _validate_quant(y, scheme, masked_m, group_size) -> None:
-    _validate(OPQ, y, masked_m)
+def _validate_quant(y, scheme, masked_m, group_size, m_indices=None, scale_layout="row") -> None:
+    _validate(OPQ, y, masked_m, m_indices)
     _checks.check_choice(OPQ, "scheme", scheme, ("fp8", "int8"))
     _checks.check_positive_int(OPQ, "group_size", group_size)
+    _checks.check_choice(OPQ, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
     if scheme == "fp8":
         _checks.check_multiple(OPQ, "y.shape[-1] // 2", y.shape[-1] // 2, group_size, "(fp8 group)")
 
 
+def _reference_quant(y, scheme, group_size, scale_layout):
+    q, s = reference.silu_and_mul_quant(y, scheme, group_size)
+    return q, _q.as_layout(s, scale_layout)
+
+
 @triton_op("epmoe::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(y: torch.Tensor) -> torch.Tensor:
-    _validate(OP, y)
+def _silu_and_mul_op(
+    y: torch.Tensor,
+    masked_m: Optional[torch.Tensor] = None,
+    m_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    _validate(OP, y, masked_m, m_indices)
+    if y.is_cuda:
+        return _silu_and_mul_triton(y, masked_m, m_indices)
     return reference.silu_and_mul(y)
 
 
 @_silu_and_mul_op.register_kernel("cpu")
-def _silu_and_mul_cpu(y):
-    _validate(OP, y)
+def _silu_and_mul_cpu(y, masked_m=None, m_indices=None):
+    _validate(OP, y, masked_m, m_indices)
     return reference.silu_and_mul(y)
 
 
 @triton_op("epmoe::silu_and_mul_quant", mutates_args=())
 def _silu_and_mul_quant_op(
-    y: torch.Tensor, scheme: str, masked_m: Optional[torch.Tensor] = None, group_size: int = 128
+    y: torch.Tensor,
+    scheme: str,
+    masked_m: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    m_indices: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _validate_quant(y, scheme, masked_m, group_size)
-    return reference.silu_and_mul_quant(y, scheme, group_size)
+    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    if y.is_cuda:
+        return _silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    return _reference_quant(y, scheme, group_size, scale_layout)
 
 
 @_silu_and_mul_quant_op.register_kernel("cpu")
-def _silu_and_mul_quant_cpu(y, scheme, masked_m=None, group_size=128):
-    _validate_quant(y, scheme, masked_m, group_size)
-    return reference.silu_and_mul_quant(y, scheme, group_size)
+def _silu_and_mul_quant_cpu(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row"
+):
+    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    return _reference_quant(y, scheme, group_size, scale_layout)
 
 
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """y `[..., 2I]` -> `[..., I]` = silu(gate) * up, in y.dtype."""
-    return _silu_and_mul_op(y)
+def silu_and_mul(
+    y: torch.Tensor,
+    masked_m: Optional[torch.Tensor] = None,
+    m_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """silu(gate) * up in y.dtype.
+
+    Args:
+        y: bf16/fp16/fp32 `[M_sum, 2I]` or `[E, T, 2I]`, gate columns first.
+        masked_m: optional int32 `[E]` live rows per expert (3-D y); other rows unspecified.
+        m_indices: optional int32 `[M_sum]` expert per row (2-D y); rows with -1 unspecified.
+    Returns:
+        y.dtype `[..., I]`.
+    """
+    return _silu_and_mul_op(y, masked_m, m_indices)
 
 
 def silu_and_mul_quant(
-    y: torch.Tensor, scheme: str, masked_m: Optional[torch.Tensor] = None, group_size: int = 128
+    y: torch.Tensor,
+    scheme: str,
+    masked_m: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    m_indices: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Fused silu_and_mul + quantize: y `[..., 2I]` -> (q `[..., I]`, s float32 `[..., S]`)."""
-    return _silu_and_mul_quant_op(y, scheme, masked_m, group_size)
+    """Fused silu_and_mul + quantize.
+
+    Args:
+        y: bf16/fp16/fp32 `[M_sum, 2I]` or `[E, T, 2I]`, gate columns first.
+        scheme: "fp8" (per token per ``group_size`` channels) or "int8" (per token).
+        masked_m: optional int32 `[E]` live rows per expert (3-D y); other rows unspecified.
+        group_size: fp8 channels per scale (I must be a multiple).
+        m_indices: optional int32 `[M_sum]` expert per row (2-D y); rows with -1 unspecified.
+        scale_layout: "row" or "deepgemm" (see :mod:`epmoe.ops.quantize`).
+    Returns:
+        (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
+    """
+    return _silu_and_mul_quant_op(y, scheme, masked_m, group_size, m_indices, scale_layout)

@@ -1,26 +1,47 @@
 """Stage: permute (HT). Scatter received rows into expert-contiguous, aligned blocks.
 
-Contract: ``p = permute(x, topk_ids, num_experts=E, alignment=A, x_scales=None)``
+Contract: ``p = permute(x, topk_ids, num_experts=E, alignment=A, x_scales=None,
+scale_layout="row")``
 
-- x: any dtype (bf16, fp8, int8) `[M, H]`; topk_ids: int32/int64 `[M, K]` local id in [0, E) or -1;
-  x_scales: float32 `[M, S]` or None.
-- p.x `[M_sum, H]`, M_sum = round_up(M*K + E*(A-1), A) (static in M); p.x_scales `[M_sum, S]` or None;
-  p.m_indices int32 `[M_sum]` expert of each row, -1 on padding and unused rows; p.inv_perm int32 `[M, K]`
-  row of (t, k) or -1; p.expert_offsets int32 `[E + 1]` block starts (multiples of A), last = used rows.
+- x: any dtype (bf16, fp8, int8) `[M, H]`; topk_ids: int32/int64 `[M, K]` local id in [0, E) or
+  -1; x_scales: float32 `[M, S]` or None.
+- p.x `[M_sum, H]`, M_sum = round_up(M*K + E*(A-1), A) (static in M); p.x_scales `[M_sum, S]` or
+  None; p.m_indices int32 `[M_sum]` expert of each row, -1 on padding and unused rows; p.inv_perm
+  int32 `[M, K]` row of (t, k) or -1; p.expert_offsets int32 `[E + 1]` block starts (multiples of
+  A), last = used rows.
+- scale_layout: "row" (contiguous p.x_scales) or "deepgemm" (MN-major, TMA-aligned: strides
+  (1, round_up(M_sum, 4)), read by deep_gemm's fp8 GEMM without a transpose); same values.
 - Experts' blocks in ascending order; inside a block rows in (t, k) order (deterministic).
+- Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
+  CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe. ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block.
-Ids outside [0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA).
+CUDA-graph safe: four kernels, fixed grids from shapes, no atomics, no host sync. Each source row
+is read once and written to all of its local experts. ``alignment`` is the grouped-GEMM row block
+(128 for deep_gemm), never the quant block. Ids outside [0, E) other than -1 are an error
+(ValueError on CPU; device assert on CUDA, ValueError there too in debug mode).
 """
 
+import importlib
+import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-from torch.library import triton_op
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from epmoe import _checks, reference
 
+# epmoe.ops re-exports a function named ``quantize``: import the module itself.
+_q = importlib.import_module("epmoe.ops.quantize")
+
 OP = "permute"
+
+# ------------------------------------------------------------------------------ launch heuristics
+BLOCK_N = 128  # (t, k) entries per rank program: the in-block rank is a [BLOCK_N, BLOCK_N] compare
+BLOCK_SCAN = 1024  # blocks per step of the per-expert prefix scan (fixed: no recompile per M)
+BLOCK_ROWS = 128  # m_indices rows per program
+COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
 
 
 class PermuteResult(NamedTuple):
@@ -31,8 +52,193 @@ class PermuteResult(NamedTuple):
     expert_offsets: torch.Tensor
 
 
-def _validate(x, topk_ids, num_experts, alignment, x_scales) -> None:
+# -------------------------------------------------------------------------------------- kernels
+# Deterministic placement without atomics: the flattened (t, k) entries are cut into blocks of
+# BLOCK_N; row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this
+# block). Kernel 1 counts per (expert, block), kernel 2 turns the counts into per-expert exclusive
+# prefixes over blocks, kernel 3 adds the aligned expert starts and the in-block rank (and writes
+# m_indices / expert_offsets), kernel 4 copies each source row once to all its destinations.
+
+
+@triton.jit
+def _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E):
+    """(expert of flattened entries i as int32: -1 for -1, invalid ids, i >= N; invalid-id mask)"""
+    valid = i < N
+    e = tl.load(ids_ptr + (i // K) * stride_it + (i % K) * stride_ik, mask=valid, other=-1)
+    ok = valid & (e >= 0) & (e < E)
+    bad = valid & ((e < -1) | (e >= E))
+    return tl.where(ok, e, -1).to(tl.int32), bad
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, counts_ptr,
+    N, K, stride_it, stride_ik, E, NB,
+    BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    e, bad = _load_ids(ids_ptr, b * BLOCK_N + tl.arange(0, BLOCK_N), N, K, stride_it, stride_ik, E)
+    hist = tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E collects the -1 entries
+    bins = tl.arange(0, NUM_BINS)
+    # row E of counts holds the number of invalid ids, so the scan below also totals them
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    tl.store(counts_ptr + bins * NB + b, tl.where(bins < E, hist, n_bad), mask=bins <= E)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, totals_ptr, NB, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    row = counts_ptr + e.to(tl.int64) * NB
+    carry = tl.zeros([BLOCK], dtype=tl.int32)  # running total, replicated across lanes
+    for b0 in range(0, NB, BLOCK):
+        offs = b0 + tl.arange(0, BLOCK)
+        c = tl.load(row + offs, mask=offs < NB, other=0)
+        tl.store(row + offs, tl.cumsum(c, axis=0) - c + carry, mask=offs < NB)
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + e + tl.arange(0, BLOCK), carry, mask=tl.arange(0, BLOCK) < 1)
+
+
+@triton.jit
+def _place_kernel(
+    # tensors
+    ids_ptr, counts_ptr, totals_ptr, inv_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    # sizes
+    N, K, stride_it, stride_ik, E, NB, ALIGN, M_SUM,
+    # meta
+    BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    ex = tl.arange(0, E_PAD)
+    tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
+    aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
+    end = tl.cumsum(aligned, axis=0)
+    start = end - aligned  # expert block starts: every program recomputes these E values
+    if pid == 0:
+        tl.store(offsets_ptr + ex, start, mask=ex < E)
+        tl.store(offsets_ptr + E + ex, tl.sum(aligned, axis=0), mask=ex < 1)
+        n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
+        tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
+    if pid < NB:
+        lanes = tl.arange(0, BLOCK_N)
+        i = pid * BLOCK_N + lanes
+        e, bad = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
+        # rank among the entries of the same expert earlier in this block
+        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=e >= 0, other=0)
+        first = tl.sum(tl.where(e[:, None] == ex[None, :], start[None, :], 0), axis=1)
+        tl.store(inv_ptr + i, tl.where(e >= 0, first + before + rank, -1), mask=i < N)
+    else:
+        r = (pid - NB) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        inside = (r[:, None] >= start[None, :]) & (r[:, None] < (start + tot)[None, :])
+        expert = tl.sum(tl.where(inside, ex[None, :] + 1, 0), axis=1) - 1
+        tl.store(m_idx_ptr + r, expert, mask=r < M_SUM)
+
+
+@triton.jit
+def _copy_rows_kernel(
+    # tensors
+    x_ptr, xs_ptr, inv_ptr, out_ptr, outs_ptr,
+    # sizes
+    H, S,
+    # strides (elements)
+    stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    kk = tl.arange(0, K_PAD)
+    rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
+    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read
+    h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    v = tl.load(x_ptr + t * stride_xm + cols * stride_xh, mask=cols < h_live)
+    for k in tl.static_range(K):
+        r = tl.load(inv_ptr + t * K + k)
+        dst = out_ptr + r.to(tl.int64) * H + cols
+        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0))
+    if HAS_SCALES:
+        if c == 0:
+            so = tl.arange(0, BLOCK_S)
+            s_live = tl.where(h_live > 0, S, 0)
+            sv = tl.load(xs_ptr + t * stride_sm + so * stride_ss, mask=so < s_live)
+            for k in tl.static_range(K):
+                r = tl.load(inv_ptr + t * K + k)
+                s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
+                tl.store(s_dst, sv, mask=so < tl.where(r >= 0, S, 0))
+
+
+# ----------------------------------------------------------------------------- host-side launch
+def _kernel(k):
+    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors)."""
+    return k if os.environ.get("TRITON_INTERPRET") == "1" else wrap_triton(k)
+
+
+def _permute_triton(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int,
+    x_scales: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """permute on CUDA (or CPU tensors under TRITON_INTERPRET=1); returns the op's 5 tensors.
+
+    Rows of x / x_scales that no (t, k) maps to (alignment padding, the unused tail) are left
+    unwritten. Invalid ids are dropped by the kernels and reported through _checks.check_values.
+    """
+    M, K = topk_ids.shape
+    H = x.shape[1]
+    E, A = num_experts, alignment
+    dev = x.device
+    m_sum = reference.permuted_rows(M, K, E, A)
+    n = M * K
+    nb = triton.cdiv(n, BLOCK_N)
+    S = x_scales.shape[1] if x_scales is not None else 0
+
+    x_out = torch.empty((m_sum, H), dtype=x.dtype, device=dev)
+    s_out = _q.alloc_scales((m_sum,), S, scale_layout, dev)
+    m_indices = torch.empty((m_sum,), dtype=torch.int32, device=dev)
+    inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
+    offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
+    ok = torch.empty((), dtype=torch.bool, device=dev)
+    # counts[e, b]: entries of expert e in block b (row E: invalid ids), then exclusive prefixes
+    counts = torch.empty((E + 1, max(nb, 1)), dtype=torch.int32, device=dev)
+    totals = torch.empty((E + 1,), dtype=torch.int32, device=dev)
+
+    sit, sik = topk_ids.stride()
+    if nb > 0:
+        _kernel(_count_kernel)[(nb,)](
+            topk_ids, counts, n, K, sit, sik, E, nb,
+            BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
+        )  # fmt: skip
+    _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
+    grid = (nb + triton.cdiv(m_sum, BLOCK_ROWS),)
+    _kernel(_place_kernel)[grid](
+        topk_ids, counts, totals, inv_perm, m_indices, offsets, ok,
+        n, K, sit, sik, E, nb, A, m_sum,
+        BLOCK_N=BLOCK_N, BLOCK_ROWS=BLOCK_ROWS, E_PAD=triton.next_power_of_2(E), num_warps=8,
+    )  # fmt: skip
+    if M > 0 and H > 0:
+        block_h = min(triton.next_power_of_2(H), max(16, COPY_BYTES // x.element_size()))
+        xs = x_scales if x_scales is not None else x
+        ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
+        _kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
+            x, xs, inv_perm, x_out, s_out, H, S,
+            x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
+            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
+            BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=4,
+        )  # fmt: skip
+    _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+    return x_out, s_out, m_indices, inv_perm, offsets
+
+
+# ------------------------------------------------------------------------------------------ op
+def _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout="row") -> None:
     _checks.check_ndim(OP, "x", x, (2,))
+    _checks.check_choice(OP, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
     _checks.check_dtype(OP, "topk_ids", topk_ids, (torch.int32, torch.int64))
     _checks.check_shape(OP, "topk_ids", topk_ids, (x.shape[0], None))
     _checks.check_device(OP, "topk_ids", topk_ids, x)
@@ -51,15 +257,25 @@ def _permute_op(
     num_experts: int,
     alignment: int,
     x_scales: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _validate(x, topk_ids, num_experts, alignment, x_scales)
-    return reference.permute(x, topk_ids, num_experts, alignment, x_scales)
+    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    if x.is_cuda:
+        return _permute_triton(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
 
 
 @_permute_op.register_kernel("cpu")
-def _permute_cpu(x, topk_ids, num_experts, alignment, x_scales=None):
-    _validate(x, topk_ids, num_experts, alignment, x_scales)
-    return reference.permute(x, topk_ids, num_experts, alignment, x_scales)
+def _permute_cpu(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
+    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+
+
+def _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout):
+    xp, sp, m_indices, inv_perm, offsets = reference.permute(
+        x, topk_ids, num_experts, alignment, x_scales
+    )
+    return xp, _q.as_layout(sp, scale_layout), m_indices, inv_perm, offsets
 
 
 def permute(
@@ -68,6 +284,7 @@ def permute(
     num_experts: int,
     alignment: int = 128,
     x_scales: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> PermuteResult:
     """Permute received rows into the contiguous grouped-GEMM layout (see module docstring).
 
@@ -75,11 +292,16 @@ def permute(
         x: bf16/fp8/int8 `[M, H]`. topk_ids: int32/int64 `[M, K]` local ids or -1.
         num_experts: E, local experts. alignment: A, row block of the grouped GEMM.
         x_scales: float32 `[M, S]` or None.
+        scale_layout: layout of the permuted scales: "row" (contiguous) or "deepgemm" (MN-major,
+            TMA-aligned, what deep_gemm's fp8 GEMM reads without a transpose).
     Returns:
         PermuteResult(x `[M_sum, H]`, x_scales `[M_sum, S]` | None, m_indices int32 `[M_sum]`,
         inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
     """
+    # the schema would reject a non-int before our message could say what was expected
+    _checks.check_positive_int(OP, "num_experts", num_experts)
+    _checks.check_positive_int(OP, "alignment", alignment)
     xp, sp, m_indices, inv_perm, offsets = _permute_op(
-        x, topk_ids, num_experts, alignment, x_scales
+        x, topk_ids, num_experts, alignment, x_scales, scale_layout
     )
     return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

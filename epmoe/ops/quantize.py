@@ -1,33 +1,308 @@
 """Stage: quantize activations (FP8 e4m3 per token per group, INT8 per token).
 
-Contract: ``q, s = quantize(x, scheme, group_size=128, masked_m=None)``
+Contract: ``q, s = quantize(x, scheme, group_size=128, masked_m=None, scale_layout="row")``
 
-- x: bf16/fp16/fp32 `[M, H]` or `[E, T, H]`.
-- fp8: q float8_e4m3fn like x, s float32 `[..., H // group_size]`, s = max(amax(group) / 448, 1e-10),
-  q = x / s (clamped to +-448, round to nearest even).
+- x: bf16/fp16/fp32 `[M, H]` or `[E, T, H]` (any strides).
+- fp8: q float8_e4m3fn like x, s float32 `[..., H // group_size]`,
+  s = max(amax(group) / 448, 1e-10), q = x / s (clamped to +-448, round to nearest even).
 - int8: q int8 like x, s float32 `[..., 1]`, s = max(amax(row) / 127, 1e-10),
   q = round-half-away(x / s) clamped to [-127, 127].
-- masked_m: int32 `[E]` for 3-D input; rows t >= masked_m[e] are unspecified (kernels skip them).
+- masked_m: int32 `[E]` for 3-D input; rows t >= masked_m[e] are unspecified (the kernels never
+  read or write them).
+- scale_layout: "row" gives a contiguous s; "deepgemm" gives the same values in DeepGEMM's
+  MN-major, TMA-aligned layout, strides (1, round_up(M, 4)) for `[M, S]` and
+  (S * round_up(T, 4), 1, round_up(T, 4)) for `[E, T, S]`: no transpose before the grouped GEMM.
 
-CUDA-graph safe (static shapes, no host sync). ``group_size`` is the quant block, unrelated to the
-permute ``alignment``.
+All divisions are IEEE round-to-nearest (``tl.math.div_rn``) and the fp8 rounding is done exactly in
+float32 before the cast, so the CUDA kernels are byte-exact with :mod:`epmoe.reference`.
+
+CUDA-graph safe (static shapes, fixed grid, no host sync). ``group_size`` is the quant block,
+unrelated to the permute ``alignment``.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
-from torch.library import triton_op
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from epmoe import _checks, reference
 
 OP = "quantize"
+SCALE_LAYOUTS = ("row", "deepgemm")
+
+# ------------------------------------------------------------------------------ launch heuristics
+FP8_TILE = 2048  # elements per fp8 program: 4 KiB of bf16, 2 x 16 B loads per thread at 4 warps
+FP8_TILE_MASKED = 8192  # masked (decode): a whole row per program, few programs find no live row
+INT8_SINGLE_PASS_MAX = 8192  # rows up to this many elements stay in registers (one HBM read)
+INT8_CHUNK = 4096  # chunk of the two-pass loop for longer rows (second read hits L2)
+MASKED_PROGRAMS = 2048  # target programs over [E, slots] for masked inputs; each loops over rows
+MIN_SLOTS = 16  # row slots per expert at least, so ~8 live rows per expert run in parallel
+TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
+
+_FP8_MAX = tl.constexpr(reference.FP8_MAX)
+_INT8_MAX = tl.constexpr(reference.INT8_MAX)
+_EPS = tl.constexpr(reference.SCALE_EPS)
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to an integer
 
 
-def _validate(x, scheme, group_size, masked_m) -> None:
+# --------------------------------------------------------------------------- shared jit helpers
+@triton.jit
+def _fp8_rne(v):
+    """Round float32 v (|v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32.
+
+    The result is exactly representable, so the cast that follows is exact on every backend (the
+    Triton interpreter's own cast flushes subnormals).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: 3 mantissa bits, min normal 2**-6
+    inv_quantum = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
+    quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
+    r = ((tl.abs(v) * inv_quantum + _RNE_MAGIC) - _RNE_MAGIC) * quantum
+    return tl.where(bits < 0, -r, r)  # sign bit, so -0.0 stays -0.0 as in torch's cast
+
+
+@triton.jit
+def round_float(v, DTYPE: tl.constexpr):
+    """float32 v -> DTYPE with round-to-nearest-even.
+
+    bf16 is rounded with integer ops: the Triton interpreter's own bf16 cast truncates, and the
+    result must match torch's (RNE) under TRITON_INTERPRET=1 too. Same bits as cvt.rn on GPU.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(v != v, v, r).to(tl.bfloat16)
+    else:
+        return v.to(DTYPE)
+
+
+@triton.jit
+def _quant_fp8_groups(x):
+    """x float32 `[GROUPS, BLOCK_G]` (masked lanes 0) -> (q float8e4nv, s float32 `[GROUPS]`)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    s = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _EPS)
+    v = tl.math.div_rn(x, s[:, None])
+    v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+    return _fp8_rne(v).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _int8_scale(amax):
+    return tl.maximum(tl.math.div_rn(amax, _INT8_MAX), _EPS)
+
+
+@triton.jit
+def _quant_int8(x, s):
+    """round-half-away(x / s) clamped to +-127, as int8 (x float32, s float32 scalar)."""
+    v = tl.math.div_rn(x, s)
+    r = tl.floor(tl.abs(v) + 0.5)
+    r = tl.where(v < 0, -r, r)
+    return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
+
+
+@triton.jit
+def _row_bound(mm_ptr, e, T, HAS_MASK: tl.constexpr):
+    """Rows of expert e to process: min(masked_m[e], T), or T."""
+    if HAS_MASK:
+        return tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
+    else:
+        return T
+
+
+# -------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _quant_fp8_kernel(
+    # tensors
+    x_ptr, q_ptr, s_ptr, mm_ptr,
+    # sizes
+    T, H, NUM_GROUPS, NUM_SLOTS,
+    # strides (elements)
+    stride_xe, stride_xt, stride_xh, stride_qe, stride_qt,
+    stride_se, stride_st, stride_sg,
+    # meta
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    e = tl.program_id(1)
+    g0 = tl.program_id(2) * GROUPS_PER_PROG
+    groups = g0 + tl.arange(0, GROUPS_PER_PROG)
+    inner = tl.arange(0, BLOCK_G)
+    cols = groups[:, None] * GROUP + inner[None, :]
+    cmask = (groups[:, None] < NUM_GROUPS) & (inner[None, :] < GROUP)
+    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    e64 = e.to(tl.int64)
+    for t in range(slot, bound, NUM_SLOTS):
+        t64 = tl.cast(t, tl.int64)
+        x_row = x_ptr + e64 * stride_xe + t64 * stride_xt
+        x = tl.load(x_row + cols * stride_xh, mask=cmask, other=0.0)
+        q, s = _quant_fp8_groups(x.to(tl.float32))
+        tl.store(q_ptr + e64 * stride_qe + t64 * stride_qt + cols, q, mask=cmask)
+        s_off = e64 * stride_se + t64 * stride_st + groups * stride_sg
+        tl.store(s_ptr + s_off, s, mask=groups < NUM_GROUPS)
+
+
+@triton.jit
+def _quant_int8_kernel(
+    # tensors
+    x_ptr, q_ptr, s_ptr, mm_ptr,
+    # sizes
+    T, H, NUM_SLOTS,
+    # strides (elements)
+    stride_xe, stride_xt, stride_xh, stride_qe, stride_qt, stride_se, stride_st,
+    # meta
+    BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    e = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_H)
+    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    e64 = e.to(tl.int64)
+    for t in range(slot, bound, NUM_SLOTS):
+        t64 = tl.cast(t, tl.int64)
+        x_row = x_ptr + e64 * stride_xe + t64 * stride_xt
+        q_row = q_ptr + e64 * stride_qe + t64 * stride_qt
+        if SINGLE_PASS:
+            m = offs < H
+            x = tl.load(x_row + offs * stride_xh, mask=m, other=0.0).to(tl.float32)
+            s = _int8_scale(tl.max(tl.abs(x), axis=0))
+            tl.store(q_row + offs, _quant_int8(x, s), mask=m)
+        else:
+            amax = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                m = h0 + offs < H
+                x = tl.load(x_row + (h0 + offs) * stride_xh, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            s = _int8_scale(tl.max(amax, axis=0))
+            for h0 in range(0, H, BLOCK_H):
+                m = h0 + offs < H
+                x = tl.load(x_row + (h0 + offs) * stride_xh, mask=m, other=0.0).to(tl.float32)
+                tl.store(q_row + h0 + offs, _quant_int8(x, s), mask=m)
+        tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s)
+
+
+# ----------------------------------------------------------------------------- host-side helpers
+def _kernel(k):
+    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors)."""
+    return k if os.environ.get("TRITON_INTERPRET") == "1" else wrap_triton(k)
+
+
+def _warps(tile: int) -> int:
+    """4 warps up to 2048 elements a program, 8 above (at most 32 fp32 values a thread)."""
+    return 8 if tile > 2048 else 4
+
+
+def alloc_scales(lead: Tuple[int, ...], groups: int, layout: str, device) -> torch.Tensor:
+    """Uninitialized float32 scales `[*lead, groups]` in ``layout`` ("row" or "deepgemm").
+
+    deepgemm: MN-major with the MN dim padded to TMA_ALIGN, the layout deep_gemm's
+    get_mn_major_tma_aligned_tensor returns (so it is used without a copy); the same strides as
+    :func:`epmoe.ops.gemm.empty_fp8_act_scales`. Not a view, so kernels write it directly.
+    """
+    if layout == "row":
+        return torch.empty((*lead, groups), dtype=torch.float32, device=device)
+    mn = lead[-1]
+    padded = reference.round_up(mn, TMA_ALIGN)
+    if len(lead) == 1:
+        size, stride = (mn, groups), (1, padded)
+    else:
+        size, stride = (lead[0], mn, groups), (groups * padded, 1, padded)
+    return torch.empty_strided(size, stride, dtype=torch.float32, device=device)
+
+
+def as_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Copy reference scales `[..., S]` into ``layout`` (same logical values)."""
+    if layout == "row":
+        return s
+    out = alloc_scales(tuple(s.shape[:-1]), s.shape[-1], layout, s.device)
+    out.copy_(s)
+    return out
+
+
+def num_slots(e: int, t: int, masked: bool) -> int:
+    """Row slots per expert (grid axis 0); every program loops over rows slot, slot + slots, ...
+
+    Unmasked: one row per program. Masked: enough programs to fill the GPU when few rows are live,
+    a fixed number so the grid does not depend on masked_m.
+    """
+    if not masked:
+        return t
+    return min(t, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
+
+
+def as_3d(x: torch.Tensor) -> Tuple[int, int, Tuple[int, int, int]]:
+    """(E, T, strides (e, t, h)) of a 2-D (E = 1) or 3-D tensor."""
+    if x.dim() == 2:
+        return 1, x.shape[0], (0, x.stride(0), x.stride(1))
+    return x.shape[0], x.shape[1], (x.stride(0), x.stride(1), x.stride(2))
+
+
+def launch_quant(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    scheme: str,
+    group_size: int,
+    masked_m: Optional[torch.Tensor],
+) -> None:
+    """Quantize x `[M, H]` / `[E, T, H]` into preallocated q (contiguous) and s (any strides)."""
+    E, T, (sxe, sxt, sxh) = as_3d(x)
+    H = x.shape[-1]
+    _, _, (sqe, sqt, _) = as_3d(q)
+    _, _, (sse, sst, ssg) = as_3d(s)
+    slots = num_slots(E, T, masked_m is not None)
+    if E * T == 0 or H == 0:
+        return
+    mm = masked_m if masked_m is not None else x  # placeholder pointer, never read
+    if scheme == "fp8":
+        groups = H // group_size
+        block_g = triton.next_power_of_2(group_size)
+        tile = FP8_TILE if masked_m is None else FP8_TILE_MASKED
+        gpp = min(triton.next_power_of_2(groups), max(1, tile // block_g))
+        grid = (slots, E, triton.cdiv(groups, gpp))
+        _kernel(_quant_fp8_kernel)[grid](
+            x, q, s, mm, T, H, groups, slots,
+            sxe, sxt, sxh, sqe, sqt, sse, sst, ssg,
+            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp,
+            HAS_MASK=masked_m is not None, num_warps=_warps(gpp * block_g),
+        )  # fmt: skip
+    else:
+        single = H <= INT8_SINGLE_PASS_MAX
+        block = triton.next_power_of_2(H) if single else INT8_CHUNK
+        _kernel(_quant_int8_kernel)[(slots, E)](
+            x, q, s, mm, T, H, slots,
+            sxe, sxt, sxh, sqe, sqt, sse, sst,
+            BLOCK_H=block, SINGLE_PASS=single, HAS_MASK=masked_m is not None,
+            num_warps=8 if block >= 4096 else 4,
+        )  # fmt: skip
+
+
+def _quantize_triton(
+    x: torch.Tensor,
+    scheme: str,
+    group_size: int = 128,
+    masked_m: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Allocate outputs and launch the kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
+    groups = x.shape[-1] // group_size if scheme == "fp8" else 1
+    q = torch.empty(x.shape, dtype=qdtype, device=x.device)
+    s = alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
+    launch_quant(x, q, s, scheme, group_size, masked_m)
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------ op
+def _validate(x, scheme, group_size, masked_m, scale_layout="row") -> None:
     _checks.check_choice(OP, "scheme", scheme, ("fp8", "int8"))
     _checks.check_dtype(OP, "x", x, _checks.FLOAT_DTYPES)
     _checks.check_ndim(OP, "x", x, (2, 3))
     _checks.check_positive_int(OP, "group_size", group_size)
+    _checks.check_choice(OP, "scale_layout", scale_layout, SCALE_LAYOUTS)
     if scheme == "fp8":
         _checks.check_multiple(OP, "x.shape[-1]", x.shape[-1], group_size, "(fp8 group_size)")
     if masked_m is not None:
@@ -38,27 +313,37 @@ def _validate(x, scheme, group_size, masked_m) -> None:
         _checks.check_device(OP, "masked_m", masked_m, x)
 
 
-def _reference(x, scheme, group_size, masked_m):
+def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
     q, s = reference.quantize(x, scheme, group_size)
-    return q, s
+    return q, as_layout(s, scale_layout)
 
 
 @triton_op("epmoe::quantize", mutates_args=())
 def _quantize_op(
-    x: torch.Tensor, scheme: str, group_size: int = 128, masked_m: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    scheme: str,
+    group_size: int = 128,
+    masked_m: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _validate(x, scheme, group_size, masked_m)
-    return _reference(x, scheme, group_size, masked_m)
+    _validate(x, scheme, group_size, masked_m, scale_layout)
+    if x.is_cuda:
+        return _quantize_triton(x, scheme, group_size, masked_m, scale_layout)
+    return _reference(x, scheme, group_size, masked_m, scale_layout)
 
 
 @_quantize_op.register_kernel("cpu")
-def _quantize_cpu(x, scheme, group_size=128, masked_m=None):
-    _validate(x, scheme, group_size, masked_m)
-    return _reference(x, scheme, group_size, masked_m)
+def _quantize_cpu(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
+    _validate(x, scheme, group_size, masked_m, scale_layout)
+    return _reference(x, scheme, group_size, masked_m, scale_layout)
 
 
 def quantize(
-    x: torch.Tensor, scheme: str, group_size: int = 128, masked_m: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    scheme: str,
+    group_size: int = 128,
+    masked_m: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations; see the module docstring for the contract.
 
@@ -67,7 +352,9 @@ def quantize(
         scheme: "fp8" or "int8".
         group_size: channels per fp8 scale (H must be a multiple); ignored for int8.
         masked_m: optional int32 `[E]` rows per expert for 3-D x.
+        scale_layout: "row" (contiguous s) or "deepgemm" (MN-major, TMA-aligned s).
     Returns:
-        (q float8_e4m3fn/int8 like x, s float32 `[..., H // group_size]` (fp8) or `[..., 1]` (int8)).
+        (q float8_e4m3fn/int8 like x (contiguous), s float32 `[..., H // group_size]` (fp8) or
+        `[..., 1]` (int8)).
     """
-    return _quantize_op(x, scheme, group_size, masked_m)
+    return _quantize_op(x, scheme, group_size, masked_m, scale_layout)

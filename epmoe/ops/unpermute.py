@@ -2,21 +2,89 @@
 
 Contract: ``out = unpermute(y, inv_perm, topk_weights)``
 
-- y: bf16/fp16/fp32 `[M_sum, H]`; inv_perm: int32/int64 `[M, K]` row or -1; topk_weights: float `[M, K]`.
+- y: bf16/fp16/fp32 `[M_sum, H]`; inv_perm: int32/int64 `[M, K]` row or -1; topk_weights: float
+  `[M, K]`.
 - out[t] = sum_k [inv_perm[t,k] >= 0] * topk_weights[t,k] * y[inv_perm[t,k]], float32 accumulation,
   `[M, H]` in y.dtype. Rows of y not named by inv_perm are never read.
 
-CUDA-graph safe.
+CUDA-graph safe. One program per (token, column chunk) gathers its K rows (rows of -1 entries are
+never read) and writes the sum once, rounded to nearest even.
 """
 
+import importlib
+
 import torch
+import triton
+import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, reference
+from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
+
+# epmoe.ops re-exports a function named ``quantize``: import the module itself.
+_q = importlib.import_module("epmoe.ops.quantize")
 
 OP = "unpermute"
 
+# ------------------------------------------------------------------------------ launch heuristics
+BLOCK_BYTES = 4096  # output bytes per program: bf16 -> 2048 columns, 16 fp32 accumulators a thread
 
+
+# -------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _unpermute_kernel(
+    # tensors
+    y_ptr, inv_ptr, w_ptr, out_ptr, ok_ptr,
+    # sizes
+    H, R,
+    # strides (elements)
+    stride_ym, stride_yh, stride_it, stride_ik, stride_wt, stride_wk,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):  # k ascending, as the reference sums
+        r = tl.load(inv_ptr + t * stride_it + k * stride_ik)
+        live = (r >= 0) & (r < R)  # out-of-range rows are reported below, never read
+        w = tl.where(live, tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32), 0.0)
+        v = tl.load(
+            y_ptr + r.to(tl.int64) * stride_ym + cols * stride_yh,
+            mask=cols < tl.where(live, H, 0),
+            other=0.0,
+        )
+        acc += v.to(tl.float32) * w
+    tl.store(out_ptr + t * H + cols, round_float(acc, out_ptr.dtype.element_ty), mask=cols < H)
+    if c == 0:
+        kk = tl.arange(0, K_PAD)
+        rows = tl.load(inv_ptr + t * stride_it + kk * stride_ik, mask=kk < K, other=-1)
+        tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=(rows < -1) | (rows >= R))
+
+
+# ----------------------------------------------------------------------------- host-side launch
+def _unpermute_triton(
+    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """unpermute on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    M, K = inv_perm.shape
+    H = y.shape[1]
+    out = torch.empty((M, H), dtype=y.dtype, device=y.device)
+    ok = torch.ones((), dtype=torch.bool, device=y.device)  # cleared by programs seeing a bad row
+    if M > 0 and H > 0:
+        block = min(triton.next_power_of_2(H), max(16, BLOCK_BYTES // y.element_size()))
+        _q._kernel(_unpermute_kernel)[(M, triton.cdiv(H, block))](
+            y, inv_perm, topk_weights, out, ok, H, y.shape[0],
+            y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
+            topk_weights.stride(0), topk_weights.stride(1),
+            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, num_warps=4,
+        )  # fmt: skip
+    _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ op
 def _validate(y, inv_perm, topk_weights) -> None:
     _checks.check_dtype(OP, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(OP, "y", y, (2,))
@@ -29,8 +97,12 @@ def _validate(y, inv_perm, topk_weights) -> None:
 
 
 @triton_op("epmoe::unpermute", mutates_args=())
-def _unpermute_op(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def _unpermute_op(
+    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
     _validate(y, inv_perm, topk_weights)
+    if y.is_cuda:
+        return _unpermute_triton(y, inv_perm, topk_weights)
     return reference.unpermute(y, inv_perm, topk_weights)
 
 
@@ -41,5 +113,13 @@ def _unpermute_cpu(y, inv_perm, topk_weights):
 
 
 def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Weighted top-k gather-sum. y `[M_sum, H]`, inv_perm int `[M, K]`, weights `[M, K]` -> `[M, H]`."""
+    """Weighted top-k gather-sum.
+
+    Args:
+        y: bf16/fp16/fp32 `[M_sum, H]` expert outputs in the permuted layout.
+        inv_perm: int32/int64 `[M, K]` row of each (t, k), or -1.
+        topk_weights: float `[M, K]`.
+    Returns:
+        y.dtype `[M, H]`, float32 accumulation.
+    """
     return _unpermute_op(y, inv_perm, topk_weights)

@@ -1,0 +1,96 @@
+"""Named model / workload configs: every dimension a benchmark uses comes from here.
+
+``CONFIGS["W"]`` is workload W (DeepSeek-V3-like MoE layer): H 7168, I 2048, 256 experts on 2 ranks
+(128 local), top-8; prefill receives 8192 tokens per rank with about half of their choices local,
+decode uses the LL masked layout with a 256-row slot per expert and about 8 live rows per expert.
+``CONFIGS["small"]`` is a quick shape with the same structure. Select configs for a run with
+``EPMOE_BENCH_CONFIGS=W,small`` (default: W).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden: int  # H
+    intermediate: int  # I (GEMM1 produces 2I: gate then up)
+    num_experts: int  # experts over all ranks
+    ranks: int  # expert-parallel ranks
+    top_k: int  # K
+    prefill_tokens: int  # tokens received per rank in HT prefill (rows of permute's input)
+    decode_capacity: int  # T: rows of each expert's slot in the LL masked layout
+    decode_rows_per_expert: int  # typical live rows per expert in decode (masked_m)
+    alignment: int = 128  # permute row alignment = deep_gemm's contiguous M block
+    quant_group: int = 128  # fp8 activation scale group (channels)
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ranks
+
+    @property
+    def scale_groups(self) -> int:
+        return self.hidden // self.quant_group
+
+
+CONFIGS: Dict[str, ModelConfig] = {
+    "W": ModelConfig(
+        name="W",
+        hidden=7168,
+        intermediate=2048,
+        num_experts=256,
+        ranks=2,
+        top_k=8,
+        prefill_tokens=8192,
+        decode_capacity=256,
+        decode_rows_per_expert=8,
+    ),
+    "small": ModelConfig(
+        name="small",
+        hidden=1024,
+        intermediate=512,
+        num_experts=16,
+        ranks=2,
+        top_k=4,
+        prefill_tokens=1024,
+        decode_capacity=64,
+        decode_rows_per_expert=4,
+    ),
+}
+
+
+def selected(default: str = "W") -> List[ModelConfig]:
+    """Configs named in EPMOE_BENCH_CONFIGS (comma-separated), else ``default``."""
+    names = [n.strip() for n in os.environ.get("EPMOE_BENCH_CONFIGS", default).split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"EPMOE_BENCH_CONFIGS: unknown config(s) {unknown}; known {list(CONFIGS)}")
+    return [CONFIGS[n] for n in names]
+
+
+def received_routing(
+    cfg: ModelConfig, tokens: int, gen: torch.Generator, rank: int = 0
+) -> torch.Tensor:
+    """LOCAL top-k ids int64 `[tokens, K]` of the tokens one rank receives.
+
+    K distinct global experts per token chosen uniformly (so about 1/ranks of the choices are
+    local); other ranks' experts are mapped to -1.
+    """
+    glob = torch.rand((tokens, cfg.num_experts), generator=gen).argsort(dim=1)[:, : cfg.top_k]
+    lo = rank * cfg.local_experts
+    local = (glob >= lo) & (glob < lo + cfg.local_experts)
+    return torch.where(local, glob - lo, -1)
+
+
+def decode_masked_m(
+    cfg: ModelConfig, gen: torch.Generator, rows: Optional[int] = None
+) -> torch.Tensor:
+    """int32 `[E]` live rows per expert around ``rows`` (default cfg.decode_rows_per_expert):
+    uniform in [rows / 2, 3 rows / 2], at most the slot capacity."""
+    rows = cfg.decode_rows_per_expert if rows is None else rows
+    lo, hi = max(rows // 2, 0), min(rows + rows // 2, cfg.decode_capacity)
+    return torch.randint(lo, hi + 1, (cfg.local_experts,), generator=gen, dtype=torch.int32)

@@ -1,0 +1,168 @@
+"""GPU timing and the HBM copy ceiling, shared by the benchmarks.
+
+- :func:`time_cuda`: median milliseconds of one call, from CUDA events around each call. The call
+  is captured once into a CUDA graph and replayed (no host launch overhead in the numbers; falls
+  back to eager launches when capture fails, e.g. an op that syncs), and by default the L2 cache is
+  flushed before every timed call so the numbers are HBM numbers, not L2 numbers.
+- :func:`copy_gbps`: the HBM copy ceiling, ``dst.copy_(src)`` bandwidth (bytes read + written) timed
+  the same way, cached per process so every benchmark of a run compares against the same number.
+- :func:`record`: put rates, ceiling and baseline in ``benchmark.extra_info`` (keys ``gbps`` and
+  ``ceiling_gbps`` are what ``epmoe bench`` reports) and let pytest-benchmark time the replay too.
+
+Import from a benchmark module as ``import _timing`` (pytest puts ``benchmarks/`` on sys.path).
+"""
+
+import functools
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+FLUSH_BYTES = 512 * 2**20  # > 8x the H100/H200 L2 (50 MiB): a memset of it evicts everything
+COPY_BYTES = 2 * 2**30  # ceiling buffer: 2 GiB read + 2 GiB written
+ITERS = 100  # timed calls per measurement (median)
+WARMUP = 3  # eager calls before capture: compiles Triton kernels, faults pages in
+
+
+@dataclass
+class Timing:
+    ms: float  # median of the timed calls
+    min_ms: float
+    iters: int
+    method: str  # "cuda_graph" or "eager"
+
+    def gbps(self, nbytes: int) -> float:
+        return nbytes / self.ms / 1e6
+
+
+@functools.cache
+def _flush_buffer(device: int) -> torch.Tensor:
+    return torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+
+def _capture(fn: Callable[[], object]) -> Optional[Callable[[], None]]:
+    """Replay of a CUDA graph of one ``fn()`` call, or None when ``fn`` cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - any capture failure means: time it eagerly
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
+def time_cuda(
+    fn: Callable[[], object],
+    iters: int = ITERS,
+    warmup: int = WARMUP,
+    flush_l2: bool = True,
+    use_graph: bool = True,
+) -> Timing:
+    """Median CUDA-event time (ms) of one call of ``fn`` on the current device."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    run = _capture(fn) if use_graph else None
+    method = "cuda_graph" if run is not None else "eager"
+    run = run or fn
+    run()  # first replay uploads the graph
+    flush = _flush_buffer(torch.cuda.current_device()) if flush_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        if flush is not None:
+            flush.zero_()
+        s.record()
+        run()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    return Timing(statistics.median(times), min(times), iters, method)
+
+
+@functools.cache
+def copy_gbps(nbytes: int = COPY_BYTES, device: Optional[int] = None) -> float:
+    """Device-to-device copy bandwidth (GB/s, bytes read + written) of an ``nbytes`` buffer."""
+    device = torch.cuda.current_device() if device is None else device
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = time_cuda(
+        lambda: dst.copy_(src),
+        iters=20 if nbytes >= 2**28 else ITERS,
+        flush_l2=nbytes < 4 * FLUSH_BYTES,
+    )
+    return t.gbps(2 * nbytes)
+
+
+def same_size_copy_gbps(nbytes: int) -> float:
+    """Copy ceiling at this op's traffic (nbytes / 2 read, nbytes / 2 written): what a copy of the
+    same size achieves, the fair bar for small (decode) ops that cannot fill the GPU."""
+    half = max(nbytes // 2, 4096)
+    return copy_gbps(half // 4096 * 4096)
+
+
+def record(
+    benchmark,
+    fn: Callable[[], object],
+    nbytes: int,
+    baseline: Optional[Callable[[], object]] = None,
+    target: Optional[float] = None,
+    target_vs_baseline: Optional[float] = None,
+    **info,
+) -> Dict[str, float]:
+    """Time ``fn`` (and ``baseline``), fill ``benchmark.extra_info`` and run pytest-benchmark.
+
+    ``nbytes``: bytes the op must move (read + written) for its GB/s; the baseline is charged the
+    same bytes, so its GB/s is the same work over its time. ``target``: required fraction of the
+    HBM copy ceiling; ``target_vs_baseline``: required speedup over the baseline.
+    """
+    t = time_cuda(fn)
+    ceiling = copy_gbps()
+    extra = dict(
+        gpu=torch.cuda.get_device_name(),
+        ms=t.ms,
+        min_ms=t.min_ms,
+        timing=t.method,
+        bytes=nbytes,
+        gbps=t.gbps(nbytes),
+        ceiling_gbps=ceiling,
+        frac_of_ceiling=t.gbps(nbytes) / ceiling,
+        same_size_copy_gbps=same_size_copy_gbps(nbytes),
+    )
+    if target is not None:
+        extra["target_frac"] = target
+        extra["meets_target"] = extra["frac_of_ceiling"] >= target
+    if baseline is not None:
+        tb = time_cuda(baseline, iters=max(ITERS // 4, 10))
+        extra.update(
+            eager_ms=tb.ms,
+            eager_gbps=tb.gbps(nbytes),
+            eager_timing=tb.method,
+            speedup_vs_eager=tb.ms / t.ms,
+        )
+        if target_vs_baseline is not None:
+            extra["target_speedup"] = target_vs_baseline
+            extra["meets_speedup"] = extra["speedup_vs_eager"] >= target_vs_baseline
+    extra.update(info)
+    benchmark.extra_info.update(extra)
+    replay = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(replay):
+            fn()
+        call = replay.replay
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        call = fn
+
+    def synced():
+        call()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(synced, rounds=20, iterations=1, warmup_rounds=2)
+    return extra

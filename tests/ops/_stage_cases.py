@@ -1,0 +1,101 @@
+"""Inputs and comparisons shared by the Triton-kernel tests (interpret, GPU) of the local stages."""
+
+import contextlib
+import importlib
+from typing import Iterator, Optional
+
+import torch
+
+from epmoe import reference
+from tests import _routing, _tol
+
+# epmoe.ops re-exports functions named like some modules: import the modules themselves.
+quantize_mod = importlib.import_module("epmoe.ops.quantize")
+permute_mod = importlib.import_module("epmoe.ops.permute")
+unpermute_mod = importlib.import_module("epmoe.ops.unpermute")
+activation_mod = importlib.import_module("epmoe.ops.activation")
+
+POISON_BYTES = (0xFF, 0x7F)  # NaN in every float format here; 0x7f7f... never a valid index
+
+
+def routing(
+    m: int, k: int, e: int, gen: torch.Generator, kind: str = "random", local: float = 0.5
+) -> torch.Tensor:
+    """int64 `[m, k]` local expert ids; "random" keeps a ``local`` fraction and sets the rest to -1.
+
+    kind: "random" (distinct experts per token when k <= e), "one_expert" (every choice -> e - 1),
+    "all_neg" (all -1).
+    """
+    if kind == "all_neg":
+        return torch.full((m, k), -1, dtype=torch.int64)
+    if kind == "one_expert":
+        return torch.full((m, k), e - 1, dtype=torch.int64)
+    return _routing.random_ids(m, k, e, p_none=1.0 - local, gen=gen)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-byte payloads compared bitwise (fp8 NaN != NaN otherwise); others unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else t
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, b = as_bytes(actual), as_bytes(expected)
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
+
+
+def assert_permute_equal(out, ref) -> None:
+    """All index outputs exact; payload and scale rows exact where m_indices >= 0."""
+    x, s, m_idx, inv, offs = (t.cpu() for t in out)
+    rx, rs, rm, ri, ro = ref
+    assert_equal(m_idx, rm, "m_indices")
+    assert_equal(inv, ri, "inv_perm")
+    assert_equal(offs, ro, "expert_offsets")
+    live = rm >= 0
+    assert_equal(x[live], rx[live], "x rows")
+    assert s.shape == rs.shape, (s.shape, rs.shape)
+    assert_equal(s[live], rs[live], "scale rows")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    _tol.assert_close(actual.cpu(), expected.cpu())
+
+
+def masked_rows(e: int, t: int, masked_m: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool `[e, t]`: rows a masked op must write."""
+    if masked_m is None:
+        return torch.ones((e, t), dtype=torch.bool)
+    return torch.arange(t)[None, :] < masked_m.cpu()[:, None].clamp(max=t)
+
+
+@contextlib.contextmanager
+def poisoned_empty(byte: int) -> Iterator[None]:
+    """Every torch.empty / torch.empty_strided inside the block comes back filled with ``byte``
+    (NaN / 0x7f poison), so an output element the kernels never write shows up as a mismatch
+    against the reference."""
+    real = {name: getattr(torch, name) for name in ("empty", "empty_strided")}
+
+    def poisoned(factory):
+        def make(*args, **kwargs):
+            t = factory(*args, **kwargs)
+            if t.numel():
+                t.untyped_storage().fill_(byte)
+            return t
+
+        return make
+
+    for name, factory in real.items():
+        setattr(torch, name, poisoned(factory))
+    try:
+        yield
+    finally:
+        for name, factory in real.items():
+            setattr(torch, name, factory)
+
+
+def reference_permute(x, ids, e, a, scales=None):
+    return reference.permute(x.cpu(), ids.cpu(), e, a, None if scales is None else scales.cpu())

@@ -1,0 +1,162 @@
+"""silu_and_mul(_quant) on CUDA (Triton kernels).
+
+silu_and_mul against the CPU reference at the dtype tolerance (the GPU exp is not the CPU exp to the
+last bit); the fused quant kernel byte for byte against the reference quantizer applied to the CUDA
+silu_and_mul output (and against the unfused CUDA ops); every specified element written (outputs
+poisoned first); masked and m_indices layouts; CUDA-graph replay; opcheck on CUDA inputs.
+"""
+
+import pytest
+import torch
+
+from epmoe import reference
+from epmoe.ops import quantize, silu_and_mul, silu_and_mul_quant
+from tests._opcheck import opcheck
+from tests.ops import _stage_cases as C
+
+pytestmark = pytest.mark.gpu
+
+
+def _live(y, masked_m=None, m_indices=None):
+    if y.dim() == 3:
+        return C.masked_rows(y.shape[0], y.shape[1], masked_m)
+    if m_indices is not None:
+        return m_indices.cpu() >= 0
+    return torch.ones(y.shape[0], dtype=torch.bool)
+
+
+def _dev(t):
+    return None if t is None else t.cuda()
+
+
+def _check_silu(y, masked_m=None, m_indices=None):
+    live = _live(y, masked_m, m_indices)
+    ref = reference.silu_and_mul(y)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            h = silu_and_mul(y.cuda(), _dev(masked_m), _dev(m_indices))
+        torch.cuda.synchronize()
+        assert h.dtype == y.dtype and h.shape == ref.shape
+        C.assert_close(h.cpu()[live], ref[live])
+
+
+def _check_quant(y, scheme, masked_m=None, group_size=128, m_indices=None, layout="row"):
+    live = _live(y, masked_m, m_indices)
+    yd, mm, mi = y.cuda(), _dev(masked_m), _dev(m_indices)
+    h = silu_and_mul(yd, mm, mi)
+    rq, rs = reference.quantize(h.cpu(), scheme, group_size)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            q, s = silu_and_mul_quant(yd, scheme, mm, group_size, mi, scale_layout=layout)
+        torch.cuda.synchronize()
+        C.assert_equal(q.cpu()[live], rq[live], "q")
+        C.assert_equal(s.cpu()[live], rs[live], "s")
+    # fused == unfused on the same backend
+    q2, s2 = quantize(h, scheme, group_size, mm)
+    C.assert_equal(q.cpu()[live], q2.cpu()[live], "q vs unfused")
+    C.assert_equal(s.cpu()[live], s2.cpu()[live], "s vs unfused")
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [0, 1, 777])
+def test_silu_2d(m, dtype):
+    y = (torch.randn((m, 4096), generator=torch.Generator().manual_seed(m)) * 4).to(dtype)
+    _check_silu(y)
+
+
+def test_silu_masked_and_m_indices():
+    gen = torch.Generator().manual_seed(1)
+    y3 = torch.randn((16, 64, 4096), generator=gen).to(torch.bfloat16)
+    _check_silu(y3, masked_m=torch.randint(0, 65, (16,), generator=gen, dtype=torch.int32))
+    y2 = torch.randn((300, 1000), generator=gen).to(torch.bfloat16)  # I = 500: partial chunk
+    mi = torch.where(torch.rand(300, generator=gen) < 0.4, -1, 0).to(torch.int32)
+    _check_silu(y2, m_indices=mi)
+
+
+@pytest.mark.parametrize("layout", ["row", "deepgemm"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_2d(scheme, dtype, layout):
+    y = (torch.randn((513, 4096), generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    _, s = _check_quant(y, scheme, layout=layout)
+    if layout == "deepgemm":
+        assert s.stride() == (1, 516)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quant_masked_and_m_indices(scheme):
+    gen = torch.Generator().manual_seed(3)
+    y3 = torch.randn((32, 256, 4096), generator=gen).to(torch.bfloat16)  # LL decode: ~8 rows
+    mm = torch.randint(0, 17, (32,), generator=gen, dtype=torch.int32)
+    mm[0], mm[1] = 0, 256
+    _check_quant(y3, scheme, masked_m=mm, layout="deepgemm")
+    y2 = torch.randn((1024, 4096), generator=gen).to(torch.bfloat16)
+    mi = torch.where(torch.rand(1024, generator=gen) < 0.5, -1, 3).to(torch.int32)
+    _check_quant(y2, scheme, m_indices=mi, layout="deepgemm")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quant_edges(scheme):
+    gen = torch.Generator().manual_seed(4)
+    _check_quant(torch.zeros((0, 4096), dtype=torch.bfloat16), scheme)
+    _check_quant(torch.randn((1, 4096), generator=gen).to(torch.bfloat16), scheme)
+    _check_quant(torch.zeros((3, 256), dtype=torch.bfloat16), scheme)
+
+
+def test_quant_odd_group_and_two_pass():
+    gen = torch.Generator().manual_seed(5)
+    _check_quant(torch.randn((9, 384), generator=gen), "fp8", group_size=96)
+    _check_quant(torch.randn((5, 40000), generator=gen).to(torch.bfloat16), "int8")  # I > 8192
+    y3 = torch.randn((3, 7, 20000), generator=gen).to(torch.bfloat16)
+    _check_quant(y3, "int8", masked_m=torch.tensor([7, 0, 2], dtype=torch.int32))
+
+
+def test_strided_input():
+    gen = torch.Generator().manual_seed(6)
+    y = torch.randn((64, 8192), generator=gen).to(torch.bfloat16)
+    yd = y.cuda()[:, ::2]
+    C.assert_close(silu_and_mul(yd), reference.silu_and_mul(y[:, ::2]))
+    q, s = silu_and_mul_quant(yd, "fp8")
+    rq, rs = reference.quantize(silu_and_mul(yd).cpu(), "fp8")
+    C.assert_equal(q, rq, "q")
+    C.assert_equal(s, rs, "s")
+
+
+def test_opcheck_cuda():
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn((33, 512), generator=gen).to(torch.bfloat16).cuda()
+    mi = torch.tensor([0, -1] * 16 + [1], dtype=torch.int32, device="cuda")
+    opcheck(torch.ops.epmoe.silu_and_mul.default, (y,))
+    opcheck(torch.ops.epmoe.silu_and_mul.default, (y, None, mi))
+    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y, "fp8", None, 128, mi, "deepgemm"))
+    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y, "int8", None, 128, None, "row"))
+    y3 = torch.randn((4, 9, 512), generator=gen).to(torch.bfloat16).cuda()
+    mm = torch.tensor([0, 9, 2, 5], dtype=torch.int32, device="cuda")
+    opcheck(torch.ops.epmoe.silu_and_mul.default, (y3, mm, None))
+    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y3, "fp8", mm, 128, None, "deepgemm"))
+    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y3, "int8", mm, 128, None, "row"))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_cuda_graph_replay(scheme):
+    gen = torch.Generator().manual_seed(8)
+    y = torch.randn((16, 64, 1024), generator=gen).to(torch.bfloat16).cuda()
+    mm = torch.randint(0, 65, (16,), generator=gen, dtype=torch.int32).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        silu_and_mul_quant(y, scheme, mm, scale_layout="deepgemm")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, s = silu_and_mul_quant(y, scheme, mm, scale_layout="deepgemm")
+    for _ in range(2):
+        y.copy_(torch.randn(y.shape, generator=gen).to(torch.bfloat16))
+        mm.copy_(torch.randint(0, 65, (16,), generator=gen, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        rq, rs = reference.quantize(silu_and_mul(y, mm).cpu(), scheme)
+        rows = C.masked_rows(16, 64, mm)
+        C.assert_equal(q.cpu()[rows], rq[rows], "q replay")
+        C.assert_equal(s.cpu()[rows], rs[rows], "s replay")

@@ -1,0 +1,134 @@
+"""silu_and_mul(_quant) Triton kernels on CPU tensors under TRITON_INTERPRET=1.
+
+silu_and_mul is compared with the reference at the dtype tolerance (exp may differ in the last
+bit between backends). The fused kernel is compared byte for byte with the reference quantizer
+applied to the unfused kernel's output: same activation bits, then exactly the reference
+quantization.
+"""
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from epmoe import reference  # noqa: E402
+from tests.ops import _stage_cases as C  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+A = C.activation_mod
+
+
+def _live(y, masked_m=None, m_indices=None):
+    if y.dim() == 3:
+        return C.masked_rows(y.shape[0], y.shape[1], masked_m)
+    if m_indices is not None:
+        return m_indices >= 0
+    return torch.ones(y.shape[0], dtype=torch.bool)
+
+
+def _check_silu(y, masked_m=None, m_indices=None):
+    live = _live(y, masked_m, m_indices)
+    ref = reference.silu_and_mul(y)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            h = A._silu_and_mul_triton(y, masked_m, m_indices)
+        assert h.dtype == y.dtype and h.shape == ref.shape
+        C.assert_close(h[live], ref[live])
+    return h
+
+
+def _check_quant(y, scheme, masked_m=None, group_size=128, m_indices=None, layout="row"):
+    live = _live(y, masked_m, m_indices)
+    h = A._silu_and_mul_triton(y, masked_m, m_indices)
+    rq, rs = reference.quantize(h, scheme, group_size)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            q, s = A._silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, layout)
+        C.assert_equal(q[live], rq[live], "q")
+        C.assert_equal(s[live], rs[live], "s")
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_2d(dtype, monkeypatch):
+    monkeypatch.setattr(A, "SILU_TILE", 64)  # I = 200: four column chunks, the last one masked
+    y = (torch.randn((5, 400), generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    _check_silu(y)
+
+
+def test_silu_masked_and_m_indices(monkeypatch):
+    monkeypatch.setattr(A, "ROW_PROGRAMS", 4)
+    gen = torch.Generator().manual_seed(1)
+    y3 = torch.randn((3, 4, 96), generator=gen).to(torch.bfloat16)
+    _check_silu(y3, masked_m=torch.tensor([0, 4, 2], dtype=torch.int32))
+    y2 = torch.randn((6, 96), generator=gen).to(torch.bfloat16)
+    _check_silu(y2, m_indices=torch.tensor([0, -1, 1, -1, -1, 0], dtype=torch.int32))
+    _check_silu(torch.zeros((0, 96), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["row", "deepgemm"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_2d(scheme, dtype, layout):
+    y = (torch.randn((5, 768), generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    _, s = _check_quant(y, scheme, layout=layout)
+    if layout == "deepgemm":
+        assert s.stride() == (1, 8)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quant_masked_and_m_indices(scheme, monkeypatch):
+    monkeypatch.setattr(A, "ROW_PROGRAMS", 3)  # m_indices: each program loops over several rows
+    gen = torch.Generator().manual_seed(3)
+    y3 = torch.randn((4, 5, 512), generator=gen).to(torch.bfloat16)
+    mm = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
+    _check_quant(y3, scheme, masked_m=mm, layout="deepgemm")
+    y2 = torch.randn((7, 256), generator=gen).to(torch.bfloat16)
+    mi = torch.tensor([1, 1, -1, 0, -1, -1, 2], dtype=torch.int32)
+    _check_quant(y2, scheme, m_indices=mi)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quant_edges(scheme):
+    gen = torch.Generator().manual_seed(4)
+    _check_quant(torch.zeros((0, 256), dtype=torch.bfloat16), scheme)
+    _check_quant(torch.randn((1, 256), generator=gen).to(torch.bfloat16), scheme)
+    _check_quant(torch.zeros((2, 256), dtype=torch.bfloat16), scheme)  # amax 0: s = 1e-10, q = 0
+
+
+def test_quant_odd_group_and_two_pass(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    _check_quant(torch.randn((3, 384), generator=gen), "fp8", group_size=96)  # I = 192
+    monkeypatch.setattr(A, "INT8_SINGLE_PASS_MAX", 64)
+    monkeypatch.setattr(A, "INT8_CHUNK", 32)
+    _check_quant(torch.randn((3, 200), generator=gen).to(torch.bfloat16), "int8")
+    y3 = torch.randn((2, 3, 200), generator=gen).to(torch.bfloat16)
+    _check_quant(y3, "int8", masked_m=torch.tensor([3, 1]))
+
+
+def test_strided_input():
+    gen = torch.Generator().manual_seed(6)
+    y = torch.randn((4, 1024), generator=gen).to(torch.bfloat16)[:, ::2]
+    _check_silu(y)
+    _check_quant(y, "fp8")
+
+
+def test_op_cpu_deepgemm_layout():
+    y = torch.randn((3, 2, 256), generator=torch.Generator().manual_seed(7))
+    for scheme in ("fp8", "int8"):
+        rq, rs = reference.silu_and_mul_quant(y, scheme)
+        q, s = A.silu_and_mul_quant(y, scheme, scale_layout="deepgemm")
+        C.assert_equal(q, rq, "q")
+        C.assert_equal(s, rs, "s")
+        assert s.stride() == (s.shape[-1] * 4, 1, 4)
+
+
+def test_bad_m_indices():
+    with pytest.raises(ValueError, match="silu_and_mul: m_indices expected None for a 3-D y"):
+        A.silu_and_mul(torch.zeros(2, 2, 8), m_indices=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="silu_and_mul_quant: m_indices expected dtype"):
+        A.silu_and_mul_quant(torch.zeros(2, 256), "fp8", m_indices=torch.zeros(2))

@@ -1,0 +1,122 @@
+"""permute Triton kernels on CPU tensors under TRITON_INTERPRET=1: exact against the reference."""
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from epmoe import reference  # noqa: E402
+from tests.ops import _stage_cases as C  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+P = C.permute_mod
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Tiny blocks so a few dozen entries span several count / scan / copy blocks."""
+    monkeypatch.setattr(P, "BLOCK_N", 8)
+    monkeypatch.setattr(P, "BLOCK_SCAN", 2)
+    monkeypatch.setattr(P, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(P, "COPY_BYTES", 64)
+
+
+def _payload(m, h, dtype, gen):
+    x = torch.randn((m, h), generator=gen) * 8
+    if dtype == torch.int8:
+        return x.clamp(-127, 127).to(torch.int8)
+    return x.to(dtype)
+
+
+def _run(x, ids, e, a, scales=None, layout="row"):
+    ref = reference.permute(x, ids, e, a, scales)
+    out = None
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            out = P._permute_triton(x, ids, e, a, scales, layout)
+        C.assert_permute_equal(out, ref)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,s", [(torch.bfloat16, 3), (torch.float8_e4m3fn, 2), (torch.int8, 1), (torch.float32, 0)]
+)
+def test_random_routing(dtype, s, small_blocks):
+    gen = torch.Generator().manual_seed(0)
+    m, k, e, a, h = 10, 4, 6, 8, 40  # 40 entries: 5 count blocks; H = 40: 2 copy chunks (bf16)
+    x = _payload(m, h, dtype, gen)
+    scales = torch.rand((m, s), generator=gen) if s else None
+    _run(x, C.routing(m, k, e, gen), e, a, scales)
+
+
+@pytest.mark.parametrize(
+    "m,k,e,a,kind",
+    [
+        (0, 4, 3, 8, "random"),  # no tokens: only padding rows
+        (1, 1, 1, 1, "random"),  # one token, one expert, no alignment
+        (9, 3, 4, 4, "one_expert"),  # every choice on the last expert
+        (9, 3, 4, 4, "all_neg"),  # nothing local
+        (11, 2, 1, 16, "random"),  # E = 1
+        (7, 5, 3, 1, "random"),  # K > E: repeated experts per token
+    ],
+)
+def test_edge_cases(m, k, e, a, kind, small_blocks):
+    gen = torch.Generator().manual_seed(m * 31 + k)
+    x = _payload(m, 24, torch.bfloat16, gen)
+    _run(x, C.routing(m, k, e, gen, kind, local=0.7), e, a, torch.rand((m, 2), generator=gen))
+
+
+def test_default_blocks_many_experts():
+    """Default launch constants, E = 40 (padded bins), entries spanning two count blocks."""
+    gen = torch.Generator().manual_seed(5)
+    m, k, e = 20, 8, 40
+    ids = C.routing(m, k, e, gen, local=0.6)
+    _run(_payload(m, 16, torch.bfloat16, gen), ids, e, 16, None)
+
+
+def test_deepgemm_scale_layout(small_blocks):
+    gen = torch.Generator().manual_seed(8)
+    m, k, e, a = 9, 3, 4, 8
+    x = _payload(m, 16, torch.float8_e4m3fn, gen)
+    out = _run(x, C.routing(m, k, e, gen), e, a, torch.rand((m, 3), generator=gen), "deepgemm")
+    m_sum = out[0].shape[0]
+    assert out[1].stride() == (1, (m_sum + 3) // 4 * 4)
+    # the CPU op (reference) gives the same layout and values
+    ids = C.routing(m, k, e, gen)
+    scales = torch.rand((m, 3), generator=gen)
+    p = C.permute_mod.permute(x, ids, e, a, scales, scale_layout="deepgemm")
+    ref = reference.permute(x, ids, e, a, scales)
+    assert p.x_scales.stride() == out[1].stride()
+    C.assert_equal(p.x_scales, ref[1], "scales")
+
+
+def test_int32_and_strided_ids(small_blocks):
+    gen = torch.Generator().manual_seed(6)
+    ids = C.routing(10, 3, 5, gen).to(torch.int32)
+    strided = ids.t().contiguous().t()  # same values, column-major
+    x = _payload(10, 20, torch.bfloat16, gen)
+    out = _run(x, strided, 5, 4)
+    assert out[3].is_contiguous()
+
+
+def test_unit_weight_round_trip(small_blocks):
+    """K = 1: unpermute(permute(x)) with unit weights restores x (tokens with id -1 give 0)."""
+    gen = torch.Generator().manual_seed(7)
+    x = _payload(12, 24, torch.float32, gen)
+    ids = C.routing(12, 1, 4, gen, local=0.75)
+    p = P._permute_triton(x, ids, 4, 8)
+    back = C.unpermute_mod._unpermute_triton(p[0], p[3], torch.ones((12, 1)))
+    want = torch.where(ids >= 0, x, 0.0)
+    C.assert_equal(back, want, "round trip")
+
+
+def test_bad_ids_raise(small_blocks):
+    ids = torch.tensor([[0, 1], [2, 7]])
+    with pytest.raises(ValueError, match=r"permute: topk_ids expected ids in \[0, 3\) or -1"):
+        P._permute_triton(torch.zeros((2, 8)), ids, 3, 4)
+    with pytest.raises(ValueError, match="permute: topk_ids expected"):
+        P._permute_triton(torch.zeros((2, 8)), torch.tensor([[0, -2], [1, 1]]), 3, 4)

@@ -1,0 +1,74 @@
+"""unpermute Triton kernel on CPU tensors under TRITON_INTERPRET=1 against the reference."""
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from epmoe import reference  # noqa: E402
+from tests.ops import _stage_cases as C  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+U = C.unpermute_mod
+
+
+def _inputs(m, k, rows, h, dtype, gen, neg=0.4):
+    y = (torch.randn((rows, h), generator=gen) * 3).to(dtype)
+    inv = torch.randint(0, max(rows, 1), (m, k), generator=gen)
+    inv = torch.where(torch.rand((m, k), generator=gen) < neg, -1, inv).to(torch.int32)
+    w = torch.rand((m, k), generator=gen)
+    return y, inv, w
+
+
+def _run(y, inv, w):
+    ref = reference.unpermute(y, inv, w)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            out = U._unpermute_triton(y, inv, w)
+        assert out.dtype == y.dtype and out.shape == ref.shape
+        C.assert_close(out, ref)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_reference(dtype, monkeypatch):
+    monkeypatch.setattr(U, "BLOCK_BYTES", 64)  # H = 40 spans several column chunks
+    gen = torch.Generator().manual_seed(0)
+    _run(*_inputs(9, 4, 30, 40, dtype, gen))
+
+
+@pytest.mark.parametrize("m,k,neg", [(0, 4, 0.5), (1, 1, 0.0), (6, 3, 1.0), (5, 8, 0.5)])
+def test_edge_cases(m, k, neg):
+    gen = torch.Generator().manual_seed(m + k)
+    out = _run(*_inputs(m, k, 20, 24, torch.bfloat16, gen, neg))
+    if neg == 1.0:
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_int64_bf16_weights_strided():
+    gen = torch.Generator().manual_seed(3)
+    y, inv, w = _inputs(7, 3, 16, 33, torch.bfloat16, gen)
+    inv64 = inv.long().t().contiguous().t()
+    w16 = w.to(torch.bfloat16).t().contiguous().t()
+    _run(y[:, :33], inv64, w16)
+    y_strided = torch.randn((16, 66), generator=gen).to(torch.bfloat16)[:, ::2]
+    _run(y_strided, inv, w)
+
+
+def test_fp32_exact_single_choice():
+    """One live choice per token with weight 1: the output is the row itself, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn((10, 24), generator=gen)
+    inv = torch.tensor([[3, -1], [-1, 9], [0, -1]], dtype=torch.int32)
+    out = U._unpermute_triton(y, inv, torch.ones((3, 2)))
+    C.assert_equal(out, y[[3, 9, 0]], "rows")
+
+
+def test_bad_rows_raise():
+    y = torch.zeros((4, 8))
+    with pytest.raises(ValueError, match=r"unpermute: inv_perm expected ids in \[0, 4\) or -1"):
+        U._unpermute_triton(y, torch.tensor([[0, 4]], dtype=torch.int32), torch.ones((1, 2)))
