@@ -18,10 +18,14 @@ for step in "$@"; do
   t=$(left); [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
   case "$step" in
     tests)
-      timeout $((t - 10)) python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE \
+      EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE \
         -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} \
         > "$OUT/gpu_tests.log" 2>&1
       echo "tests rc=$?" >> "$OUT/summary.txt" ;;
+    layer_bench)
+      timeout $((t - 10)) python3 benchmarks/bench_layer.py --out "$OUT/layer.json" \
+        > "$OUT/layer_bench.log" 2>&1
+      echo "layer_bench rc=$?" >> "$OUT/summary.txt" ;;
     bench)
       timeout $((t - 10)) python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable \
         --benchmark-json "$OUT/bench.json" ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} \

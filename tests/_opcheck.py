@@ -3,6 +3,9 @@
 import torch
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# For calls whose outputs have unspecified rows (padding, rows past masked_m): the AOT test compares
+# two runs' values; the specified rows are compared against the reference by the op's own tests.
+NO_VALUE_COMPARE = ALL[:3]
 
 
 def opcheck(op, args, kwargs=None, utils=ALL):

@@ -43,3 +43,12 @@ def seed():
 def triton_interpret():
     """True when Triton kernels run on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_runtest_logreport(report):
+    """With EPMOE_FAILLOG=path, append each failure as it happens (a run cut off by a time limit on the
+    GPU machine still leaves its tracebacks)."""
+    path = os.environ.get("EPMOE_FAILLOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -45,7 +45,11 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
     a, b = as_bytes(actual), as_bytes(expected)
     if not torch.equal(a, b):
         bad = (a != b).nonzero()
-        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
+        idx = [tuple(i) for i in bad[:4].tolist()]
+        pairs = [(float(actual[i].float()), float(expected[i].float())) for i in idx]
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} elements differ, first at {idx} (actual, expected): {pairs}"
+        )
 
 
 def assert_permute_equal(out, ref) -> None:
