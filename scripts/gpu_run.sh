@@ -15,7 +15,8 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
   python3 -m epmoe env
 } > "$OUT/env.txt" 2>&1
 for step in "$@"; do
-  t=$(left); [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
+  t=$(left)
+  cap_var="EPMOE_CAP_${step}"; cap=${!cap_var:-$t}; [ "$cap" -lt "$t" ] && t=$cap; [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
   case "$step" in
     tests)
       EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE \

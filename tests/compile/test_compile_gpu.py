@@ -23,7 +23,8 @@ class RoutedMoE(torch.nn.Module):
         self.moe = layer
         g = torch.Generator().manual_seed(5)
         self.gate = torch.nn.Parameter(
-            torch.randn(layer.num_experts, layer.hidden_size, generator=g).cuda() / 40
+            torch.randn(layer.num_experts, layer.hidden_size, generator=g).cuda() / 40,
+            requires_grad=False,  # inference: the epmoe ops have no autograd formulas
         )
 
     def forward(self, x):
