@@ -68,10 +68,13 @@ def test_router_and_residual_fuse_around_moe():
     out, codes = run_and_get_code(torch.compile(model, fullgraph=True), x)
     code = "\n".join(codes)
     assert rel_l2(out, eager) < 1e-2
-    assert "torch.ops.epmoe.permute" in code or "epmoe.permute" in code or "_permute" in code
-    # Inductor-generated fused Triton kernels: the router's softmax/normalize and the residual add
-    fused = [line for line in code.splitlines() if line.startswith("def triton_")]
-    assert len(fused) >= 2, code[:4000]
+    # the stage ops stay visible in the compiled graph (custom ops called from the wrapper; the
+    # triton_op stages may be inlined as their Triton kernels)
+    assert "torch.ops.epmoe.ht_dispatch" in code and "torch.ops.epmoe.ht_combine" in code
+    # Inductor generated its own fused Triton kernels around them: the router's softmax and the
+    # residual add (kernel names carry the fused aten ops)
+    fused = [line.split("(")[0] for line in code.splitlines() if line.startswith("def triton_")]
+    assert any("softmax" in name for name in fused), fused
     assert any("add" in name for name in fused), fused
 
 
