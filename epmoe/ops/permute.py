@@ -205,15 +205,16 @@ def _permute_triton(
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
     # counts[e, b]: entries of expert e in block b (row E: invalid ids), then exclusive prefixes
-    counts = torch.empty((E + 1, max(nb, 1)), dtype=torch.int32, device=dev)
+    # sym_max, and no `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
+    # torch.compile); a launch with an empty grid is a no-op
+    counts = torch.empty((E + 1, torch.sym_max(nb, 1)), dtype=torch.int32, device=dev)
     totals = torch.empty((E + 1,), dtype=torch.int32, device=dev)
 
     sit, sik = topk_ids.stride()
-    if nb > 0:
-        _kernel(_count_kernel)[(nb,)](
-            topk_ids, counts, n, K, sit, sik, E, nb,
-            BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
-        )  # fmt: skip
+    _kernel(_count_kernel)[(nb,)](
+        topk_ids, counts, n, K, sit, sik, E, nb,
+        BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
+    )  # fmt: skip
     _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
     grid = (nb + triton.cdiv(m_sum, BLOCK_ROWS),)
     _kernel(_place_kernel)[grid](
@@ -221,16 +222,15 @@ def _permute_triton(
         n, K, sit, sik, E, nb, A, m_sum,
         BLOCK_N=BLOCK_N, BLOCK_ROWS=BLOCK_ROWS, E_PAD=triton.next_power_of_2(E), num_warps=8,
     )  # fmt: skip
-    if M > 0 and H > 0:
-        block_h = min(triton.next_power_of_2(H), max(16, COPY_BYTES // x.element_size()))
-        xs = x_scales if x_scales is not None else x
-        ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-        _kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
-            x, xs, inv_perm, x_out, s_out, H, S,
-            x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-            BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=4,
-        )  # fmt: skip
+    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
+    xs = x_scales if x_scales is not None else x
+    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
+    _kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
+        x, xs, inv_perm, x_out, s_out, H, S,
+        x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
+        K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
+        BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=4,
+    )  # fmt: skip
     _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     return x_out, s_out, m_indices, inv_perm, offsets
 
