@@ -102,8 +102,9 @@ def _bench_rank(rank, world, workload: dict, rounds: int, iters: int, num_sms: i
 
     def routing(n):
         scores = torch.rand((n, Et), device=dev, generator=g)
-        return scores.topk(K, dim=1).indices.contiguous(), torch.rand((n, K), device=dev,
-                                                                        generator=g)
+        return scores.topk(K, dim=1).indices.contiguous(), torch.rand(
+            (n, K), device=dev, generator=g
+        )
 
     res = {}
     # ---------------------------------------------------------------------------------------- HT
@@ -120,8 +121,9 @@ def _bench_rank(rank, world, workload: dict, rounds: int, iters: int, num_sms: i
         t = _paired_us(
             rounds,
             iters,
-            ours=lambda worst=worst: ops.ht_dispatch(xq, ids, w, c.key, x_scales=xs,
-                                                     worst_case=worst),
+            ours=lambda worst=worst: ops.ht_dispatch(
+                xq, ids, w, c.key, x_scales=xs, worst_case=worst
+            ),
             raw=lambda nw=nw: raw_ht_dispatch(buf, dcfg, xq, xs, ids, w, Et, nw),
         )
         res[f"ht_dispatch_fp8_{name}"] = _entry(t, n_recv * (H + 4 * H / 128))

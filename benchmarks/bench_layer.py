@@ -1,4 +1,5 @@
-"""End-to-end EPMoE layer on 2 GPUs (deepep backend): eager vs compiled vs CUDA graph, against the sum
+"""End-to-end EPMoE layer on 2 GPUs (deepep backend): eager vs compiled vs CUDA graph, against the
+sum
 of its best stages measured in the same run, plus the eager op-dispatch overhead of every stage.
 
     python benchmarks/bench_layer.py --out layer.json [--config W] [--quant fp8]
@@ -6,7 +7,8 @@ of its best stages measured in the same run, plus the eager op-dispatch overhead
 Per rank, the same sequence runs on both ranks; each figure is the median of ``--iters`` timed calls
 (CUDA events; every call is preceded by a barrier-free warm loop), the JSON keeps the slower rank.
 Targets (issue 6): LL layer in a graph <= 1.10 x (LL dispatch+combine graph + two masked GEMMs);
-HT layer <= 1.15 x (dispatch + two contiguous GEMMs + combine); eager dispatch overhead <= 15 us/stage.
+HT layer <= 1.15 x (dispatch + two contiguous GEMMs + combine); eager dispatch overhead <= 15
+us/stage.
 """
 
 import argparse
@@ -90,8 +92,18 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
         return x, ids.long(), (w / w.sum(1, keepdim=True)).float()
 
     # ------------------------------------------------------------------------------------ LL
-    ll = epmoe.EPMoE(E, H, I, K, quant=quant, mode="ll", group=dist.group.WORLD, backend="deepep",
-                     max_tokens_per_rank=ll_tokens, device=dev)
+    ll = epmoe.EPMoE(
+        E,
+        H,
+        I,
+        K,
+        quant=quant,
+        mode="ll",
+        group=dist.group.WORLD,
+        backend="deepep",
+        max_tokens_per_rank=ll_tokens,
+        device=dev,
+    )
     ll.load_weights(w1, w2)
     x, ids, w = tokens(ll_tokens, 10 + rank)
     res["ll_eager_ms"] = _time_ms(lambda: ll(x, ids, w))
@@ -101,8 +113,9 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
     res["ll_compiled_ms"] = _time_ms(lambda: compiled(x, ids, w))
     # stages: dispatch+combine in one graph, then the two masked GEMMs on the real layout
     d = ops.ll_dispatch(x, ids, ll.comm_key, use_fp8=quant == "fp8")
-    y_static = torch.zeros((ll.num_local_experts, ll.comm.ll_capacity, H), dtype=torch.bfloat16,
-                           device=dev)
+    y_static = torch.zeros(
+        (ll.num_local_experts, ll.comm.ll_capacity, H), dtype=torch.bfloat16, device=dev
+    )
 
     def dc():
         dd = ops.ll_dispatch(x, ids, ll.comm_key, use_fp8=quant == "fp8")
@@ -114,22 +127,41 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
     if quant == "int8":
         a, s = ops.quantize(a, "int8", masked_m=d.masked_m)
     em = ll.expected_m()
-    res["ll_gemm1_ms"] = _time_ms(lambda: ops.grouped_gemm(
-        a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale, expected_m=em))
-    y1 = ops.grouped_gemm(a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale,
-                          expected_m=em)
+    res["ll_gemm1_ms"] = _time_ms(
+        lambda: ops.grouped_gemm(
+            a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale, expected_m=em
+        )
+    )
+    y1 = ops.grouped_gemm(
+        a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale, expected_m=em
+    )
     h, hs = ll._act(y1, d.masked_m)
-    res["ll_gemm2_ms"] = _time_ms(lambda: ops.grouped_gemm(
-        h, ll.w2, masked_m=d.masked_m, a_scales=hs, w_scales=ll.w2_scale, expected_m=em))
-    res["ll_stage_sum_ms"] = (res["ll_dispatch_combine_graph_ms"] + res["ll_gemm1_ms"]
-                              + res["ll_gemm2_ms"])
+    res["ll_gemm2_ms"] = _time_ms(
+        lambda: ops.grouped_gemm(
+            h, ll.w2, masked_m=d.masked_m, a_scales=hs, w_scales=ll.w2_scale, expected_m=em
+        )
+    )
+    res["ll_stage_sum_ms"] = (
+        res["ll_dispatch_combine_graph_ms"] + res["ll_gemm1_ms"] + res["ll_gemm2_ms"]
+    )
     res["ll_graph_over_stages"] = res["ll_graph_ms"] / res["ll_stage_sum_ms"]
-    del runner, compiled
+    runner = compiled = None  # free the LL graphs before HT
     torch.cuda.synchronize()
 
     # ------------------------------------------------------------------------------------ HT
-    ht = epmoe.EPMoE(E, H, I, K, quant=quant, mode="ht", group=dist.group.WORLD, backend="deepep",
-                     max_tokens_per_rank=ht_tokens, worst_case=True, device=dev)
+    ht = epmoe.EPMoE(
+        E,
+        H,
+        I,
+        K,
+        quant=quant,
+        mode="ht",
+        group=dist.group.WORLD,
+        backend="deepep",
+        max_tokens_per_rank=ht_tokens,
+        worst_case=True,
+        device=dev,
+    )
     ht.load_weights(w1, w2)
     del w1, w2
     x, ids, w = tokens(ht_tokens, 20 + rank)
@@ -137,22 +169,46 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
     res["ht_eager_ms"] = _time_ms(lambda: ht(x, ids, w), iters=10)
     xq, xs = (x, None) if quant == "bf16" else ops.quantize(x, quant)
     res["ht_dispatch_ms"] = _time_ms(
-        lambda: ops.ht_dispatch(xq, ids, w, ht.comm_key, xs, worst_case=True), iters=10)
+        lambda: ops.ht_dispatch(xq, ids, w, ht.comm_key, xs, worst_case=True), iters=10
+    )
     d = ops.ht_dispatch(xq, ids, w, ht.comm_key, xs, worst_case=True)
     p = ops.permute(d.x, d.topk_ids, ht.num_local_experts, ht.alignment, d.x_scales)
-    res["ht_gemm1_ms"] = _time_ms(lambda: ops.grouped_gemm(
-        p.x, ht.w1, m_indices=p.m_indices, a_scales=p.x_scales, w_scales=ht.w1_scale,
-        expert_offsets=p.expert_offsets), iters=10)
-    y1 = ops.grouped_gemm(p.x, ht.w1, m_indices=p.m_indices, a_scales=p.x_scales,
-                          w_scales=ht.w1_scale, expert_offsets=p.expert_offsets)
+    res["ht_gemm1_ms"] = _time_ms(
+        lambda: ops.grouped_gemm(
+            p.x,
+            ht.w1,
+            m_indices=p.m_indices,
+            a_scales=p.x_scales,
+            w_scales=ht.w1_scale,
+            expert_offsets=p.expert_offsets,
+        ),
+        iters=10,
+    )
+    y1 = ops.grouped_gemm(
+        p.x,
+        ht.w1,
+        m_indices=p.m_indices,
+        a_scales=p.x_scales,
+        w_scales=ht.w1_scale,
+        expert_offsets=p.expert_offsets,
+    )
     h, hs = ht._act(y1)
-    res["ht_gemm2_ms"] = _time_ms(lambda: ops.grouped_gemm(
-        h, ht.w2, m_indices=p.m_indices, a_scales=hs, w_scales=ht.w2_scale,
-        expert_offsets=p.expert_offsets), iters=10)
+    res["ht_gemm2_ms"] = _time_ms(
+        lambda: ops.grouped_gemm(
+            h,
+            ht.w2,
+            m_indices=p.m_indices,
+            a_scales=hs,
+            w_scales=ht.w2_scale,
+            expert_offsets=p.expert_offsets,
+        ),
+        iters=10,
+    )
     y = torch.zeros((d.x.shape[0], H), dtype=torch.bfloat16, device=dev)
     res["ht_combine_ms"] = _time_ms(lambda: ops.ht_combine(y, d.handle, ht.comm_key), iters=10)
-    res["ht_stage_sum_ms"] = (res["ht_dispatch_ms"] + res["ht_gemm1_ms"] + res["ht_gemm2_ms"]
-                              + res["ht_combine_ms"])
+    res["ht_stage_sum_ms"] = (
+        res["ht_dispatch_ms"] + res["ht_gemm1_ms"] + res["ht_gemm2_ms"] + res["ht_combine_ms"]
+    )
     res["ht_eager_over_stages"] = res["ht_eager_ms"] / res["ht_stage_sum_ms"]
     prunner = PrefillGraphRunner(ht, num_tokens=ht_tokens)
     res["ht_graph_ms"] = _time_ms(lambda: prunner(x, ids, w), iters=10)
@@ -183,8 +239,7 @@ def main(argv=None):
     ap.add_argument("--ll-tokens", type=int, default=128)
     ap.add_argument("--ht-tokens", type=int, default=4096)
     a = ap.parse_args(argv)
-    per_rank = run_ranks(_rank, 2, "nccl", a.config, a.quant, a.ll_tokens, a.ht_tokens,
-                         timeout=560)
+    per_rank = run_ranks(_rank, 2, "nccl", a.config, a.quant, a.ll_tokens, a.ht_tokens, timeout=560)
     worst = {}
     for k in per_rank[0]:
         if isinstance(per_rank[0][k], dict):
@@ -195,8 +250,12 @@ def main(argv=None):
         "command": "python benchmarks/bench_layer.py " + " ".join(argv or sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d"),
-        "config": a.config, "quant": a.quant, "ll_tokens_per_rank": a.ll_tokens,
-        "ht_tokens_per_rank": a.ht_tokens, "slower_rank": worst, "per_rank": per_rank,
+        "config": a.config,
+        "quant": a.quant,
+        "ll_tokens_per_rank": a.ll_tokens,
+        "ht_tokens_per_rank": a.ht_tokens,
+        "slower_rank": worst,
+        "per_rank": per_rank,
     }
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -113,9 +113,19 @@ def test_unpermute(benchmark, data, copy_gbps):
 @pytest.mark.parametrize("mode", ["ht", "ll"])
 def test_epmoe_layer_local(benchmark, data, mode):
     x, ids, w, w1, w2 = data
-    layer = epmoe.EPMoE(SHAPE["E"], SHAPE["H"], SHAPE["I"], SHAPE["K"], quant="bf16", mode=mode,
-                        backend="local", alignment=SHAPE["A"], max_tokens_per_rank=SHAPE["T"],
-                        worst_case=True, device="cpu")
+    layer = epmoe.EPMoE(
+        SHAPE["E"],
+        SHAPE["H"],
+        SHAPE["I"],
+        SHAPE["K"],
+        quant="bf16",
+        mode=mode,
+        backend="local",
+        alignment=SHAPE["A"],
+        max_tokens_per_rank=SHAPE["T"],
+        worst_case=True,
+        device="cpu",
+    )
     layer.load_weights(w1, w2)
     with torch.no_grad():
         out = benchmark(layer, x, ids, w)

@@ -1,6 +1,7 @@
 """epmoe: every stage of an expert-parallel Mixture-of-Experts layer as a first-class PyTorch op.
 
-``import epmoe`` registers the ``torch.ops.epmoe.*`` ops; it imports neither deep_ep nor deep_gemm and
+``import epmoe`` registers the ``torch.ops.epmoe.*`` ops; it imports neither deep_ep nor deep_gemm
+and
 does not initialize CUDA.
 """
 

@@ -1,10 +1,14 @@
 """Shared input validation.
 
-Metadata checks (dtype, rank, shape, device, static ints) raise ``ValueError("op: arg expected X, got Y")``
-and are safe to call from fake implementations. Value checks (ids in range, capacity) never become Python
-control flow on traced or CUDA tensors: on real CPU tensors they raise ``ValueError`` (no cost: CPU is
+Metadata checks (dtype, rank, shape, device, static ints) raise ``ValueError("op: arg expected X,
+got Y")``
+and are safe to call from fake implementations. Value checks (ids in range, capacity) never become
+Python
+control flow on traced or CUDA tensors: on real CPU tensors they raise ``ValueError`` (no cost: CPU
+is
 synchronous), on CUDA they raise ``ValueError`` only in debug mode (``EPMOE_DEBUG=1`` or
-:func:`set_debug`), otherwise they enqueue a device-side assert (no host sync, CUDA-graph safe), and while
+:func:`set_debug`), otherwise they enqueue a device-side assert (no host sync, CUDA-graph safe), and
+while
 tracing they become a functional assert in the graph.
 """
 
@@ -91,7 +95,9 @@ def _tracing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(t)
 
 
-def check_values(ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None) -> None:
+def check_values(
+    ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None
+) -> None:
     """Value check; ``ok`` is a 0-d bool tensor that is True when the input is valid."""
     if _tracing(ok):
         torch._assert_async(ok, f"{op}: {arg} expected {expected}")

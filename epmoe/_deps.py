@@ -1,4 +1,7 @@
-"""Lazy imports of the optional GPU backends, with install hints. Nothing here runs on ``import epmoe``."""
+"""Lazy imports of the optional GPU backends, with install hints.
+
+Nothing here runs on ``import epmoe``.
+"""
 
 import functools
 import importlib
@@ -10,7 +13,8 @@ _HINTS = {
         "https://github.com/deepseek-ai/DeepEP"
     ),
     "deep_gemm": (
-        "deep_gemm is not installed. Install the prebuilt wheel (Python 3.12, CUDA 13, torch 2.11): "
+        "deep_gemm is not installed. Install the prebuilt wheel "
+        "(Python 3.12, CUDA 13, torch 2.11): "
         "pip install 'epmoe[gpu]'  (or pip install tokenspeed-deepgemm), or build from source: "
         "https://github.com/deepseek-ai/DeepGEMM"
     ),

@@ -5,8 +5,10 @@ HT (prefill): quantize -> ht_dispatch -> permute -> grouped_gemm (gate+up) -> si
 LL (decode): ll_dispatch -> [quantize] -> masked grouped_gemm -> silu_and_mul(_quant) -> masked
 grouped_gemm -> ll_combine.
 
-Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T, K]`
--> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`); each
+Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
+K]`
+-> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
+each
 rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
 """
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from epmoe import _checks, comm, reference
 from epmoe.ops import (
+    gemm,
     grouped_gemm,
     ht_combine,
     ht_dispatch,
@@ -28,7 +31,6 @@ from epmoe.ops import (
     silu_and_mul_quant,
     unpermute,
 )
-from epmoe.ops import gemm
 from epmoe.ops.gemm import contiguous_row_block
 
 OP = "EPMoE"
@@ -46,7 +48,8 @@ class EPMoE(nn.Module):
         mode: "ht" (prefill, contiguous layout) or "ll" (decode, masked layout).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
-        alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on CUDA).
+        alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
+        CUDA).
         max_tokens_per_rank: LL capacity per rank (required for LL).
         worst_case: HT dispatch with the static worst-case receive size (no host sync, graph-safe).
         device: where weights live (default: CUDA when available, else CPU).
@@ -80,7 +83,9 @@ class EPMoE(nn.Module):
         _checks.check_choice(OP, "quant", quant, reference.QUANT_SCHEMES)
         _checks.check_choice(OP, "mode", mode, ("ht", "ll"))
         if quant == "fp8":
-            _checks.check_multiple(OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)")
+            _checks.check_multiple(
+                OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)"
+            )
             _checks.check_multiple(
                 OP, "intermediate_size", intermediate_size, 128, "for fp8 (128-channel groups)"
             )
@@ -129,7 +134,8 @@ class EPMoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts} (local {self.num_local_experts}), H={self.hidden_size}, "
-            f"I={self.intermediate_size}, top_k={self.top_k}, quant={self.quant}, mode={self.mode}, "
+            f"I={self.intermediate_size}, top_k={self.top_k}, quant={self.quant}, "
+            f"mode={self.mode}, "
             f"backend={self.comm.name}, world={self.world_size}"
         )
 
@@ -180,8 +186,9 @@ class EPMoE(nn.Module):
         if self.quant == "bf16":
             return silu_and_mul(y, masked_m=masked_m, m_indices=m_indices), None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
-        return silu_and_mul_quant(y, self.quant, masked_m=masked_m, m_indices=m_indices,
-                                  scale_layout=self._scale_layout())
+        return silu_and_mul_quant(
+            y, self.quant, masked_m=masked_m, m_indices=m_indices, scale_layout=self._scale_layout()
+        )
 
     def _scale_layout(self) -> str:
         return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
@@ -191,19 +198,38 @@ class EPMoE(nn.Module):
         if self.quant != "bf16":
             x, scales = quantize(x, self.quant)
         d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, self.worst_case)
-        p = permute(d.x, d.topk_ids, self.num_local_experts, self.alignment, d.x_scales,
-                    scale_layout=self._scale_layout())
-        y = grouped_gemm(p.x, self.w1, m_indices=p.m_indices, a_scales=p.x_scales,
-                         w_scales=self.w1_scale, expert_offsets=p.expert_offsets)
+        p = permute(
+            d.x,
+            d.topk_ids,
+            self.num_local_experts,
+            self.alignment,
+            d.x_scales,
+            scale_layout=self._scale_layout(),
+        )
+        y = grouped_gemm(
+            p.x,
+            self.w1,
+            m_indices=p.m_indices,
+            a_scales=p.x_scales,
+            w_scales=self.w1_scale,
+            expert_offsets=p.expert_offsets,
+        )
         h, hs = self._act(y, m_indices=p.m_indices)  # padding rows are skipped
-        y = grouped_gemm(h, self.w2, m_indices=p.m_indices, a_scales=hs, w_scales=self.w2_scale,
-                         expert_offsets=p.expert_offsets)
+        y = grouped_gemm(
+            h,
+            self.w2,
+            m_indices=p.m_indices,
+            a_scales=hs,
+            w_scales=self.w2_scale,
+            expert_offsets=p.expert_offsets,
+        )
         y = unpermute(y, p.inv_perm, d.topk_weights)
         return ht_combine(y, d.handle, self.comm_key)
 
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
-        """Compile every GEMM kernel this layer launches (deep_gemm JIT, Triton autotune) for the given
+        """Compile every GEMM kernel this layer launches (deep_gemm JIT, Triton autotune) for the
+        given
         per-rank token counts, so nothing compiles later inside CUDA-graph capture. No-op on CPU.
 
         Args:
@@ -213,16 +239,34 @@ class EPMoE(nn.Module):
             return
         counts = sorted(set(token_counts or [self.max_tokens_per_rank or 1]), reverse=True)
         E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
-        for (w, s), (n, k) in (((self.w1, self.w1_scale), (2 * I, H)),
-                               ((self.w2, self.w2_scale), (H, I))):
+        for (w, s), (n, k) in (
+            ((self.w1, self.w1_scale), (2 * I, H)),
+            ((self.w2, self.w2_scale), (H, I)),
+        ):
             if self.mode == "ht":  # largest first: it drives INT8 autotuning
-                rows = [self.world_size * (self.max_tokens_per_rank if self.worst_case
-                                           and self.max_tokens_per_rank else t) for t in counts]
+                rows = [
+                    self.world_size
+                    * (
+                        self.max_tokens_per_rank
+                        if self.worst_case and self.max_tokens_per_rank
+                        else t
+                    )
+                    for t in counts
+                ]
                 m = [reference.permuted_rows(r, self.top_k, E, self.alignment) for r in rows]
                 gemm.warmup(self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s)
             else:
-                gemm.warmup(self.quant, E, n, k, self.device, masked_t=self.comm.ll_capacity,
-                            expected_m=self.expected_m(), w=w, w_scales=s)
+                gemm.warmup(
+                    self.quant,
+                    E,
+                    n,
+                    k,
+                    self.device,
+                    masked_t=self.comm.ll_capacity,
+                    expected_m=self.expected_m(),
+                    w=w,
+                    w_scales=s,
+                )
 
     def expected_m(self) -> int:
         """Static hint of rows per local expert in LL (uniform routing at full capacity)."""
@@ -235,9 +279,11 @@ class EPMoE(nn.Module):
         if self.quant == "int8":
             a, s = quantize(a, "int8", masked_m=d.masked_m)
         em = self.expected_m()
-        y = grouped_gemm(a, self.w1, masked_m=d.masked_m, a_scales=s, w_scales=self.w1_scale,
-                         expected_m=em)
+        y = grouped_gemm(
+            a, self.w1, masked_m=d.masked_m, a_scales=s, w_scales=self.w1_scale, expected_m=em
+        )
         h, hs = self._act(y, d.masked_m)
-        y = grouped_gemm(h, self.w2, masked_m=d.masked_m, a_scales=hs, w_scales=self.w2_scale,
-                         expected_m=em)
+        y = grouped_gemm(
+            h, self.w2, masked_m=d.masked_m, a_scales=hs, w_scales=self.w2_scale, expected_m=em
+        )
         return ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)

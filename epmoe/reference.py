@@ -1,8 +1,10 @@
 """Pure-torch specification of every stage, and the CPU kernels of the ``epmoe`` ops.
 
 Everything here is sync-free with static output shapes (it also runs on CUDA and traces under
-torch.compile), written for clarity rather than speed. Shape legend: ``T`` tokens (``M`` received rows),
-``K`` top-k, ``H`` hidden, ``E`` local experts, ``A`` alignment, ``N``/``Kd`` GEMM output/reduction dims,
+torch.compile), written for clarity rather than speed. Shape legend: ``T`` tokens (``M`` received
+rows),
+``K`` top-k, ``H`` hidden, ``E`` local experts, ``A`` alignment, ``N``/``Kd`` GEMM output/reduction
+dims,
 ``S`` scale groups per row.
 """
 
@@ -178,7 +180,10 @@ def grouped_gemm_contiguous(
     a_scales: Optional[torch.Tensor] = None,
     w_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """out[r] = deq(a[r]) @ deq(w[m_indices[r]]).T in float32 -> bf16 `[M_sum, N]`; -1 rows are zero."""
+    """out[r] = deq(a[r]) @ deq(w[m_indices[r]]).T in float32 -> bf16 `[M_sum, N]`.
+
+    Rows with m_indices == -1 are zero.
+    """
     af = _dequant_rows(a, a_scales)
     wf = dequantize_weights(w, w_scales)
     out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
@@ -212,13 +217,17 @@ def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_quant(y: torch.Tensor, scheme: str, group_size: int = 128):
-    """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as unfused)."""
+    """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as the
+    unfused pair does)."""
     return quantize(silu_and_mul(y), scheme, group_size)
 
 
 # ---------------------------------------------------------------------------------------- unpermute
 def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k [inv_perm[t,k] >= 0] * w[t,k] * y[inv_perm[t,k]], float32 sum -> y.dtype `[M, H]`."""
+    """out[t] = sum_k [inv_perm[t,k] >= 0] * w[t,k] * y[inv_perm[t,k]].
+
+    float32 sum, y.dtype `[M, H]` out.
+    """
     _checks.check_ids(inv_perm, y.shape[0], "unpermute", "inv_perm")
     valid = inv_perm >= 0
     rows = y[inv_perm.clamp(min=0).long()].float()  # [M, K, H]
@@ -259,7 +268,8 @@ def quantized_moe(
 ) -> torch.Tensor:
     """Quant-aware reference: what an exact ``scheme`` layer computes, in float32 `[T, H]`.
 
-    x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights with
+    x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights
+    with
     :func:`quantize_weights`; everything is dequantized and multiplied in float32.
     """
     if scheme == "bf16":

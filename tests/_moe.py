@@ -11,8 +11,14 @@ SMALL = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=3)
 
 def global_weights(num_experts, hidden_size, intermediate_size, seed=0, **_):
     g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn((num_experts, 2 * intermediate_size, hidden_size), generator=g) / hidden_size**0.5
-    w2 = torch.randn((num_experts, hidden_size, intermediate_size), generator=g) / intermediate_size**0.5
+    w1 = (
+        torch.randn((num_experts, 2 * intermediate_size, hidden_size), generator=g)
+        / hidden_size**0.5
+    )
+    w2 = (
+        torch.randn((num_experts, hidden_size, intermediate_size), generator=g)
+        / intermediate_size**0.5
+    )
     return w1, w2
 
 

@@ -4,7 +4,8 @@ import torch
 
 
 def random_ids(M, K, E, p_none=0.2, gen=None):
-    """int64 `[M, K]`: distinct experts per token in [0, E) (repeats only if K > E), ~p_none are -1."""
+    """int64 `[M, K]`: distinct experts per token in [0, E) (repeats only if K > E); about
+    p_none of the entries are -1."""
     if E >= K:
         ids = torch.rand((M, E), generator=gen).argsort(dim=1)[:, :K]
     else:

@@ -3,7 +3,8 @@ import sys
 
 import torch
 
-# Without a GPU, Triton kernels are tested on CPU tensors through the interpreter. The variable must be
+# Without a GPU, Triton kernels are tested on CPU tensors through the interpreter. The variable must
+# be
 # set before triton is first imported (torch does not import it), so one `pytest` runs everything.
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,7 +24,9 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    skip_interp = pytest.mark.skip(reason="Triton interpreter tests need TRITON_INTERPRET=1 (no GPU)")
+    skip_interp = pytest.mark.skip(
+        reason="Triton interpreter tests need TRITON_INTERPRET=1 (no GPU)"
+    )
     for item in items:
         if "interpret" in item.keywords and not interpret:
             item.add_marker(skip_interp)
@@ -46,7 +49,8 @@ def triton_interpret():
 
 
 def pytest_runtest_logreport(report):
-    """With EPMOE_FAILLOG=path, append each failure as it happens (a run cut off by a time limit on the
+    """With EPMOE_FAILLOG=path, append each failure as it happens (a run cut off by a time limit on
+    the
     GPU machine still leaves its tracebacks)."""
     path = os.environ.get("EPMOE_FAILLOG")
     if path and report.failed:

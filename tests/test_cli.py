@@ -19,8 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 def _epmoe(*args, timeout):
     """Run the real command (``python -m epmoe ...``) and return the finished process."""
     envv = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "epmoe", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=envv)
+    return subprocess.run(
+        [sys.executable, "-m", "epmoe", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=envv,
+    )
 
 
 def _clear_env_caches():
@@ -45,9 +51,17 @@ def test_env_prints_versions_and_backends(capsys):
             assert f"{name:<14}missing: {e}" in out
         else:
             assert f"{name:<14}{env.package(name).version}" in out
-    for line in ("comm backends", "  local         yes", "torch (gloo)  yes", "torch (nccl)",
-                 "deepep", "quant schemes", "bf16  cpu   yes", "fp8   cpu   yes",
-                 "int8  cpu   yes"):
+    for line in (
+        "comm backends",
+        "  local         yes",
+        "torch (gloo)  yes",
+        "torch (nccl)",
+        "deepep",
+        "quant schemes",
+        "bf16  cpu   yes",
+        "fp8   cpu   yes",
+        "int8  cpu   yes",
+    ):
         assert line in out, line
     if not torch.cuda.is_available():
         assert "GPUs\n  none: " in out
@@ -117,15 +131,32 @@ def test_demo_two_gloo_ranks_passes():
     for stage in demo.STAGES:
         assert f"\n{stage:<12}" in out, stage
     assert "FAIL" not in out
-    n_rows = sum(1 for line in out.splitlines() if line.split()[:1] and line.split()[0] in
-                 demo.STAGES and line.endswith("  ok"))
+    n_rows = sum(
+        1
+        for line in out.splitlines()
+        if line.split()[:1] and line.split()[0] in demo.STAGES and line.endswith("  ok")
+    )
     assert f"all {n_rows} checks passed on 2 ranks" in out
 
 
 def test_demo_corrupted_stage_fails():
     """A perturbed permute output must be caught by permute's own checks (and only downstream)."""
-    p = _epmoe("demo", "--device", "cpu", "--world", "2", "--mode", "ht", "--quant", "bf16",
-               "--start-method", "fork", "--selftest-corrupt", "permute", timeout=120)
+    p = _epmoe(
+        "demo",
+        "--device",
+        "cpu",
+        "--world",
+        "2",
+        "--mode",
+        "ht",
+        "--quant",
+        "bf16",
+        "--start-method",
+        "fork",
+        "--selftest-corrupt",
+        "permute",
+        timeout=120,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     rows = {}
     for line in p.stdout.splitlines():
@@ -154,8 +185,12 @@ def test_bench_tiny_writes_json_markdown_png(tmp_path):
     assert "test_bench_cpu.py::test_permute PASSED" in p.stdout  # progress streamed
     data = json.loads((tmp_path / "bench.json").read_text())
     names = {b["name"] for b in data["benchmarks"]}
-    assert {"test_permute", "test_grouped_gemm_contiguous", "test_epmoe_layer_local[ht]",
-            "test_epmoe_layer_local[ll]"} <= names
+    assert {
+        "test_permute",
+        "test_grouped_gemm_contiguous",
+        "test_epmoe_layer_local[ht]",
+        "test_epmoe_layer_local[ll]",
+    } <= names
     assert all(b["stats"]["median"] > 0 for b in data["benchmarks"])
     md = (tmp_path / "bench.md").read_text()
     assert "| group | benchmark | median |" in md
@@ -173,15 +208,24 @@ def test_bench_report_uses_ceilings(tmp_path):
     torch.manual_seed(0)
 
     def entry(name, median, **extra):
-        return {"name": name, "group": "stage", "extra_info": extra,
-                "stats": {"median": median, "iqr": median / 10, "rounds": 7}}
+        return {
+            "name": name,
+            "group": "stage",
+            "extra_info": extra,
+            "stats": {"median": median, "iqr": median / 10, "rounds": 7},
+        }
 
-    data = {"datetime": "2026-01-01T00:00:00", "machine_info": {"node": "n"}, "commit_info": {},
-            "benchmarks": [entry("test_permute[W]", 2e-5, gbps=2400.0, ceiling_gbps=4800.0),
-                           entry("test_gemm[W]", 1e-3, tflops=600.0, ceiling_tflops=800.0),
-                           entry("test_layer[W]", 3e-3),
-                           entry("test_decode[W]", 1e-4, tflops=5.0, weight_gbps=3000.0,
-                                 copy_gbps=4000.0)]}
+    data = {
+        "datetime": "2026-01-01T00:00:00",
+        "machine_info": {"node": "n"},
+        "commit_info": {},
+        "benchmarks": [
+            entry("test_permute[W]", 2e-5, gbps=2400.0, ceiling_gbps=4800.0),
+            entry("test_gemm[W]", 1e-3, tflops=600.0, ceiling_tflops=800.0),
+            entry("test_layer[W]", 3e-3),
+            entry("test_decode[W]", 1e-4, tflops=5.0, weight_gbps=3000.0, copy_gbps=4000.0),
+        ],
+    }
     src = tmp_path / "in.json"
     src.write_text(json.dumps(data))
     assert main(["bench", "--from-json", str(src), "--out-dir", str(tmp_path / "r")]) == 0

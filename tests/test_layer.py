@@ -8,8 +8,17 @@ from tests._moe import SMALL, check_layer_output, global_weights, tokens
 
 
 def make_layer(quant, mode, worst_case=False, **kw):
-    layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, backend="local", alignment=16,
-                        max_tokens_per_rank=32, worst_case=worst_case, device="cpu", **kw)
+    layer = epmoe.EPMoE(
+        **SMALL,
+        quant=quant,
+        mode=mode,
+        backend="local",
+        alignment=16,
+        max_tokens_per_rank=32,
+        worst_case=worst_case,
+        device="cpu",
+        **kw,
+    )
     layer.load_weights(*global_weights(**SMALL))
     return layer
 
@@ -82,12 +91,22 @@ def test_layer_bad_input():
         (lambda: layer(x, ids.int(), w), "EPMoE: topk_ids expected dtype torch.int64"),
         (lambda: layer(x, ids[:, :2], w), "EPMoE: topk_ids expected shape"),
         (lambda: layer(x, ids, w.double()), "EPMoE: topk_weights expected dtype"),
-        (lambda: layer(x, torch.full_like(ids, 8), w), "dispatch: topk_ids expected ids in \\[0, 8\\)"),
-        (lambda: ll(x, torch.full_like(ids, 99), w), "ll_dispatch: topk_ids expected ids in \\[0, 8\\)"),
-        (lambda: ll(*tokens(33, seed=1, **SMALL)), "ll_dispatch: x expected at most "
-         "max_tokens_per_rank=32 tokens, got 33"),
-        (lambda: layer.load_weights(torch.zeros(8, 128, 256), torch.zeros(8, 256, 128)),
-         "load_weights: w1 expected shape"),
+        (
+            lambda: layer(x, torch.full_like(ids, 8), w),
+            "dispatch: topk_ids expected ids in \\[0, 8\\)",
+        ),
+        (
+            lambda: ll(x, torch.full_like(ids, 99), w),
+            "ll_dispatch: topk_ids expected ids in \\[0, 8\\)",
+        ),
+        (
+            lambda: ll(*tokens(33, seed=1, **SMALL)),
+            "ll_dispatch: x expected at most max_tokens_per_rank=32 tokens, got 33",
+        ),
+        (
+            lambda: layer.load_weights(torch.zeros(8, 128, 256), torch.zeros(8, 256, 128)),
+            "load_weights: w1 expected shape",
+        ),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):

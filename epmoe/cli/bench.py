@@ -28,8 +28,11 @@ from typing import List, Optional, Sequence, Tuple
 
 TINY_FILE = "test_bench_cpu.py"
 # The tiny CPU run is a smoke of the suite and its report, not a measurement: keep it short.
-TINY_PYTEST_ARGS = ("--benchmark-max-time=0.05", "--benchmark-min-rounds=3",
-                    "--benchmark-warmup=off")
+TINY_PYTEST_ARGS = (
+    "--benchmark-max-time=0.05",
+    "--benchmark-min-rounds=3",
+    "--benchmark-warmup=off",
+)
 # (achieved keys, ceiling keys, unit) read from extra_info, first key present wins. The ceiling_*
 # keys are the convention; the others are what the GPU benchmarks name their same-run baselines.
 METRICS = (
@@ -44,8 +47,9 @@ def repo_root() -> Path:
 
 def find_bench_dir(explicit: Optional[str] = None) -> Optional[Path]:
     """``--bench-dir``, else ``./benchmarks``, else the source checkout's ``benchmarks/``."""
-    for cand in ([Path(explicit)] if explicit else [Path.cwd() / "benchmarks",
-                                                     repo_root() / "benchmarks"]):
+    for cand in (
+        [Path(explicit)] if explicit else [Path.cwd() / "benchmarks", repo_root() / "benchmarks"]
+    ):
         if cand.is_dir():
             return cand.resolve()
     return None
@@ -100,9 +104,15 @@ def render_markdown(data: dict, command: str, gpu: Optional[str] = None) -> str:
     mi = data.get("machine_info") or {}
     ci = data.get("commit_info") or {}
     cpu = (mi.get("cpu") or {}).get("brand_raw") or mi.get("processor") or "?"
-    gpu = gpu or ", ".join(sorted({str((b.get("extra_info") or {}).get("gpu"))
-                                   for b in _benchmarks(data)
-                                   if (b.get("extra_info") or {}).get("gpu")}))
+    gpu = gpu or ", ".join(
+        sorted(
+            {
+                str((b.get("extra_info") or {}).get("gpu"))
+                for b in _benchmarks(data)
+                if (b.get("extra_info") or {}).get("gpu")
+            }
+        )
+    )
     commit = (ci.get("id") or "?")[:10] + (" (dirty)" if ci.get("dirty") else "")
     lines = [
         "# epmoe benchmarks",
@@ -149,8 +159,13 @@ def plot(data: dict, path: Path) -> None:
             panels.append((unit, rows))
     panels.append(("time", [(b, None) for b in benches]))
     heights = [max(1.5, 0.35 * len(rows) + 1.0) for _, rows in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(10, sum(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     for ax, (unit, rows) in zip(axes[:, 0], panels, strict=True):
         labels = [_label(b) for b, _ in rows]
         ys = range(len(rows))
@@ -165,8 +180,9 @@ def plot(data: dict, path: Path) -> None:
         else:
             ach = [m[1] for _, m in rows]
             ceil = [m[2] if m[2] else math.nan for _, m in rows]
-            ax.barh(ys, ceil, color="none", edgecolor="gray", hatch="//",
-                    label="ceiling (same run)")
+            ax.barh(
+                ys, ceil, color="none", edgecolor="gray", hatch="//", label="ceiling (same run)"
+            )
             ax.barh(ys, ach, color="tab:green", alpha=0.85, label="achieved")
             for y, a, c in zip(ys, ach, ceil, strict=True):
                 if c == c and c > 0:
@@ -179,8 +195,9 @@ def plot(data: dict, path: Path) -> None:
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     if not benches:
-        axes[-1, 0].text(0.5, 0.5, "no benchmark ran", ha="center", va="center",
-                         transform=axes[-1, 0].transAxes)
+        axes[-1, 0].text(
+            0.5, 0.5, "no benchmark ran", ha="center", va="center", transform=axes[-1, 0].transAxes
+        )
     fig.suptitle(f"epmoe benchmarks {data.get('datetime', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,8 +235,11 @@ def run_bench(
     """Run the suite (streaming pytest's output), then write the report; returns pytest's code."""
     bdir = find_bench_dir(bench_dir)
     if bdir is None:
-        print("epmoe bench: no benchmarks/ directory (run from a source checkout or pass "
-              "--bench-dir)", file=sys.stderr)
+        print(
+            "epmoe bench: no benchmarks/ directory (run from a source checkout or pass "
+            "--bench-dir)",
+            file=sys.stderr,
+        )
         return 2
     target = bdir / TINY_FILE if tiny else bdir
     if not target.exists():
@@ -230,9 +250,19 @@ def run_bench(
     json_path = out / "bench.json"
     if json_path.exists():
         json_path.unlink()  # never report a stale run
-    cmd = [sys.executable, "-m", "pytest", str(target), "-v", "-p", "no:cacheprovider",
-           "--benchmark-enable", f"--benchmark-json={json_path}",
-           "--benchmark-columns=median,iqr,rounds", "--benchmark-sort=fullname"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(target),
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "--benchmark-enable",
+        f"--benchmark-json={json_path}",
+        "--benchmark-columns=median,iqr,rounds",
+        "--benchmark-sort=fullname",
+    ]
     if tiny:
         cmd += list(TINY_PYTEST_ARGS)
     if filter:
@@ -251,13 +281,21 @@ def run_bench(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--filter", default=None, help="pytest -k expression")
-    p.add_argument("--out-dir", default=None,
-                   help="report directory (default: benchmarks/results/<date>)")
-    p.add_argument("--tiny", action="store_true",
-                   help=f"only the tiny CPU shape (benchmarks/{TINY_FILE}), short timing")
+    p.add_argument(
+        "--out-dir", default=None, help="report directory (default: benchmarks/results/<date>)"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"only the tiny CPU shape (benchmarks/{TINY_FILE}), short timing",
+    )
     p.add_argument("--bench-dir", default=None, help="benchmarks directory (default: ./benchmarks)")
-    p.add_argument("--from-json", default=None, metavar="FILE",
-                   help="only render bench.md / bench.png from an existing JSON")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="only render bench.md / bench.png from an existing JSON",
+    )
 
 
 def main(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:

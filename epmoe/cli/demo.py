@@ -228,8 +228,13 @@ def _run_ht(rec, layer, x, ids, w, X, IDS, W, rank, qref):
         xq, xs = ops.quantize(x, q)
         xs = rec.out("quantize", xs)
         rq, rs = reference.quantize(x, q)
-        rec.add("quantize", xq, "deq == deq(reference.quantize)", _rel(_deq(xq, xs), _deq(rq, rs)),
-                TOL_QUANT_CODES)
+        rec.add(
+            "quantize",
+            xq,
+            "deq == deq(reference.quantize)",
+            _rel(_deq(xq, xs), _deq(rq, rs)),
+            TOL_QUANT_CODES,
+        )
     # Every rank's sent payload, as the receiver should see it (dequantized).
     Xq = X if q == "bf16" else _deq(*reference.quantize(X, q))
 
@@ -238,19 +243,27 @@ def _run_ht(rec, layer, x, ids, w, X, IDS, W, rank, qref):
     want = _expert_sums(torch.ones_like(Xq[:, :1]), IDS - lo, None, E).reshape(-1)
     got = _expert_sums(torch.ones_like(d.x[:, :1], dtype=torch.float32), d.topk_ids, None, E)
     bad_ids = ((d.topk_ids < -1) | (d.topk_ids >= E)).sum()
-    err = float((got.reshape(-1) - want).abs().sum() + (d.expert_counts.double() - want).abs().sum()
-                + bad_ids)
+    err = float(
+        (got.reshape(-1) - want).abs().sum()
+        + (d.expert_counts.double() - want).abs().sum()
+        + bad_ids
+    )
     rec.add("dispatch", d.topk_ids, "local ids, expert_counts == routing", err, 0)
-    err = _rel(_expert_sums(_deq(d.x, d.x_scales), d.topk_ids, d.topk_weights, E),
-               _expert_sums(Xq, IDS - lo, W, E))
+    err = _rel(
+        _expert_sums(_deq(d.x, d.x_scales), d.topk_ids, d.topk_weights, E),
+        _expert_sums(Xq, IDS - lo, W, E),
+    )
     rec.add("dispatch", d.x, "sum_k w*x per expert == all ranks'", err, TOL_SAME_VALUES)
 
     p = ops.permute(d.x, d.topk_ids, E, layer.alignment, d.x_scales)
     p = p._replace(inv_perm=rec.out("permute", p.inv_perm))
     r_x, r_s, r_m, r_inv, r_off = reference.permute(d.x, d.topk_ids, E, layer.alignment, d.x_scales)
     used = r_m >= 0  # padding rows of x / scales are unspecified
-    err = (_mismatches(p.m_indices, r_m) + _mismatches(p.inv_perm, r_inv)
-           + _mismatches(p.expert_offsets, r_off))
+    err = (
+        _mismatches(p.m_indices, r_m)
+        + _mismatches(p.inv_perm, r_inv)
+        + _mismatches(p.expert_offsets, r_off)
+    )
     if p.x.shape == r_x.shape and p.m_indices.shape == r_m.shape:
         err += _mismatches(p.x[used], r_x[used])
         if d.x_scales is not None:
@@ -261,25 +274,35 @@ def _run_ht(rec, layer, x, ids, w, X, IDS, W, rank, qref):
     valid = d.topk_ids >= 0
     rows = p.inv_perm.long()[valid]
     src = torch.arange(d.x.shape[0], device=x.device).unsqueeze(1).expand_as(d.topk_ids)[valid]
-    inv_ok = bool(((p.inv_perm >= 0) == valid).all()) and (rows.numel() == 0 or (
-        int(rows.min()) >= 0 and int(rows.max()) < p.x.shape[0]))
+    inv_ok = bool(((p.inv_perm >= 0) == valid).all()) and (
+        rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < p.x.shape[0])
+    )
     if inv_ok:
-        err = float((_bits(p.x)[rows] != _bits(d.x)[src]).any(dim=1).sum()
-                    + (p.m_indices.long()[rows] != d.topk_ids[valid]).sum()
-                    + abs(int((p.m_indices >= 0).sum()) - rows.numel())
-                    + rows.numel() - rows.unique().numel())
+        err = float(
+            (_bits(p.x)[rows] != _bits(d.x)[src]).any(dim=1).sum()
+            + (p.m_indices.long()[rows] != d.topk_ids[valid]).sum()
+            + abs(int((p.m_indices >= 0).sum()) - rows.numel())
+            + rows.numel()
+            - rows.unique().numel()
+        )
     else:
         err = math.inf
     rec.add("permute", p.inv_perm, "x[inv_perm] == x, m_indices == ids", err, 0)
 
-    y1 = rec.out("gemm1", ops.grouped_gemm(p.x, layer.w1, m_indices=p.m_indices,
-                                           a_scales=p.x_scales, w_scales=layer.w1_scale))
+    y1 = rec.out(
+        "gemm1",
+        ops.grouped_gemm(
+            p.x, layer.w1, m_indices=p.m_indices, a_scales=p.x_scales, w_scales=layer.w1_scale
+        ),
+    )
     ref, live = _gemm_expected(p.x, p.x_scales, layer.w1, layer.w1_scale, m_indices=p.m_indices)
     rec.add("gemm1", y1, "vs fp32 deq(a) @ deq(w1[e]).T", _rel(y1[live], ref[live]), TOL_BF16_OUT)
 
     h, hs = _act(rec, y1, q, live)
-    y2 = rec.out("gemm2", ops.grouped_gemm(h, layer.w2, m_indices=p.m_indices, a_scales=hs,
-                                           w_scales=layer.w2_scale))
+    y2 = rec.out(
+        "gemm2",
+        ops.grouped_gemm(h, layer.w2, m_indices=p.m_indices, a_scales=hs, w_scales=layer.w2_scale),
+    )
     ref, _ = _gemm_expected(h, hs, layer.w2, layer.w2_scale, m_indices=p.m_indices)
     rec.add("gemm2", y2, "vs fp32 deq(h) @ deq(w2[e]).T", _rel(y2[live], ref[live]), TOL_BF16_OUT)
 
@@ -297,8 +320,7 @@ def _run_ht(rec, layer, x, ids, w, X, IDS, W, rank, qref):
     back = rec.out("combine", ops.ht_combine(probe, d.handle, key))
     xl = x.float() if q == "bf16" else _deq(*reference.quantize(x, q))
     want = xl * (ids >= 0).sum(dim=1, keepdim=True)
-    rec.add("combine", back, "probe: rows*hits come home as x*hits", _rel(back, want),
-            TOL_BF16_OUT)
+    rec.add("combine", back, "probe: rows*hits come home as x*hits", _rel(back, want), TOL_BF16_OUT)
     return out
 
 
@@ -314,8 +336,13 @@ def _act(rec, y, q, live, masked_m=None):
     h, hs = ops.silu_and_mul_quant(y, q, masked_m)
     h = rec.out("act", h)
     ref = _deq(*reference.silu_and_mul_quant(y, q))
-    rec.add("act", h, "deq vs reference.silu_and_mul_quant", _rel(_deq(h, hs)[live], ref[live]),
-            TOL_BF16_OUT)
+    rec.add(
+        "act",
+        h,
+        "deq vs reference.silu_and_mul_quant",
+        _rel(_deq(h, hs)[live], ref[live]),
+        TOL_BF16_OUT,
+    )
     return h, hs
 
 
@@ -327,37 +354,61 @@ def _run_ll(rec, layer, x, ids, w, X, IDS, W, rank, qref):
     d = ops.ll_dispatch(x, ids, key, use_fp8=q == "fp8")
     d = d._replace(x=rec.out("ll_dispatch", d.x))
     want = _expert_sums(torch.ones_like(X[:, :1]), IDS - lo, None, E).reshape(-1)
-    rec.add("ll_dispatch", d.masked_m, "masked_m == routing",
-            float((d.masked_m.double() - want).abs().sum()), 0)
+    rec.add(
+        "ll_dispatch",
+        d.masked_m,
+        "masked_m == routing",
+        float((d.masked_m.double() - want).abs().sum()),
+        0,
+    )
     C = d.x.shape[1]
     live = torch.arange(C, device=x.device)[None, :] < d.masked_m[:, None]  # [E, C]
     got = torch.where(live.unsqueeze(-1), _deq(d.x, d.x_scales).double(), 0.0).sum(dim=1)
     Xq = X if q != "fp8" else _deq(*reference.quantize(X, "fp8"))
     tol = TOL_FP8_LL_PAYLOAD if q == "fp8" else TOL_SAME_VALUES
-    rec.add("ll_dispatch", d.x, "sum of live rows per expert == all ranks'",
-            _rel(got, _expert_sums(Xq, IDS - lo, None, E)), tol)
+    rec.add(
+        "ll_dispatch",
+        d.x,
+        "sum of live rows per expert == all ranks'",
+        _rel(got, _expert_sums(Xq, IDS - lo, None, E)),
+        tol,
+    )
 
     a, s = d.x, d.x_scales
     if q == "int8":
         a, s = ops.quantize(a, "int8", masked_m=d.masked_m)
         s = rec.out("quantize", s)
         ref = _deq(*reference.quantize(d.x, "int8"))
-        rec.add("quantize", a, "deq == deq(reference.quantize)", _rel(_deq(a, s)[live], ref[live]),
-                TOL_QUANT_CODES)
+        rec.add(
+            "quantize",
+            a,
+            "deq == deq(reference.quantize)",
+            _rel(_deq(a, s)[live], ref[live]),
+            TOL_QUANT_CODES,
+        )
     em = layer.expected_m()
-    y1 = rec.out("gemm1", ops.grouped_gemm(a, layer.w1, masked_m=d.masked_m, a_scales=s,
-                                           w_scales=layer.w1_scale, expected_m=em))
+    y1 = rec.out(
+        "gemm1",
+        ops.grouped_gemm(
+            a, layer.w1, masked_m=d.masked_m, a_scales=s, w_scales=layer.w1_scale, expected_m=em
+        ),
+    )
     ref, _ = _gemm_expected(a, s, layer.w1, layer.w1_scale, masked_m=d.masked_m)
     rec.add("gemm1", y1, "vs fp32 deq(a) @ deq(w1[e]).T", _rel(y1[live], ref[live]), TOL_BF16_OUT)
     h, hs = _act(rec, y1, q, live, d.masked_m)
-    y2 = rec.out("gemm2", ops.grouped_gemm(h, layer.w2, masked_m=d.masked_m, a_scales=hs,
-                                           w_scales=layer.w2_scale, expected_m=em))
+    y2 = rec.out(
+        "gemm2",
+        ops.grouped_gemm(
+            h, layer.w2, masked_m=d.masked_m, a_scales=hs, w_scales=layer.w2_scale, expected_m=em
+        ),
+    )
     ref, _ = _gemm_expected(h, hs, layer.w2, layer.w2_scale, masked_m=d.masked_m)
     rec.add("gemm2", y2, "vs fp32 deq(h) @ deq(w2[e]).T", _rel(y2[live], ref[live]), TOL_BF16_OUT)
 
     out = rec.out("ll_combine", ops.ll_combine(y2, ids, w, d.handle, key))
-    rec.add("ll_combine", out, "vs reference.quantized_moe", _rel(out, qref),
-            TOL_LAYER_VS_QUANT_AWARE)
+    rec.add(
+        "ll_combine", out, "vs reference.quantized_moe", _rel(out, qref), TOL_LAYER_VS_QUANT_AWARE
+    )
     # The probe gets its own dispatch: deep_ep's LL kernels expect dispatch/combine pairs.
     d2 = ops.ll_dispatch(x, ids, key, use_fp8=q == "fp8")
     d2 = d2._replace(x=rec.out("ll_dispatch", d2.x))
@@ -366,8 +417,9 @@ def _run_ll(rec, layer, x, ids, w, X, IDS, W, rank, qref):
     back = rec.out("ll_combine", ops.ll_combine(probe, ids, w, d2.handle, key))
     xl = x.float() if q != "fp8" else _deq(*reference.quantize(x, "fp8"))
     want = xl * torch.where(ids >= 0, w, 0.0).sum(dim=1, keepdim=True)
-    rec.add("ll_combine", back, "probe: rows come home as x*sum_k w", _rel(back, want),
-            TOL_BF16_OUT)
+    rec.add(
+        "ll_combine", back, "probe: rows come home as x*sum_k w", _rel(back, want), TOL_BF16_OUT
+    )
     return out
 
 
@@ -414,10 +466,17 @@ def _run_rank(rank: int, cfg: DemoConfig) -> List[Row]:
     for mode in cfg.modes:
         for q in cfg.quants:
             layer = epmoe.EPMoE(
-                cfg.experts, cfg.hidden, cfg.intermediate, cfg.top_k, quant=q, mode=mode,
-                group=dist.group.WORLD, backend=cfg.plan.backend,
+                cfg.experts,
+                cfg.hidden,
+                cfg.intermediate,
+                cfg.top_k,
+                quant=q,
+                mode=mode,
+                group=dist.group.WORLD,
+                backend=cfg.plan.backend,
                 max_tokens_per_rank=cfg.tokens if mode == "ll" else None,
-                worst_case=cfg.worst_case, device=device,
+                worst_case=cfg.worst_case,
+                device=device,
             )
             try:
                 layer.load_weights(w1, w2)
@@ -428,10 +487,16 @@ def _run_rank(rank: int, cfg: DemoConfig) -> List[Row]:
                     staged = run(rec, layer, x, ids, w, X, IDS, W, rank, qref)
                     out = rec.out("layer", layer(x, ids, w))
                 rec.add("layer", out, "== stage-by-stage output", _rel(out, staged), TOL_BF16_OUT)
-                rec.add("layer", out, "vs reference.quantized_moe", _rel(out, qref),
-                        TOL_LAYER_VS_QUANT_AWARE)
-                rec.add("layer", out, "vs reference.dense_moe", _rel(out, dense),
-                        TOL_LAYER_VS_DENSE[q])
+                rec.add(
+                    "layer",
+                    out,
+                    "vs reference.quantized_moe",
+                    _rel(out, qref),
+                    TOL_LAYER_VS_QUANT_AWARE,
+                )
+                rec.add(
+                    "layer", out, "vs reference.dense_moe", _rel(out, dense), TOL_LAYER_VS_DENSE[q]
+                )
                 rows += rec.rows
             finally:
                 layer.comm.close()
@@ -454,8 +519,10 @@ def _report(per_rank: List[List[Row]], cfg: DemoConfig, seconds: float) -> bool:
         print("epmoe demo: ranks ran different checks", flush=True)
         return False
     width = max([len(r.check) for r in per_rank[0]] + [5])
-    header = (f"{'stage':<12}{'shape (rank 0)':<18}{'dtype':<15}{'check':<{width + 2}}"
-              f"{'max err':>9}  {'tol':>8}  ok")
+    header = (
+        f"{'stage':<12}{'shape (rank 0)':<18}{'dtype':<15}{'check':<{width + 2}}"
+        f"{'max err':>9}  {'tol':>8}  ok"
+    )
     failed = []
     last = None
     for i in range(n):
@@ -471,8 +538,10 @@ def _report(per_rank: List[List[Row]], cfg: DemoConfig, seconds: float) -> bool:
         bad_ranks = [k for k, r in enumerate(rows) if not r.ok]
         mark = "ok" if ok else "FAIL (rank " + ",".join(map(str, bad_ranks)) + ")"
         tol = _fmt_err(r0.tol, r0.tol) if r0.tol else "0"
-        print(f"{r0.stage:<12}{r0.shape:<18}{r0.dtype:<15}{r0.check:<{width + 2}}"
-              f"{_fmt_err(worst.error, r0.tol):>9}  {tol:>8}  {mark}")
+        print(
+            f"{r0.stage:<12}{r0.shape:<18}{r0.dtype:<15}{r0.check:<{width + 2}}"
+            f"{_fmt_err(worst.error, r0.tol):>9}  {tol:>8}  {mark}"
+        )
         if not ok:
             failed.append(f"{r0.mode}/{r0.quant} {r0.stage}: {r0.check}")
     total = n
@@ -482,8 +551,7 @@ def _report(per_rank: List[List[Row]], cfg: DemoConfig, seconds: float) -> bool:
         for f in failed:
             print(f"  - {f}")
     else:
-        print(f"epmoe demo: all {total} checks passed on {cfg.plan.world} ranks "
-              f"({seconds:.1f} s)")
+        print(f"epmoe demo: all {total} checks passed on {cfg.plan.world} ranks ({seconds:.1f} s)")
     sys.stdout.flush()
     return not failed
 
@@ -499,8 +567,13 @@ def _worker(rank: int, cfg: DemoConfig, port: int, results) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     t0 = time.perf_counter()
-    dist.init_process_group(cfg.plan.dist_backend, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=cfg.plan.world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        cfg.plan.dist_backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg.plan.world,
+        timeout=timedelta(seconds=300),
+    )
     try:
         rows = _run_rank(rank, cfg)
         gathered = [None] * cfg.plan.world if rank == 0 else None
@@ -571,35 +644,59 @@ def run_demo(
     else:
         for q in quants:
             if q not in QUANTS:
-                print(f"epmoe demo: --quant expected one of {', '.join(QUANTS)}, got {q!r}",
-                      file=sys.stderr)
+                print(
+                    f"epmoe demo: --quant expected one of {', '.join(QUANTS)}, got {q!r}",
+                    file=sys.stderr,
+                )
                 return False
             st = env.quant_status(q, plan.device)
             if not st.ok:
-                print(f"epmoe demo: {q} cannot run on {plan.device} here: {st.why}",
-                      file=sys.stderr)
+                print(
+                    f"epmoe demo: {q} cannot run on {plan.device} here: {st.why}", file=sys.stderr
+                )
                 return False
     if "fp8" in quants and (hidden % 128 or intermediate % 128):
-        print(f"epmoe demo: fp8 needs hidden and intermediate multiples of 128, got {hidden}, "
-              f"{intermediate}", file=sys.stderr)
+        print(
+            f"epmoe demo: fp8 needs hidden and intermediate multiples of 128, got {hidden}, "
+            f"{intermediate}",
+            file=sys.stderr,
+        )
         return False
     if not quants:
         print("epmoe demo: no usable quant scheme", file=sys.stderr)
         return False
-    cfg = DemoConfig(plan, tuple(modes), tuple(quants), experts, hidden, intermediate, top_k,
-                     tokens, seed, worst_case, corrupt)
-    print(f"epmoe demo: {plan.world} rank(s) on {plan.device}, backend {plan.backend} "
-          f"({plan.dist_backend}); E={experts} H={hidden} I={intermediate} top-{top_k}, "
-          f"T={tokens} tokens/rank, modes {'/'.join(modes)}, quant {'/'.join(quants)}, "
-          f"seed {seed}" + (f", corrupting stage {corrupt!r} (selftest)" if corrupt else ""),
-          flush=True)
+    cfg = DemoConfig(
+        plan,
+        tuple(modes),
+        tuple(quants),
+        experts,
+        hidden,
+        intermediate,
+        top_k,
+        tokens,
+        seed,
+        worst_case,
+        corrupt,
+    )
+    print(
+        f"epmoe demo: {plan.world} rank(s) on {plan.device}, backend {plan.backend} "
+        f"({plan.dist_backend}); E={experts} H={hidden} I={intermediate} top-{top_k}, "
+        f"T={tokens} tokens/rank, modes {'/'.join(modes)}, quant {'/'.join(quants)}, "
+        f"seed {seed}" + (f", corrupting stage {corrupt!r} (selftest)" if corrupt else ""),
+        flush=True,
+    )
     import torch.multiprocessing as mp
 
     ctx = mp.get_context(start_method)
     results = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(cfg, _free_port(), results), nprocs=plan.world,
-                           join=True, start_method=start_method)
+        mp.start_processes(
+            _worker,
+            args=(cfg, _free_port(), results),
+            nprocs=plan.world,
+            join=True,
+            start_method=start_method,
+        )
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed demo, reported as such
         print(f"epmoe demo: a rank failed: {e}", file=sys.stderr)
         return False
@@ -636,36 +733,74 @@ def _csv(s: str) -> List[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world", type=int, default=None,
-                   help="ranks to spawn (default: 2 on CPU; one per GPU with DeepEP)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda with >= 2 GPUs and deep_ep importable, else cpu")
-    p.add_argument("--backend", choices=("local", "torch", "deepep"), default=None,
-                   help="EPMoE comm backend (default: deepep on GPUs, torch on CPU)")
-    p.add_argument("--quant", type=_csv, default=None,
-                   help="comma list of bf16,fp8,int8 (default: every scheme usable here)")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: 2 on CPU; one per GPU with DeepEP)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="default: cuda with >= 2 GPUs and deep_ep importable, else cpu",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("local", "torch", "deepep"),
+        default=None,
+        help="EPMoE comm backend (default: deepep on GPUs, torch on CPU)",
+    )
+    p.add_argument(
+        "--quant",
+        type=_csv,
+        default=None,
+        help="comma list of bf16,fp8,int8 (default: every scheme usable here)",
+    )
     p.add_argument("--mode", type=_csv, default=list(MODES), help="comma list of ht,ll")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per rank")
     p.add_argument("--experts", type=int, default=EXPERTS, help="global experts")
     p.add_argument("--hidden", type=int, default=None, help="H (default 256; 2048 with DeepEP)")
-    p.add_argument("--intermediate", type=int, default=None,
-                   help="I (default 128; 512 with DeepEP)")
+    p.add_argument(
+        "--intermediate", type=int, default=None, help="I (default 128; 512 with DeepEP)"
+    )
     p.add_argument("--topk", type=int, default=TOP_K, help="experts per token")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--worst-case", action="store_true",
-                   help="HT dispatch with the static worst-case receive size")
-    p.add_argument("--selftest-corrupt", metavar="STAGE", default=None, choices=STAGES,
-                   help="perturb this stage's output to show the checks catch it (exits 1)")
-    p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
-                   help="how ranks start; fork (CPU only) skips re-importing torch per rank")
+    p.add_argument(
+        "--worst-case",
+        action="store_true",
+        help="HT dispatch with the static worst-case receive size",
+    )
+    p.add_argument(
+        "--selftest-corrupt",
+        metavar="STAGE",
+        default=None,
+        choices=STAGES,
+        help="perturb this stage's output to show the checks catch it (exits 1)",
+    )
+    p.add_argument(
+        "--start-method",
+        choices=("spawn", "fork"),
+        default="spawn",
+        help="how ranks start; fork (CPU only) skips re-importing torch per rank",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     ok = run_demo(
-        world=args.world, device=args.device, backend=args.backend, quants=args.quant,
-        modes=args.mode, tokens=args.tokens, experts=args.experts, hidden=args.hidden,
-        intermediate=args.intermediate, top_k=args.topk, seed=args.seed,
-        worst_case=args.worst_case, corrupt=args.selftest_corrupt,
+        world=args.world,
+        device=args.device,
+        backend=args.backend,
+        quants=args.quant,
+        modes=args.mode,
+        tokens=args.tokens,
+        experts=args.experts,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        top_k=args.topk,
+        seed=args.seed,
+        worst_case=args.worst_case,
+        corrupt=args.selftest_corrupt,
         start_method=args.start_method,
     )
     return 0 if ok else 1

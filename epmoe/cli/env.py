@@ -120,8 +120,9 @@ def cuda_status() -> Status:
         return Status(False, f"torch {torch.__version__} is a CPU-only build")
     try:
         if not torch.cuda.is_available():
-            return Status(False, "no CUDA device visible (no driver, or CUDA_VISIBLE_DEVICES "
-                                 "hides them)")
+            return Status(
+                False, "no CUDA device visible (no driver, or CUDA_VISIBLE_DEVICES hides them)"
+            )
     except Exception as e:  # noqa: BLE001
         return Status(False, f"CUDA init failed: {e!r}")
     return Status(True, f"CUDA {torch.version.cuda}")
@@ -204,8 +205,9 @@ def deepep_status() -> Status:
         why.append("this epmoe build has no epmoe.comm.deepep backend")
     if why:
         return Status(False, "; ".join(why))
-    return Status(True, f"deep_ep {package('deep_ep').version or '?'}, {len(gpus())} GPUs with "
-                        "peer access")
+    return Status(
+        True, f"deep_ep {package('deep_ep').version or '?'}, {len(gpus())} GPUs with peer access"
+    )
 
 
 def quant_status(scheme: str, device: str) -> Status:
@@ -229,8 +231,9 @@ def quant_status(scheme: str, device: str) -> Status:
         cc = min(g.cc for g in gpus())
         if cc < DEEP_GEMM_MIN_CC:
             need = ".".join(map(str, DEEP_GEMM_MIN_CC))
-            why.append(f"deep_gemm needs compute capability >= {need} (sm90), found "
-                       f"{cc[0]}.{cc[1]}")
+            why.append(
+                f"deep_gemm needs compute capability >= {need} (sm90), found {cc[0]}.{cc[1]}"
+            )
     pkg = _pkg_reason("deep_gemm")
     if pkg:
         why.append(pkg)
@@ -261,8 +264,10 @@ def render() -> str:
             extra = f"  (CUDA {torch.version.cuda})" if torch.version.cuda else "  (CPU build)"
             lines.append(f"  {name:<14}{p.version}{extra}")
         elif p.importable:
-            lines.append(f"  {name:<14}{p.version or 'version unknown'}"
-                         + (f"  ({p.dist})" if p.dist and p.dist != name else ""))
+            lines.append(
+                f"  {name:<14}{p.version or 'version unknown'}"
+                + (f"  ({p.dist})" if p.dist and p.dist != name else "")
+            )
         else:
             ver = f"{p.version} " if p.version else ""
             lines.append(f"  {name:<14}{ver}missing: {p.why}")
@@ -273,15 +278,21 @@ def render() -> str:
     else:
         for g in gpus():
             link = "" if g.nvlinks is None else f", {g.nvlinks} NVLink links up"
-            lines.append(f"  cuda:{g.index}  {g.name}  compute capability {g.cc[0]}.{g.cc[1]}  "
-                         f"{g.mem_gib:.0f} GiB{link}")
+            lines.append(
+                f"  cuda:{g.index}  {g.name}  compute capability {g.cc[0]}.{g.cc[1]}  "
+                f"{g.mem_gib:.0f} GiB{link}"
+            )
         peers = peer_access()
         if peers:
             ok = sum(peers.values())
-            nv = "" if any(g.nvlinks is not None for g in gpus()) else \
-                " (NVLink state unknown: pip install nvidia-ml-py to show links)"
-            lines.append(f"  peer access (torch.cuda.can_device_access_peer): {ok}/{len(peers)} "
-                         f"pairs{nv}")
+            nv = (
+                ""
+                if any(g.nvlinks is not None for g in gpus())
+                else " (NVLink state unknown: pip install nvidia-ml-py to show links)"
+            )
+            lines.append(
+                f"  peer access (torch.cuda.can_device_access_peer): {ok}/{len(peers)} pairs{nv}"
+            )
             bad = [f"{i}->{j}" for (i, j), v in peers.items() if not v]
             if bad:
                 lines.append("  no peer access: " + ", ".join(bad))
@@ -296,8 +307,11 @@ def render() -> str:
     from epmoe.cli import demo
 
     plan = demo.default_plan()
-    lines += ["", f"`epmoe demo` here: {plan.world} {plan.dist_backend} rank(s) on {plan.device}, "
-                  f"backend {plan.backend}"]
+    lines += [
+        "",
+        f"`epmoe demo` here: {plan.world} {plan.dist_backend} rank(s) on {plan.device}, "
+        f"backend {plan.backend}",
+    ]
     return "\n".join(lines)
 
 

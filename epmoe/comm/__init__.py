@@ -1,6 +1,7 @@
 """Communication backends for dispatch/combine: local (one rank), torch.distributed, deep_ep.
 
-``create(backend, group, ...)`` builds a communicator, registers it and returns it (``comm.key`` is the
+``create(backend, group, ...)`` builds a communicator, registers it and returns it (``comm.key`` is
+the
 int the ops take). ``backend="auto"`` picks local for a group of one, else deep_ep on CUDA when it
 imports, else torch.
 """
@@ -45,7 +46,9 @@ def create(
     name = resolve_backend(backend, group, device)
     if name == "local":
         if group is not None and torch.distributed.get_world_size(group) != 1:
-            raise _checks.fail("EPMoE", "backend", "'torch' or 'deepep' for a group of >1 ranks", "'local'")
+            raise _checks.fail(
+                "EPMoE", "backend", "'torch' or 'deepep' for a group of >1 ranks", "'local'"
+            )
         comm = TorchComm(None, num_experts, hidden_size, max_tokens_per_rank)
     elif name == "torch":
         comm = TorchComm(group, num_experts, hidden_size, max_tokens_per_rank)

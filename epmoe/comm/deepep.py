@@ -281,7 +281,9 @@ class DeepEPComm(Communicator):
         if mode == "ht":
             if self.num_nvl_bytes > entry.nvl_bytes:
                 raise _checks.fail(
-                    "EPMoE", "num_nvl_bytes", f"at most the {entry.nvl_bytes} bytes of the deep_ep "
+                    "EPMoE",
+                    "num_nvl_bytes",
+                    f"at most the {entry.nvl_bytes} bytes of the deep_ep "
                     "buffer made before this layer (create the largest layer first)",
                     self.num_nvl_bytes,
                 )
@@ -295,9 +297,12 @@ class DeepEPComm(Communicator):
         hint = _deps.deep_ep().Buffer.get_low_latency_rdma_size_hint(mt, h, self.world_size, et)
         if hint > entry.rdma_bytes:
             raise _checks.fail(
-                "EPMoE", "max_tokens_per_rank", f"an LL layout within the {entry.rdma_bytes} RDMA "
+                "EPMoE",
+                "max_tokens_per_rank",
+                f"an LL layout within the {entry.rdma_bytes} RDMA "
                 f"bytes of the deep_ep buffer made before this layer (needs {hint}; create the "
-                "largest LL layer first)", mt,
+                "largest LL layer first)",
+                mt,
             )
 
     def _check_mode(self, mode: str) -> None:
@@ -366,25 +371,38 @@ class DeepEPComm(Communicator):
             raise _checks.fail(op, "world_size", f"one of {allowed} for deepep HT", P)
         if worst_case and self.internode:
             raise _checks.fail(
-                op, "worst_case", "False across nodes (deep_ep's num_worst_tokens is intranode "
-                "only)", True,
+                op,
+                "worst_case",
+                "False across nodes (deep_ep's num_worst_tokens is intranode only)",
+                True,
             )
         h_bytes = x.shape[1] * x.element_size()
         align = 16 if self.internode else _HT_ROW_ALIGN  # deep_ep copies int4s (pairs intranode)
         if h_bytes % align or (not self.internode and h_bytes > _HT_MAX_ROW_BYTES):
             limit = "" if self.internode else f", at most {_HT_MAX_ROW_BYTES},"
-            raise _checks.fail(op, "x", f"rows of a multiple of {align} bytes{limit} for deep_ep",
-                               f"{h_bytes} bytes")
+            raise _checks.fail(
+                op,
+                "x",
+                f"rows of a multiple of {align} bytes{limit} for deep_ep",
+                f"{h_bytes} bytes",
+            )
         if x_scales is not None and x.element_size() != 1:
-            raise _checks.fail(op, "x_scales", f"None with a {x.dtype} payload (deep_ep carries "
-                               "scales with 1-byte payloads)", "a tensor")
+            raise _checks.fail(
+                op,
+                "x_scales",
+                f"None with a {x.dtype} payload (deep_ep carries scales with 1-byte payloads)",
+                "a tensor",
+            )
         if not self.internode:
             S = 0 if x_scales is None else x_scales.shape[1]
             need = _nvl_bytes_needed(P, self.num_sms, h_bytes, topk_ids.shape[1], S, x.shape[1])
             if need > self.num_nvl_bytes:
                 raise _checks.fail(
-                    op, "num_nvl_bytes", f"at least {need} for H={x.shape[1]}, "
-                    f"K={topk_ids.shape[1]}, num_sms={self.num_sms}", self.num_nvl_bytes,
+                    op,
+                    "num_nvl_bytes",
+                    f"at least {need} for H={x.shape[1]}, "
+                    f"K={topk_ids.shape[1]}, num_sms={self.num_sms}",
+                    self.num_nvl_bytes,
                 )
 
     def _check_ll(self, x, x_scales) -> None:
@@ -392,22 +410,28 @@ class DeepEPComm(Communicator):
         if H not in LL_HIDDEN_SIZES:
             raise _checks.fail(op, "hidden_size", f"one of {LL_HIDDEN_SIZES} for deepep LL", H)
         if x_scales is not None:
-            raise _checks.fail(op, "x_scales", "None (deepep LL sends bf16 and casts to fp8 "
-                               "itself)", "a tensor")
+            raise _checks.fail(
+                op, "x_scales", "None (deepep LL sends bf16 and casts to fp8 itself)", "a tensor"
+            )
         if not mt:
             raise _checks.fail(op, "max_tokens_per_rank", "a positive int for LL mode", mt)
         if x.shape[0] > mt:
             raise _checks.fail(op, "x", f"at most max_tokens_per_rank={mt} tokens", x.shape[0])
         if (self.world_size * mt) % _LL_TOKEN_ALIGN:
             raise _checks.fail(
-                op, "max_tokens_per_rank", f"world_size * max_tokens_per_rank a multiple of "
+                op,
+                "max_tokens_per_rank",
+                f"world_size * max_tokens_per_rank a multiple of "
                 f"{_LL_TOKEN_ALIGN} (deep_ep stores LL scales with TMA)",
                 f"{self.world_size} * {mt}",
             )
         if 2 * (mt + 1) > _qp_depth():
             raise _checks.fail(
-                op, "max_tokens_per_rank", f"at most {_qp_depth() // 2 - 1} (deep_ep needs "
-                f"NVSHMEM_QP_DEPTH={_qp_depth()} >= 2 * (max_tokens_per_rank + 1))", mt,
+                op,
+                "max_tokens_per_rank",
+                f"at most {_qp_depth() // 2 - 1} (deep_ep needs "
+                f"NVSHMEM_QP_DEPTH={_qp_depth()} >= 2 * (max_tokens_per_rank + 1))",
+                mt,
             )
 
     def _check_same_tokens(self, T: int, device) -> None:
@@ -417,8 +441,12 @@ class DeepEPComm(Communicator):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         hi, lo = int(t[0]), -int(t[1])
         if hi != T or lo != T:
-            raise _checks.fail("dispatch", "x", f"the same token count on every rank for "
-                               f"worst_case=True (ranks hold {lo}..{hi})", T)
+            raise _checks.fail(
+                "dispatch",
+                "x",
+                f"the same token count on every rank for worst_case=True (ranks hold {lo}..{hi})",
+                T,
+            )
 
     # ------------------------------------------------------------------------------------------ HT
     def ht_dispatch(self, x, topk_ids, topk_weights, x_scales, worst_case):
@@ -522,12 +550,17 @@ class DeepEPComm(Communicator):
             dhandle = tuple(h.clone() if i in (8, 9) else h for i, h in enumerate(handle))
         else:
             if len(handle) != 6:
-                raise _checks.fail("combine", "handle", "the 6 tensors of a deepep HT dispatch",
-                                   f"{len(handle)} tensors")
+                raise _checks.fail(
+                    "combine",
+                    "handle",
+                    "the 6 tensors of a deepep HT dispatch",
+                    f"{len(handle)} tensors",
+                )
             in_rank, prefix, chan_prefix, recv_chan_prefix, src_idx, send_head = handle
             if y.shape[0] != src_idx.shape[0]:
-                raise _checks.fail("combine", "y", f"{src_idx.shape[0]} rows (the dispatch's N)",
-                                   y.shape[0])
+                raise _checks.fail(
+                    "combine", "y", f"{src_idx.shape[0]} rows (the dispatch's N)", y.shape[0]
+                )
             dhandle = (prefix, chan_prefix, recv_chan_prefix, src_idx, in_rank, send_head.clone())
         self._check_device("combine", y)
         buf = self._buffer("ht")
@@ -581,11 +614,19 @@ class DeepEPComm(Communicator):
     def _ll_combine(self, y, topk_ids, topk_weights, handle, out):
         mt = self.max_tokens_per_rank
         if len(handle) != 2:
-            raise _checks.fail("ll_combine", "handle", "the 2 tensors of a deepep LL dispatch",
-                               f"{len(handle)} tensors")
+            raise _checks.fail(
+                "ll_combine",
+                "handle",
+                "the 2 tensors of a deepep LL dispatch",
+                f"{len(handle)} tensors",
+            )
         if topk_ids.shape[0] > mt:
-            raise _checks.fail("ll_combine", "topk_ids", f"at most max_tokens_per_rank={mt} rows",
-                               topk_ids.shape[0])
+            raise _checks.fail(
+                "ll_combine",
+                "topk_ids",
+                f"at most max_tokens_per_rank={mt} rows",
+                topk_ids.shape[0],
+            )
         self._check_device("ll_combine", y)
         buf = self._buffer("ll")
         dhandle = (handle[0], handle[1], mt, self.hidden_size, self.num_experts)

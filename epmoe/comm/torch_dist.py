@@ -1,15 +1,17 @@
 """Dispatch/combine over torch.distributed ``all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
 With no process group (or a group of one) no collective runs: this is also the ``"local"`` backend.
-Every row travels as raw bytes (payload, scales, ids, weights packed into one uint8 row), so any payload
+Every row travels as raw bytes (payload, scales, ids, weights packed into one uint8 row), so any
+payload
 dtype (bf16, fp8, int8) works on any backend and each dispatch is one collective.
 
-Worst-case HT dispatch sends T slots to every peer (static: N = P*T, unused slots have ids -1); exact HT
+Worst-case HT dispatch sends T slots to every peer (static: N = P*T, unused slots have ids -1);
+exact HT
 dispatch exchanges counts first (one host sync) and sends only rows that have an expert on the peer.
-LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout locally; LL combine returns
+LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout locally; LL combine
+returns
 each (token, k) row to its source with one all-to-all and applies the weights there.
 """
-
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,11 @@ class _Layout:
         x = _from_bytes(rows[:, : self.x_end], self.dtype, self.h)
         s = _from_bytes(rows[:, self.x_end : self.s_end], torch.float32, self.s)
         ids = _from_bytes(rows[:, self.s_end : self.id_end], torch.int32, self.k).long()
-        w = _from_bytes(rows[:, self.id_end :], torch.float32, self.k) if self.width > self.id_end else None
+        w = (
+            _from_bytes(rows[:, self.id_end :], torch.float32, self.k)
+            if self.width > self.id_end
+            else None
+        )
         return x, s, ids, w
 
 
@@ -92,7 +98,8 @@ class TorchComm(Communicator):
 
     # ------------------------------------------------------------------------------------------ HT
     def _pack_for_peers(self, x, topk_ids, topk_weights, x_scales):
-        """-> packed uint8 `[P, T, B]` (ids remapped to each peer's local ids), is_in_rank `[T, P]`."""
+        """-> packed uint8 `[P, T, B]` (ids remapped to each peer's local ids), is_in_rank
+        bool `[T, P]`."""
         P, E = self.world_size, self.num_local_experts
         T, K = topk_ids.shape
         s = x_scales if x_scales is not None else x.new_empty((T, 0), dtype=torch.float32)
@@ -212,8 +219,11 @@ class TorchComm(Communicator):
         pos = torch.cumsum(flat.int(), dim=1) - 1
         masked_m = flat.sum(dim=1, dtype=torch.int32)
         _checks.check_values(
-            (masked_m <= C).all(), "ll_dispatch", "topk_ids", f"at most {C} rows per expert "
-            "(each token names an expert once)", "an expert over LL capacity"
+            (masked_m <= C).all(),
+            "ll_dispatch",
+            "topk_ids",
+            f"at most {C} rows per expert (each token names an expert once)",
+            "an expert over LL capacity",
         )
         e_idx = torch.arange(E, device=x.device).view(E, 1).expand(E, C * K)
         dst = torch.where(flat & (pos < C), e_idx * C + pos, E * C)  # dump row E*C
@@ -247,7 +257,7 @@ class TorchComm(Communicator):
         ]
 
     def ll_combine(self, y, topk_ids, topk_weights, handle):
-        P, E, maxT = self.world_size, self.num_local_experts, self.max_tokens_per_rank
+        P, maxT = self.world_size, self.max_tokens_per_rank
         T, K = topk_ids.shape
         H = y.shape[2]
         src_slot = handle[0].reshape(-1)  # [E*C] = s*K + k of the source (token, choice), or -1

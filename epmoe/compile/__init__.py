@@ -36,13 +36,15 @@ def assert_no_graph_breaks(fn, *args, **kwargs) -> None:
     if explain.graph_break_count or explain.graph_count != 1:
         reasons = "\n".join(str(r) for r in explain.break_reasons)
         raise AssertionError(
-            f"{explain.graph_break_count} graph break(s), {explain.graph_count} graph(s):\n{reasons}"
+            f"{explain.graph_break_count} graph break(s), "
+            f"{explain.graph_count} graph(s):\n{reasons}"
         )
 
 
 @contextlib.contextmanager
 def graph_partition(enabled: bool = True) -> Iterator[None]:
-    """Inductor graph partitioning: ops tagged ``torch.Tag.cudagraph_unsafe`` (exact-size HT dispatch)
+    """Inductor graph partitioning: ops tagged ``torch.Tag.cudagraph_unsafe`` (exact-size HT
+    dispatch)
     are split out, so ``mode="reduce-overhead"`` graphs the rest."""
     import torch._inductor.config as cfg
 

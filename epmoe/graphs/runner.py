@@ -4,12 +4,15 @@ A batch of T tokens is padded to the next captured size: padding tokens have ids
 nowhere) and zero weights; the output's first T rows are returned. Everything that compiles lazily
 (deep_gemm JIT, Triton autotune, torch.compile) runs in warm-up, outside capture.
 
-Every rank of the group must capture the same sizes in the same order and replay the same size at each
+Every rank of the group must capture the same sizes in the same order and replay the same size at
+each
 step (collectives inside the graphs pair up across ranks): pick the size from a batch size that all
 ranks agree on (e.g. the max over ranks, which engines already know for decode).
 
-DeepEP LL alternates two internal buffers on every dispatch and combine call; a captured graph holds one
-dispatch + combine pair, so the parity is the same at every replay and between replays and eager calls.
+DeepEP LL alternates two internal buffers on every dispatch and combine call; a captured graph holds
+one
+dispatch + combine pair, so the parity is the same at every replay and between replays and eager
+calls.
 """
 
 from typing import Callable, Dict, Optional, Sequence
@@ -93,7 +96,9 @@ class _GraphRunner:
 
     def _eager(self, x, topk_ids, topk_weights):
         raise _checks.fail(
-            type(self).__name__, "x", f"at most {self.max_size} tokens (the largest captured size)",
+            type(self).__name__,
+            "x",
+            f"at most {self.max_size} tokens (the largest captured size)",
             x.shape[0],
         )
 
@@ -109,16 +114,21 @@ class DecodeGraphRunner(_GraphRunner):
         warmup_iters: eager iterations per size before capture.
     """
 
-    def __init__(self, layer, capture_sizes: Optional[Sequence[int]] = None, fn=None,
-                 warmup_iters: int = 2):
+    def __init__(
+        self, layer, capture_sizes: Optional[Sequence[int]] = None, fn=None, warmup_iters: int = 2
+    ):
         if layer.mode != "ll":
             raise _checks.fail("DecodeGraphRunner", "layer", "an EPMoE in mode 'll'", layer.mode)
         cap = layer.max_tokens_per_rank
         if capture_sizes is None:
             capture_sizes = [s for s in DEFAULT_DECODE_SIZES if s <= cap] or [cap]
         if max(capture_sizes) > cap:
-            raise _checks.fail("DecodeGraphRunner", "capture_sizes",
-                               f"sizes <= max_tokens_per_rank={cap}", max(capture_sizes))
+            raise _checks.fail(
+                "DecodeGraphRunner",
+                "capture_sizes",
+                f"sizes <= max_tokens_per_rank={cap}",
+                max(capture_sizes),
+            )
         super().__init__(layer, capture_sizes, fn, warmup_iters)
 
     def _eager(self, x, topk_ids, topk_weights):
@@ -137,12 +147,16 @@ class PrefillGraphRunner(_GraphRunner):
 
     def __init__(self, layer, num_tokens, fn=None, warmup_iters: int = 2):
         if layer.mode != "ht" or not layer.worst_case:
-            raise _checks.fail("PrefillGraphRunner", "layer",
-                               "an EPMoE in mode 'ht' with worst_case=True",
-                               f"mode={layer.mode!r}, worst_case={layer.worst_case}")
+            raise _checks.fail(
+                "PrefillGraphRunner",
+                "layer",
+                "an EPMoE in mode 'ht' with worst_case=True",
+                f"mode={layer.mode!r}, worst_case={layer.worst_case}",
+            )
         sizes = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
         cap = layer.max_tokens_per_rank
         if cap and max(sizes) > cap:
-            raise _checks.fail("PrefillGraphRunner", "num_tokens",
-                               f"at most max_tokens_per_rank={cap}", max(sizes))
+            raise _checks.fail(
+                "PrefillGraphRunner", "num_tokens", f"at most max_tokens_per_rank={cap}", max(sizes)
+            )
         super().__init__(layer, sizes, fn, warmup_iters)

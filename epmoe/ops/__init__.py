@@ -1,4 +1,7 @@
-"""Every stage of the expert-parallel MoE layer as a ``torch.ops.epmoe.*`` op (one module per stage)."""
+"""Every stage of the expert-parallel MoE layer as a ``torch.ops.epmoe.*`` op.
+
+One module per stage.
+"""
 
 from epmoe.ops.activation import silu_and_mul, silu_and_mul_quant
 from epmoe.ops.combine import ht_combine, ll_combine

@@ -1,12 +1,16 @@
 """Stage: dispatch. Send each token to the ranks that hold its experts.
 
-Contract (HT): ``d = ht_dispatch(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False)``
+Contract (HT): ``d = ht_dispatch(x, topk_ids, topk_weights, comm_key, x_scales=None,
+worst_case=False)``
 - x: bf16/fp8/int8 `[T, H]`; topk_ids: int64 `[T, K]` global expert id or -1; topk_weights: float32
   `[T, K]`; x_scales: float32 `[T, S]` or None.
-- d.x `[N, H]`, d.x_scales `[N, S]` | None, d.topk_ids int64 `[N, K]` LOCAL ids (-1 for experts on other
-  ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`, d.handle
+- d.x `[N, H]`, d.x_scales `[N, S]` | None, d.topk_ids int64 `[N, K]` LOCAL ids (-1 for experts on
+other
+  ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`,
+  d.handle
   (tuple of tensors for :func:`epmoe.ops.combine.ht_combine`).
-- worst_case=True: N = world * (max_tokens_per_rank of the communicator, or T when unset, in which case
+- worst_case=True: N = world * (max_tokens_per_rank of the communicator, or T when unset, in which
+case
   every rank must pass the same T) - static, no host sync, CUDA-graph safe; unused rows have ids -1.
   worst_case=False: N is exact and data-dependent (host sync; the fake declares a dynamic size; not
   CUDA-graph safe, tagged ``cudagraph_unsafe``).
@@ -147,7 +151,9 @@ def ht_dispatch(
     op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
     out = op(x, topk_ids, topk_weights, x_scales, comm_key)
     rx, rs, rids, rw, counts = out[:5]
-    return HTDispatchResult(rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:]))
+    return HTDispatchResult(
+        rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:])
+    )
 
 
 def ll_dispatch(

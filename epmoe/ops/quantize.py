@@ -46,7 +46,8 @@ _FP8_MAX = tl.constexpr(reference.FP8_MAX)
 _INT8_MAX = tl.constexpr(reference.INT8_MAX)
 _EPS = tl.constexpr(reference.SCALE_EPS)
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to an integer
-# The interpreter's own fp8 cast flushes subnormals, so there the rounding is done by hand; on the GPU
+# The interpreter's own fp8 cast flushes subnormals, so there the rounding is done by hand; on the
+# GPU
 # the hardware cast (cvt.rn.satfinite, round to nearest even) is the one torch's own cast uses.
 _MANUAL_FP8_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 

@@ -1,6 +1,7 @@
 """Run a test function on N ranks (one process each) and surface every rank's failure in pytest.
 
-``run_ranks(fn, world_size, backend, *args)`` spawns ``world_size`` processes, initializes the default
+``run_ranks(fn, world_size, backend, *args)`` spawns ``world_size`` processes, initializes the
+default
 process group (gloo on CPU, nccl with one GPU per rank) and calls ``fn(rank, world_size, *args)``.
 ``fn`` must be importable (module level). Exceptions travel back as formatted tracebacks.
 """
@@ -12,7 +13,11 @@ import traceback
 import torch.multiprocessing as mp
 
 # NVLink multicast stays off on shared GPU hosts.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def free_port() -> int:

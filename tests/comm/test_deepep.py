@@ -190,8 +190,14 @@ def _fake_rank(rank, world):
                 assert d.topk_ids.dtype == torch.int64 and d.topk_ids.shape[1] == K
                 assert d.topk_weights.dtype == f32 and d.expert_counts.shape == (El,)
                 assert d.expert_counts.dtype == i32
-                want = [((T, world), torch.bool), ((world, world), i32), ((world, ch), i32),
-                        ((world, ch), i32), ((n,), i32), ((T, world), i32)]
+                want = [
+                    ((T, world), torch.bool),
+                    ((world, world), i32),
+                    ((world, ch), i32),
+                    ((world, ch), i32),
+                    ((n,), i32),
+                    ((T, world), i32),
+                ]
                 assert len(d.handle) == len(want)
                 for h, (shape, dt) in zip(d.handle, want, strict=True):
                     assert h.dtype == dt and len(h.shape) == len(shape)
@@ -271,20 +277,35 @@ def _validation_rank(rank, world):
         ids, w = torch.empty((T, K), dtype=torch.int64), torch.empty((T, K))
         x = torch.empty((T, H), dtype=torch.bfloat16)
         cases = [
-            (lambda: ops.ht_dispatch(x, ids, w, c.key, x_scales=torch.empty((T, 1))),
-             "dispatch: x_scales expected None with a torch.bfloat16 payload"),
-            (lambda: ops.ht_dispatch(x, ids, w, small.key),
-             "dispatch: num_nvl_bytes expected at least"),
-            (lambda: ops.ll_dispatch(torch.empty((T + 1, H), dtype=torch.bfloat16),
-                                     torch.empty((T + 1, K), dtype=torch.int64), c.key),
-             "ll_dispatch: x expected at most max_tokens_per_rank=16 tokens, got 17"),
-            (lambda: ops.ll_dispatch(x[:1], ids[:1], odd.key),
-             "ll_dispatch: max_tokens_per_rank expected world_size \\* max_tokens_per_rank a "
-             "multiple of 4"),
-            (lambda: ops.ll_dispatch(x, ids, deep.key),
-             "ll_dispatch: max_tokens_per_rank expected at most 511"),
-            (lambda: ops.ll_dispatch(x, ids, no_ll.key),
-             "ll_dispatch: max_tokens_per_rank expected a positive int for LL mode"),
+            (
+                lambda: ops.ht_dispatch(x, ids, w, c.key, x_scales=torch.empty((T, 1))),
+                "dispatch: x_scales expected None with a torch.bfloat16 payload",
+            ),
+            (
+                lambda: ops.ht_dispatch(x, ids, w, small.key),
+                "dispatch: num_nvl_bytes expected at least",
+            ),
+            (
+                lambda: ops.ll_dispatch(
+                    torch.empty((T + 1, H), dtype=torch.bfloat16),
+                    torch.empty((T + 1, K), dtype=torch.int64),
+                    c.key,
+                ),
+                "ll_dispatch: x expected at most max_tokens_per_rank=16 tokens, got 17",
+            ),
+            (
+                lambda: ops.ll_dispatch(x[:1], ids[:1], odd.key),
+                "ll_dispatch: max_tokens_per_rank expected world_size \\* max_tokens_per_rank a "
+                "multiple of 4",
+            ),
+            (
+                lambda: ops.ll_dispatch(x, ids, deep.key),
+                "ll_dispatch: max_tokens_per_rank expected at most 511",
+            ),
+            (
+                lambda: ops.ll_dispatch(x, ids, no_ll.key),
+                "ll_dispatch: max_tokens_per_rank expected a positive int for LL mode",
+            ),
         ]
         for fn, match in cases:
             with pytest.raises(ValueError, match=match):
@@ -296,10 +317,18 @@ def _validation_rank(rank, world):
         # intranode HT rows: int4 pairs (2064 int8 bytes is not a multiple of 32), <= 16352 bytes
         for h, dtype in ((2064, torch.int8), (8192, torch.bfloat16)):
             c3 = epcomm.create("deepep", dist.group.WORLD, E, h)
-            with pytest.raises(ValueError, match="dispatch: x expected rows of a multiple of 32 "
-                               "bytes, at most 16352, for deep_ep, got"):
-                ops.ht_dispatch(torch.empty((T, h), dtype=dtype), ids, w, c3.key,
-                                x_scales=torch.empty((T, 1)) if h == 2064 else None)
+            with pytest.raises(
+                ValueError,
+                match="dispatch: x expected rows of a multiple of 32 "
+                "bytes, at most 16352, for deep_ep, got",
+            ):
+                ops.ht_dispatch(
+                    torch.empty((T, h), dtype=dtype),
+                    ids,
+                    w,
+                    c3.key,
+                    x_scales=torch.empty((T, 1)) if h == 2064 else None,
+                )
 
     # registry: layers over the same ranks share one entry per kind; share_buffer -> "shared"
     ranks = tuple(range(world))
@@ -378,9 +407,16 @@ def _layer_rank(rank, world, mode, worst):
     for quant in QUANTS:
         outs = {}
         for backend in ("deepep", "torch"):
-            layer = epmoe.EPMoE(**CFG, quant=quant, mode=mode, group=dist.group.WORLD,
-                                backend=backend, max_tokens_per_rank=MAX_TOKENS,
-                                worst_case=worst, device=dev)
+            layer = epmoe.EPMoE(
+                **CFG,
+                quant=quant,
+                mode=mode,
+                group=dist.group.WORLD,
+                backend=backend,
+                max_tokens_per_rank=MAX_TOKENS,
+                worst_case=worst,
+                device=dev,
+            )
             assert layer.comm.name == backend
             layer.load_weights(w1, w2)
             outs[backend] = layer(x.to(dev), ids.to(dev), w.to(dev)).cpu()
@@ -705,8 +741,9 @@ def _raw_rank(rank, world):
     for use_fp8 in (False, True):
         tag = f"rank {rank} LL use_fp8={use_fp8}"
         ours = ops.ll_dispatch(xd, idsd, c.key, use_fp8=use_fp8)
-        got = ops.ll_combine(_dequant(ours.x, ours.x_scales).bfloat16(), idsd, wd, ours.handle,
-                             c.key)
+        got = ops.ll_combine(
+            _dequant(ours.x, ours.x_scales).bfloat16(), idsd, wd, ours.handle, c.key
+        )
         recv, count, handle = raw_ll_dispatch(ll_buf, xd, idsd, T, E, use_fp8)
         rx, rs = recv if use_fp8 else (recv, None)
         want = raw_ll_combine(ll_buf, _dequant(rx, rs).bfloat16(), idsd, wd, handle)
@@ -815,9 +852,16 @@ def _switch_rank(rank, world):
         out = ops.ll_combine(d.x, ids.to(dev), w.to(dev), d.handle, c.key).cpu()
         assert_close(out, _weighted_sum(x, ids, w).bfloat16())
 
-    steps = [("ll a", lambda: ll(a, 64), 0), ("ht", ht, 0), ("ll a", lambda: ll(a, 64), 1),
-             ("ll a", lambda: ll(a, 64), 1), ("ll b", lambda: ll(b, 32), 2), ("ht", ht, 2),
-             ("ll b", lambda: ll(b, 32), 3), ("ll a", lambda: ll(a, 64), 4)]
+    steps = [
+        ("ll a", lambda: ll(a, 64), 0),
+        ("ht", ht, 0),
+        ("ll a", lambda: ll(a, 64), 1),
+        ("ll a", lambda: ll(a, 64), 1),
+        ("ll b", lambda: ll(b, 32), 2),
+        ("ht", ht, 2),
+        ("ll b", lambda: ll(b, 32), 3),
+        ("ll a", lambda: ll(a, 64), 4),
+    ]
     for name, fn, want_cleans in steps:
         try:
             fn()

@@ -18,9 +18,17 @@ def _layer_rank(rank, world):
     checked = 0
     for mode, worst in MODES:
         for quant in QUANTS:
-            layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, group=dist.group.WORLD,
-                                backend="torch", alignment=8, max_tokens_per_rank=24,
-                                worst_case=worst, device="cpu")
+            layer = epmoe.EPMoE(
+                **SMALL,
+                quant=quant,
+                mode=mode,
+                group=dist.group.WORLD,
+                backend="torch",
+                alignment=8,
+                max_tokens_per_rank=24,
+                worst_case=worst,
+                device="cpu",
+            )
             layer.load_weights(w1, w2)
             assert layer.comm.name == "torch" and layer.num_local_experts == 8 // world
             # ranks hold different token counts (one holds none) to exercise uneven splits
@@ -30,8 +38,15 @@ def _layer_rank(rank, world):
             check_layer_output(out, x, ids, w, w1, w2, quant)
             checked += 1
     # worst case without max_tokens_per_rank: N = world * T, the same T on every rank
-    layer = epmoe.EPMoE(**SMALL, quant="int8", group=dist.group.WORLD, backend="torch",
-                        alignment=8, worst_case=True, device="cpu")
+    layer = epmoe.EPMoE(
+        **SMALL,
+        quant="int8",
+        group=dist.group.WORLD,
+        backend="torch",
+        alignment=8,
+        worst_case=True,
+        device="cpu",
+    )
     layer.load_weights(w1, w2)
     x, ids, w = tokens(9, seed=200 + rank, **SMALL)
     check_layer_output(layer(x, ids, w), x, ids, w, w1, w2, "int8")
@@ -47,12 +62,19 @@ def test_layer_matches_dense_on_every_rank(world):
 def _routing_rank(rank, world):
     """Which rows arrive, with which local ids and weights: checked against every rank's tokens."""
     E_local = SMALL["num_experts"] // world
-    layer = epmoe.EPMoE(**SMALL, group=dist.group.WORLD, backend="torch", alignment=8, device="cpu",
-                        max_tokens_per_rank=16)
+    layer = epmoe.EPMoE(
+        **SMALL,
+        group=dist.group.WORLD,
+        backend="torch",
+        alignment=8,
+        device="cpu",
+        max_tokens_per_rank=16,
+    )
     all_tok = [tokens(6 + r, seed=7 * r, **SMALL) for r in range(world)]
     x, ids, w = all_tok[rank]
     lo = rank * E_local
-    want = []  # (source token row as bytes, local ids, weights) for every token that has an expert here
+    # (source token row, local ids, weights) for every token that has an expert here
+    want = []
     for xs, ids_s, w_s in all_tok:
         for t in range(ids_s.shape[0]):
             mine = (ids_s[t] >= lo) & (ids_s[t] < lo + E_local)
@@ -73,7 +95,8 @@ def _routing_rank(rank, world):
             assert d.x.shape[0] == len(want)
         counts = torch.bincount(d.topk_ids[d.topk_ids >= 0], minlength=E_local)
         assert torch.equal(d.expert_counts, counts.int())
-        # combine returns each row home and sums (unweighted): sending ones gives per-token rank counts
+        # combine returns each row home and sums (unweighted): sending ones gives per-token rank
+        # counts
         y = torch.ones((d.x.shape[0], SMALL["hidden_size"]), dtype=torch.bfloat16)
         back = ops.ht_combine(y, d.handle, layer.comm_key)
         nranks = torch.stack([((ids // E_local) == r).any(1) for r in range(world)], 1).sum(1)

@@ -16,8 +16,17 @@ CONFIGS = [("ht", False), ("ht", True), ("ll", False)]
 
 
 def make_layer(quant, mode, worst, group=None, backend="local"):
-    layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, group=group, backend=backend, alignment=8,
-                        max_tokens_per_rank=16, worst_case=worst, device="cpu")
+    layer = epmoe.EPMoE(
+        **SMALL,
+        quant=quant,
+        mode=mode,
+        group=group,
+        backend=backend,
+        alignment=8,
+        max_tokens_per_rank=16,
+        worst_case=worst,
+        device="cpu",
+    )
     layer.load_weights(*global_weights(**SMALL))
     return layer
 
@@ -49,8 +58,9 @@ def test_no_graph_breaks(mode, worst):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant,mode,worst", [("fp8", "ht", True), ("int8", "ll", False),
-                                              ("bf16", "ht", False)])
+@pytest.mark.parametrize(
+    "quant,mode,worst", [("fp8", "ht", True), ("int8", "ll", False), ("bf16", "ht", False)]
+)
 def test_inductor_matches_eager(quant, mode, worst):
     torch._dynamo.reset()
     layer = make_layer(quant, mode, worst)

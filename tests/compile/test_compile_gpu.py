@@ -1,5 +1,6 @@
 """torch.compile on CUDA: fullgraph layer (no graph breaks, == eager), the model-level example where
-Inductor fuses the router and the residual around the MoE ops, exact-size HT under reduce-overhead."""
+Inductor fuses the router and the residual around the MoE ops, exact-size HT under
+reduce-overhead."""
 
 import pytest
 import torch
@@ -36,8 +37,16 @@ class RoutedMoE(torch.nn.Module):
 
 
 def _layer(quant, mode, worst=False, group=None, backend="local"):
-    layer = epmoe.EPMoE(**GPU_MOE, quant=quant, mode=mode, group=group, backend=backend,
-                        max_tokens_per_rank=64, worst_case=worst, device="cuda")
+    layer = epmoe.EPMoE(
+        **GPU_MOE,
+        quant=quant,
+        mode=mode,
+        group=group,
+        backend=backend,
+        max_tokens_per_rank=64,
+        worst_case=worst,
+        device="cuda",
+    )
     layer.load_weights(*global_weights(**GPU_MOE))
     return layer
 
@@ -100,8 +109,9 @@ def _compile_rank(rank, world):
             explain = torch._dynamo.explain(layer)(x, ids, w)
             assert explain.graph_break_count == 0, explain.break_reasons
             out = torch.compile(layer, fullgraph=True)(x, ids, w)
-            check_layer_output(out.cpu(), x.cpu(), ids.cpu(), w.cpu(),
-                               *global_weights(**GPU_MOE), quant)
+            check_layer_output(
+                out.cpu(), x.cpu(), ids.cpu(), w.cpu(), *global_weights(**GPU_MOE), quant
+            )
             done.append((mode, worst, quant))
     return len(done)
 

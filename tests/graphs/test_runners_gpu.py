@@ -43,8 +43,16 @@ def _decode_checks(layer, runner, rank, quant):
 
 
 def _make(quant, mode, group=None, backend="local", worst_case=False, max_tokens=32):
-    layer = epmoe.EPMoE(**GPU_MOE, quant=quant, mode=mode, group=group, backend=backend,
-                        max_tokens_per_rank=max_tokens, worst_case=worst_case, device="cuda")
+    layer = epmoe.EPMoE(
+        **GPU_MOE,
+        quant=quant,
+        mode=mode,
+        group=group,
+        backend=backend,
+        max_tokens_per_rank=max_tokens,
+        worst_case=worst_case,
+        device="cuda",
+    )
     layer.load_weights(*global_weights(**GPU_MOE))
     return layer
 
@@ -76,8 +84,9 @@ def test_decode_runner_compiled_layer():
     layer = _make("int8", "ll")
     runner = DecodeGraphRunner(layer, capture_sizes=(4, 8), fn=torch.compile(layer, fullgraph=True))
     x, ids, w = (t.cuda() for t in tokens(6, seed=3, **GPU_MOE))
-    check_layer_output(runner(x, ids, w).cpu(), x.cpu(), ids.cpu(), w.cpu(),
-                       *global_weights(**GPU_MOE), "int8")
+    check_layer_output(
+        runner(x, ids, w).cpu(), x.cpu(), ids.cpu(), w.cpu(), *global_weights(**GPU_MOE), "int8"
+    )
 
 
 def _two_rank_decode(rank, world, backend):
@@ -90,8 +99,9 @@ def _two_rank_decode(rank, world, backend):
         _decode_checks(layer, runner, rank, quant)
         out.append(quant)
     for quant in ("fp8", "bf16"):
-        layer = _make(quant, "ht", group=dist.group.WORLD, backend=backend, worst_case=True,
-                      max_tokens=64)
+        layer = _make(
+            quant, "ht", group=dist.group.WORLD, backend=backend, worst_case=True, max_tokens=64
+        )
         runner = PrefillGraphRunner(layer, num_tokens=64)
         w1, w2 = global_weights(**GPU_MOE)
         for T in (64, 17):

@@ -51,8 +51,12 @@ def test_activation_opcheck(seed):
         (lambda: ops.silu_and_mul(torch.zeros(2, 5)), "silu_and_mul: y.shape\\[-1\\] expected"),
         (lambda: ops.silu_and_mul_quant(torch.zeros(2, 200), "fp8"), "silu_and_mul_quant: y.shape"),
         (lambda: ops.silu_and_mul_quant(torch.zeros(2, 256), "int4"), "silu_and_mul_quant: scheme"),
-        (lambda: ops.silu_and_mul_quant(torch.zeros(2, 256), "fp8", torch.zeros(2, dtype=torch.int32)),
-         "silu_and_mul_quant: masked_m expected None for a 2-D y"),
+        (
+            lambda: ops.silu_and_mul_quant(
+                torch.zeros(2, 256), "fp8", torch.zeros(2, dtype=torch.int32)
+            ),
+            "silu_and_mul_quant: masked_m expected None for a 2-D y",
+        ),
     ],
 )
 def test_activation_bad_input(call, match):

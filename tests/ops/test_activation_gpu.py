@@ -129,13 +129,25 @@ def test_opcheck_cuda():
     mi = torch.tensor([0, -1] * 16 + [1], dtype=torch.int32, device="cuda")
     opcheck(torch.ops.epmoe.silu_and_mul.default, (y,))
     opcheck(torch.ops.epmoe.silu_and_mul.default, (y, None, mi), utils=NO_VALUE_COMPARE)
-    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y, "fp8", None, 128, mi, "deepgemm"), utils=NO_VALUE_COMPARE)
+    opcheck(
+        torch.ops.epmoe.silu_and_mul_quant.default,
+        (y, "fp8", None, 128, mi, "deepgemm"),
+        utils=NO_VALUE_COMPARE,
+    )
     opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y, "int8", None, 128, None, "row"))
     y3 = torch.randn((4, 9, 512), generator=gen).to(torch.bfloat16).cuda()
     mm = torch.tensor([0, 9, 2, 5], dtype=torch.int32, device="cuda")
     opcheck(torch.ops.epmoe.silu_and_mul.default, (y3, mm, None), utils=NO_VALUE_COMPARE)
-    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y3, "fp8", mm, 128, None, "deepgemm"), utils=NO_VALUE_COMPARE)
-    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y3, "int8", mm, 128, None, "row"), utils=NO_VALUE_COMPARE)
+    opcheck(
+        torch.ops.epmoe.silu_and_mul_quant.default,
+        (y3, "fp8", mm, 128, None, "deepgemm"),
+        utils=NO_VALUE_COMPARE,
+    )
+    opcheck(
+        torch.ops.epmoe.silu_and_mul_quant.default,
+        (y3, "int8", mm, 128, None, "row"),
+        utils=NO_VALUE_COMPARE,
+    )
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])

@@ -65,7 +65,8 @@ def test_gemm_bad_input(seed):
     with pytest.raises(ValueError, match="grouped_gemm: w expected dtype"):
         ops.grouped_gemm(a, w.float(), m_indices=m_idx, a_scales=as_, w_scales=ws)
     with pytest.raises(ValueError, match="grouped_gemm: m_indices expected ids"):
-        ops.grouped_gemm(a, w, m_indices=torch.full((4,), 2, dtype=torch.int32), a_scales=as_,
-                         w_scales=ws)
+        ops.grouped_gemm(
+            a, w, m_indices=torch.full((4,), 2, dtype=torch.int32), a_scales=as_, w_scales=ws
+        )
     with pytest.raises(ValueError, match="grouped_gemm: a_scales expected shape"):
         ops.grouped_gemm(a, w, m_indices=m_idx, a_scales=as_[:, :0], w_scales=ws)

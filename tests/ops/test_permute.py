@@ -148,8 +148,11 @@ def test_permute_opcheck(seed):
 )
 def test_permute_bad_input(kwargs, match):
     args = dict(
-        x=torch.zeros(4, 8), topk_ids=torch.zeros(4, 2, dtype=torch.long), num_experts=3,
-        alignment=4, x_scales=None,
+        x=torch.zeros(4, 8),
+        topk_ids=torch.zeros(4, 2, dtype=torch.long),
+        num_experts=3,
+        alignment=4,
+        x_scales=None,
     )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):

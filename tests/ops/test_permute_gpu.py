@@ -113,8 +113,11 @@ def test_opcheck_cuda():
     ids = C.routing(40, 4, 6, gen).cuda()
     scales = torch.rand((40, 2), generator=gen).cuda()
     opcheck(torch.ops.epmoe.permute.default, (x, ids, 6, 16, scales, "row"), utils=_UTILS)
-    opcheck(torch.ops.epmoe.permute.default, (x, ids.to(torch.int32), 6, 16, None, "deepgemm"),
-            utils=_UTILS)
+    opcheck(
+        torch.ops.epmoe.permute.default,
+        (x, ids.to(torch.int32), 6, 16, None, "deepgemm"),
+        utils=_UTILS,
+    )
     # 1-byte payload (int8: opcheck's own input comparisons have no float8 kernels)
     x8 = _payload(40, 256, torch.int8, gen).cuda()
     opcheck(torch.ops.epmoe.permute.default, (x8, ids, 6, 16, scales, "deepgemm"), utils=_UTILS)

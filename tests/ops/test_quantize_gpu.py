@@ -96,7 +96,9 @@ def test_opcheck_cuda():
     opcheck(torch.ops.epmoe.quantize.default, (x, "int8", 128, None, "row"))
     x3 = torch.randn((4, 9, 256), generator=gen).cuda()
     mm = torch.tensor([0, 9, 3, 1], dtype=torch.int32, device="cuda")
-    opcheck(torch.ops.epmoe.quantize.default, (x3, "int8", 128, mm, "deepgemm"), utils=NO_VALUE_COMPARE)
+    opcheck(
+        torch.ops.epmoe.quantize.default, (x3, "int8", 128, mm, "deepgemm"), utils=NO_VALUE_COMPARE
+    )
     opcheck(torch.ops.epmoe.quantize.default, (x3, "fp8", 128, mm, "row"), utils=NO_VALUE_COMPARE)
 
 

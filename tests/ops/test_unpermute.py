@@ -41,12 +41,26 @@ def test_unpermute_opcheck(seed):
 @pytest.mark.parametrize(
     "args,match",
     [
-        ((torch.zeros(4, 8), torch.zeros(2, 2), torch.zeros(2, 2)), "unpermute: inv_perm expected dtype"),
-        ((torch.zeros(4, 8), torch.full((2, 2), 4), torch.zeros(2, 2)), "unpermute: inv_perm expected ids"),
-        ((torch.zeros(4, 8), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 3)),
-         "unpermute: topk_weights expected shape"),
-        ((torch.zeros(4, 8, dtype=torch.int8), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2)),
-         "unpermute: y expected dtype"),
+        (
+            (torch.zeros(4, 8), torch.zeros(2, 2), torch.zeros(2, 2)),
+            "unpermute: inv_perm expected dtype",
+        ),
+        (
+            (torch.zeros(4, 8), torch.full((2, 2), 4), torch.zeros(2, 2)),
+            "unpermute: inv_perm expected ids",
+        ),
+        (
+            (torch.zeros(4, 8), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 3)),
+            "unpermute: topk_weights expected shape",
+        ),
+        (
+            (
+                torch.zeros(4, 8, dtype=torch.int8),
+                torch.zeros(2, 2, dtype=torch.long),
+                torch.zeros(2, 2),
+            ),
+            "unpermute: y expected dtype",
+        ),
     ],
 )
 def test_unpermute_bad_input(args, match):
