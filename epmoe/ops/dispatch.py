@@ -83,44 +83,32 @@ def _validate_ll(comm, x, topk_ids, use_fp8) -> None:
         _checks.check_multiple(op, "hidden_size", x.shape[1], 128, "(fp8 groups)")
 
 
-@torch.library.custom_op("epmoe::ht_dispatch", mutates_args=())
-def _ht_dispatch_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    x_scales: Optional[torch.Tensor],
-    comm_key: int,
-) -> List[torch.Tensor]:
-    comm = _registry.get(comm_key)
-    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
-    return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, True)
+def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
+    """The two HT dispatch ops differ only in ``worst_case`` (static N) and their tags."""
+
+    @torch.library.custom_op(f"epmoe::{name}", mutates_args=(), tags=tags)
+    def op(
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        comm_key: int,
+    ) -> List[torch.Tensor]:
+        comm = _registry.get(comm_key)
+        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+        return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
+
+    @op.register_fake
+    def _(x, topk_ids, topk_weights, x_scales, comm_key):
+        comm = _registry.get(comm_key)
+        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+        return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, worst_case)
+
+    return op
 
 
-@_ht_dispatch_op.register_fake
-def _(x, topk_ids, topk_weights, x_scales, comm_key):
-    comm = _registry.get(comm_key)
-    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
-    return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, True)
-
-
-@torch.library.custom_op("epmoe::ht_dispatch_exact", mutates_args=(), tags=_UNSAFE)
-def _ht_dispatch_exact_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    x_scales: Optional[torch.Tensor],
-    comm_key: int,
-) -> List[torch.Tensor]:
-    comm = _registry.get(comm_key)
-    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
-    return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, False)
-
-
-@_ht_dispatch_exact_op.register_fake
-def _(x, topk_ids, topk_weights, x_scales, comm_key):
-    comm = _registry.get(comm_key)
-    _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
-    return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, False)
+_ht_dispatch_op = _register_ht_dispatch("ht_dispatch", worst_case=True)
+_ht_dispatch_exact_op = _register_ht_dispatch("ht_dispatch_exact", worst_case=False, tags=_UNSAFE)
 
 
 @torch.library.custom_op("epmoe::ll_dispatch", mutates_args=())
