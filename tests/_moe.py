@@ -2,6 +2,7 @@
 
 import torch
 
+import epmoe
 from epmoe import reference
 from tests._routing import random_ids, random_weights
 from tests._tol import LAYER_VS_DENSE, LAYER_VS_QUANT_AWARE, rel_l2
@@ -20,6 +21,16 @@ def global_weights(num_experts, hidden_size, intermediate_size, seed=0, **_):
         / intermediate_size**0.5
     )
     return w1, w2
+
+
+def small_layer(quant, mode, worst_case=False, **kw):
+    """An EPMoE of the SMALL shape on CPU (local backend unless ``kw`` says otherwise), with the
+    weights of :func:`global_weights` loaded."""
+    args = dict(backend="local", worst_case=worst_case, device="cpu")
+    args.update(kw)
+    layer = epmoe.EPMoE(**SMALL, quant=quant, mode=mode, **args)
+    layer.load_weights(*global_weights(**SMALL))
+    return layer
 
 
 def tokens(T, num_experts, hidden_size, top_k, seed, **_):

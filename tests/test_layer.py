@@ -4,23 +4,11 @@ import pytest
 import torch
 
 import epmoe
-from tests._moe import SMALL, check_layer_output, global_weights, tokens
+from tests._moe import SMALL, check_layer_output, global_weights, small_layer, tokens
 
 
 def make_layer(quant, mode, worst_case=False, **kw):
-    layer = epmoe.EPMoE(
-        **SMALL,
-        quant=quant,
-        mode=mode,
-        backend="local",
-        alignment=16,
-        max_tokens_per_rank=32,
-        worst_case=worst_case,
-        device="cpu",
-        **kw,
-    )
-    layer.load_weights(*global_weights(**SMALL))
-    return layer
+    return small_layer(quant, mode, worst_case, alignment=16, max_tokens_per_rank=32, **kw)
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])

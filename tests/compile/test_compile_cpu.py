@@ -7,8 +7,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import epmoe
-from tests._moe import SMALL, check_layer_output, global_weights, tokens
+from tests._moe import SMALL, check_layer_output, global_weights, small_layer, tokens
 from tests._tol import rel_l2
 from tests.comm._mp import run_ranks
 
@@ -16,19 +15,9 @@ CONFIGS = [("ht", False), ("ht", True), ("ll", False)]
 
 
 def make_layer(quant, mode, worst, group=None, backend="local"):
-    layer = epmoe.EPMoE(
-        **SMALL,
-        quant=quant,
-        mode=mode,
-        group=group,
-        backend=backend,
-        alignment=8,
-        max_tokens_per_rank=16,
-        worst_case=worst,
-        device="cpu",
+    return small_layer(
+        quant, mode, worst, group=group, backend=backend, alignment=8, max_tokens_per_rank=16
     )
-    layer.load_weights(*global_weights(**SMALL))
-    return layer
 
 
 def _same(a, b):
