@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session on the 2xH200 machine: environment, GPU tests, benchmarks; logs go to $OUT.
-# Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh [tests] [bench] [demo]
+# Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
+# steps: tests bench cli_bench sweep deepep_bench layer_bench demo (EPMOE_CAP_<step> caps one step's seconds)
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
 mkdir -p "$OUT"
@@ -37,8 +38,16 @@ for step in "$@"; do
         > "$OUT/deepep_bench.log" 2>&1
       echo "deepep_bench rc=$?" >> "$OUT/summary.txt" ;;
     demo)
-      timeout $((t - 10)) python3 -m epmoe demo > "$OUT/demo.log" 2>&1
+      timeout $((t - 10)) python3 -m epmoe demo ${EPMOE_DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
       echo "demo rc=$?" >> "$OUT/summary.txt" ;;
+    sweep)
+      timeout $((t - 10)) python3 scripts/stage_sweep.py --out "$OUT/sweep.jsonl" \
+        --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} > "$OUT/sweep.log" 2>&1
+      echo "sweep rc=$?" >> "$OUT/summary.txt" ;;
+    cli_bench)
+      timeout $((t - 10)) python3 -m epmoe bench --out-dir "$OUT/cli_bench" \
+        ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} > "$OUT/cli_bench.log" 2>&1
+      echo "cli_bench rc=$?" >> "$OUT/summary.txt" ;;
   esac
 done
 cat "$OUT/summary.txt" 2>/dev/null

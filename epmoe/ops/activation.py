@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, reference
+from epmoe import _checks, _eager, reference
 
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
-from epmoe.ops.quantize import (
+from epmoe.ops.quantize import (  # noqa: F401 - _row_bound etc. are used inside the kernels
     _int8_scale,
     _quant_fp8_groups,
     _quant_int8,
@@ -43,42 +43,49 @@ OP = "silu_and_mul"
 OPQ = "silu_and_mul_quant"
 
 # ------------------------------------------------------------------------------ launch heuristics
-SILU_TILE = 2048  # outputs per silu_and_mul program: 8 KiB of bf16 input, 4 warps
-FP8_TILE = 1024  # outputs per fused fp8 program (groups x group size), reads 4 KiB of bf16
+SILU_TILE = 2048  # outputs per silu_and_mul program and row: 8 KiB of bf16 input
+SILU_BLOCK_M = 2  # rows per silu_and_mul program (unmasked): more loads in flight per thread
+FP8_TILE = 1024  # outputs per fused fp8 program and row (groups x group size): 4 KiB of bf16
+FP8_BLOCK_M = 4  # rows per fused fp8 program (unmasked)
 FP8_TILE_MASKED = 4096  # masked (decode): whole rows of I <= 4096 per program
 INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows recompute in a 2nd pass
 INT8_CHUNK = 4096
-# programs per column chunk when m_indices marks padding rows: at workload W over half of the
-# M_sum rows are padding or unused tail, cheaper to skip inside a loop than as exiting programs
-ROW_PROGRAMS = 4096
+INT8_ROW_TILE = 4096  # unmasked int8: rows shorter than this are batched into one program
 
 
 # --------------------------------------------------------------------------------- jit helpers
 @triton.jit
 def _silu_mul(g, u):
-    """silu(g) * u in float32, g / (1 + exp(-g)) as torch computes it."""
-    return tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+    """silu(g) * u in float32 as g / (1 + exp(-g)) * u (torch's formula; the GPU exp and division
+    are the fast ones, so results match torch to the y.dtype rounding, not to the bit)."""
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
-def _live_cols(mi_ptr, t, n, HAS_ROWS: tl.constexpr):
-    """n, or 0 when m_indices marks row t as padding (a scalar bound folds into every mask)."""
+def _live_rows(mi_ptr, t, live, HAS_ROWS: tl.constexpr):
+    """live, and-ed with m_indices[t] >= 0 when m_indices marks padding rows (never read)."""
     if HAS_ROWS:
-        return tl.where(tl.load(mi_ptr + t) >= 0, n, 0)
+        return live & (tl.load(mi_ptr + t, mask=live, other=-1) >= 0)
     else:
-        return n
+        return live
 
 
 @triton.jit
-def _load_h(y_row, cols, mask, I, stride_yh):
-    """silu(gate) * up at columns ``cols`` of one row, rounded to y's dtype, as float32."""
-    g = tl.load(y_row + cols * stride_yh, mask=mask, other=0.0)
-    u = tl.load(y_row + (cols + I) * stride_yh, mask=mask, other=0.0)
+def _load_h(y_rows, cols, mask, I, stride_yh):
+    """silu(gate) * up of rows ``y_rows`` `[R, 1]` at columns ``cols``, rounded to y's dtype, as
+    float32."""
+    g = tl.load(y_rows + cols * stride_yh, mask=mask, other=0.0)
+    u = tl.load(y_rows + (cols + I) * stride_yh, mask=mask, other=0.0)
     h = _silu_mul(g.to(tl.float32), u.to(tl.float32))
     return round_float(h, g.dtype).to(tl.float32)
 
 
 # -------------------------------------------------------------------------------------- kernels
+# Grid (slots, E, column chunks), as in epmoe.ops.quantize: a program handles BLOCK_M rows at a
+# time, row blocks slot, slot + NUM_SLOTS, ... below the expert's bound (masked_m), skipping rows
+# that m_indices marks as padding (their loads and stores are masked off: no memory traffic).
+
+
 @triton.jit
 def _silu_mul_kernel(
     # tensors
@@ -88,18 +95,21 @@ def _silu_mul_kernel(
     # strides (elements)
     stride_ye, stride_yt, stride_yh, stride_he, stride_ht,
     # meta
-    BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t in range(slot, bound, NUM_SLOTS):
-        t64 = tl.cast(t, tl.int64)
-        m = cols < _live_cols(mi_ptr, t64, I, HAS_ROWS)
-        h = _load_h(y_ptr + e64 * stride_ye + t64 * stride_yt, cols, m, I, stride_yh)
-        tl.store(h_ptr + e64 * stride_he + t64 * stride_ht + cols, h, mask=m)
+    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
+        t = t0 + tl.arange(0, BLOCK_M)
+        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS)
+        t64 = t.to(tl.int64)
+        m = live[:, None] & (cols[None, :] < I)
+        h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols[None, :], m, I,
+                    stride_yh)  # fmt: skip
+        tl.store(h_ptr + e64 * stride_he + (t64 * stride_ht)[:, None] + cols[None, :], h, mask=m)
 
 
 @triton.jit
@@ -113,24 +123,27 @@ def _silu_mul_fp8_kernel(
     stride_se, stride_st, stride_sg,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
-    groups = tl.program_id(2) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    # BLOCK_M x GROUPS_PER_PROG (row, group) pairs, each a row of the [R, BLOCK_G] tile
+    r = tl.arange(0, BLOCK_M * GROUPS_PER_PROG)
+    groups = tl.program_id(2) * GROUPS_PER_PROG + r % GROUPS_PER_PROG
     inner = tl.arange(0, BLOCK_G)
     cols = groups[:, None] * GROUP + inner[None, :]
+    gmask = groups < NUM_GROUPS
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t in range(slot, bound, NUM_SLOTS):
-        t64 = tl.cast(t, tl.int64)
-        live_groups = _live_cols(mi_ptr, t64, NUM_GROUPS, HAS_ROWS)
-        m = (groups[:, None] < live_groups) & (inner[None, :] < GROUP)
-        h = _load_h(y_ptr + e64 * stride_ye + t64 * stride_yt, cols, m, I, stride_yh)
+    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
+        t = t0 + r // GROUPS_PER_PROG
+        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS) & gmask
+        t64 = t.to(tl.int64)
+        m = live[:, None] & (inner[None, :] < GROUP)
+        h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols, m, I, stride_yh)
         q, s = _quant_fp8_groups(h)
-        tl.store(q_ptr + e64 * stride_qe + t64 * stride_qt + cols, q, mask=m)
-        s_off = e64 * stride_se + t64 * stride_st + groups * stride_sg
-        tl.store(s_ptr + s_off, s, mask=groups < live_groups)
+        tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
+        tl.store(s_ptr + e64 * stride_se + t64 * stride_st + groups * stride_sg, s, mask=live)
 
 
 @triton.jit
@@ -142,48 +155,41 @@ def _silu_mul_int8_kernel(
     # strides (elements)
     stride_ye, stride_yt, stride_yh, stride_qe, stride_qt, stride_se, stride_st,
     # meta
-    BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)[None, :]
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t in range(slot, bound, NUM_SLOTS):
-        t64 = tl.cast(t, tl.int64)
-        live_cols = _live_cols(mi_ptr, t64, I, HAS_ROWS)
-        y_row = y_ptr + e64 * stride_ye + t64 * stride_yt
-        q_row = q_ptr + e64 * stride_qe + t64 * stride_qt
+    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
+        t = t0 + tl.arange(0, BLOCK_M)
+        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS)
+        t64 = t.to(tl.int64)
+        y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
+        q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
-            m = offs < live_cols
-            h = _load_h(y_row, offs, m, I, stride_yh)
-            s = _int8_scale(tl.max(tl.abs(h), axis=0))
-            tl.store(q_row + offs, _quant_int8(h, s), mask=m)
+            m = live[:, None] & (offs < I)
+            h = _load_h(y_rows, offs, m, I, stride_yh)
+            s = _int8_scale(tl.max(tl.abs(h), axis=1))
+            tl.store(q_rows + offs, _quant_int8(h, s), mask=m)
         else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            amax = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
             for c0 in range(0, I, BLOCK):
-                m = c0 + offs < live_cols
-                amax = tl.maximum(amax, tl.abs(_load_h(y_row, c0 + offs, m, I, stride_yh)))
-            s = _int8_scale(tl.max(amax, axis=0))
+                m = live[:, None] & (c0 + offs < I)
+                amax = tl.maximum(amax, tl.abs(_load_h(y_rows, c0 + offs, m, I, stride_yh)))
+            s = _int8_scale(tl.max(amax, axis=1))
             for c0 in range(0, I, BLOCK):
-                m = c0 + offs < live_cols
-                h = _load_h(y_row, c0 + offs, m, I, stride_yh)
-                tl.store(q_row + c0 + offs, _quant_int8(h, s), mask=m)
-        if HAS_ROWS:
-            tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live_cols > 0)
-        else:
-            tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s)
+                m = live[:, None] & (c0 + offs < I)
+                h = _load_h(y_rows, c0 + offs, m, I, stride_yh)
+                tl.store(q_rows + c0 + offs, _quant_int8(h, s), mask=m)
+        tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live)
 
 
 # ----------------------------------------------------------------------------- host-side launch
-def _grid_rows(y, masked_m, m_indices):
-    """(E, T, strides, row slots). With m_indices a fixed number of programs loops over the rows:
-    one program per row would leave most of the grid as programs that only find a -1 and exit."""
-    E, T, strides = _q.as_3d(y)
-    if m_indices is not None:
-        return E, T, strides, min(T, ROW_PROGRAMS)
-    return E, T, strides, _q.num_slots(E, T, masked_m is not None)
+def _slots(E, T, masked_m, block_m):
+    return _q.num_slots(E, T, masked_m is not None, block_m)
 
 
 def _silu_and_mul_triton(
@@ -194,16 +200,19 @@ def _silu_and_mul_triton(
     """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     inter = y.shape[-1] // 2
     h = torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
-    E, T, (sye, syt, syh), slots = _grid_rows(y, masked_m, m_indices)
+    E, T, (sye, syt, syh) = _q.as_3d(y)
     _, _, (she, sht, _) = _q.as_3d(h)
-    if E * T == 0 or inter == 0:
-        return h
-    block = min(triton.next_power_of_2(inter), SILU_TILE)
+    block = min(triton.next_power_of_2(max(inter, 1)), SILU_TILE)
+    block_m = 1 if masked_m is not None else SILU_BLOCK_M
+    slots = _slots(E, T, masked_m, block_m)
+    # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
+    # launches nothing
     grid = (slots, E, triton.cdiv(inter, block))
     _q._kernel(_silu_mul_kernel)[grid](
         y, h, masked_m if masked_m is not None else y, m_indices if m_indices is not None else y,
         T, inter, slots, sye, syt, syh, she, sht,
-        BLOCK=block, HAS_MASK=masked_m is not None, HAS_ROWS=m_indices is not None, num_warps=4,
+        BLOCK=block, BLOCK_M=block_m, HAS_MASK=masked_m is not None,
+        HAS_ROWS=m_indices is not None, num_warps=_q._warps(block * block_m),
     )  # fmt: skip
     return h
 
@@ -223,32 +232,36 @@ def _silu_and_mul_quant_triton(
     groups = inter // group_size if scheme == "fp8" else 1
     q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
     s = _q.alloc_scales(lead, groups, scale_layout, y.device)
-    E, T, (sye, syt, syh), slots = _grid_rows(y, masked_m, m_indices)
+    E, T, (sye, syt, syh) = _q.as_3d(y)
     _, _, (sqe, sqt, _) = _q.as_3d(q)
     _, _, (sse, sst, ssg) = _q.as_3d(s)
-    if E * T == 0 or inter == 0:
-        return q, s
-    mm = masked_m if masked_m is not None else y  # placeholder pointers, never read
+    masked = masked_m is not None
+    mm = masked_m if masked else y  # placeholder pointers, never read
     mi = m_indices if m_indices is not None else y
-    flags = dict(HAS_MASK=masked_m is not None, HAS_ROWS=m_indices is not None)
+    flags = dict(HAS_MASK=masked, HAS_ROWS=m_indices is not None)
     if scheme == "fp8":
         block_g = triton.next_power_of_2(group_size)
-        tile = FP8_TILE if masked_m is None else FP8_TILE_MASKED
-        gpp = min(triton.next_power_of_2(groups), max(1, tile // block_g))
+        tile = FP8_TILE if not masked else FP8_TILE_MASKED
+        gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
+        block_m = 1 if masked else FP8_BLOCK_M
+        slots = _slots(E, T, masked_m, block_m)
         grid = (slots, E, triton.cdiv(groups, gpp))
         _q._kernel(_silu_mul_fp8_kernel)[grid](
             y, q, s, mm, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
-            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp,
-            num_warps=_q._warps(gpp * block_g), **flags,
+            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
+            num_warps=_q._warps(block_m * gpp * block_g), **flags,
         )  # fmt: skip
     else:
         single = inter <= INT8_SINGLE_PASS_MAX
-        block = triton.next_power_of_2(inter) if single else INT8_CHUNK
+        block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
+        block_m = 1 if masked else max(1, INT8_ROW_TILE // block)
+        slots = _slots(E, T, masked_m, block_m)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, mm, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
-            BLOCK=block, SINGLE_PASS=single, num_warps=8 if block >= 4096 else 4, **flags,
+            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single,
+            num_warps=_q._warps(block * block_m), **flags,
         )  # fmt: skip
     return q, s
 
@@ -286,16 +299,29 @@ def _reference_quant(y, scheme, group_size, scale_layout):
     return q, _q.as_layout(s, scale_layout)
 
 
+def _silu_and_mul_impl(y, masked_m=None, m_indices=None):
+    _validate(OP, y, masked_m, m_indices)
+    if y.is_cuda:
+        return _silu_and_mul_triton(y, masked_m, m_indices)
+    return reference.silu_and_mul(y)
+
+
+def _silu_and_mul_quant_impl(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row"
+):
+    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    if y.is_cuda:
+        return _silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    return _reference_quant(y, scheme, group_size, scale_layout)
+
+
 @triton_op("epmoe::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _validate(OP, y, masked_m, m_indices)
-    if y.is_cuda:
-        return _silu_and_mul_triton(y, masked_m, m_indices)
-    return reference.silu_and_mul(y)
+    return _silu_and_mul_impl(y, masked_m, m_indices)
 
 
 @_silu_and_mul_op.register_kernel("cpu")
@@ -313,10 +339,7 @@ def _silu_and_mul_quant_op(
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
-    if y.is_cuda:
-        return _silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, scale_layout)
-    return _reference_quant(y, scheme, group_size, scale_layout)
+    return _silu_and_mul_quant_impl(y, scheme, masked_m, group_size, m_indices, scale_layout)
 
 
 @_silu_and_mul_quant_op.register_kernel("cpu")
@@ -341,6 +364,8 @@ def silu_and_mul(
     Returns:
         y.dtype `[..., I]`.
     """
+    if _eager.direct(y, masked_m, m_indices):
+        return _silu_and_mul_impl(y, masked_m, m_indices)
     return _silu_and_mul_op(y, masked_m, m_indices)
 
 
@@ -364,4 +389,6 @@ def silu_and_mul_quant(
     Returns:
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
+    if _eager.direct(y, masked_m, m_indices):
+        return _silu_and_mul_quant_impl(y, scheme, masked_m, group_size, m_indices, scale_layout)
     return _silu_and_mul_quant_op(y, scheme, masked_m, group_size, m_indices, scale_layout)

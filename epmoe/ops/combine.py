@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from epmoe import _checks
+from epmoe import _checks, _eager
 from epmoe.comm import _registry
 
 
@@ -43,11 +43,15 @@ def _validate_ll(comm, y, topk_ids, topk_weights) -> None:
     _checks.check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape))
 
 
-@torch.library.custom_op("epmoe::ht_combine", mutates_args=())
-def _ht_combine_op(y: torch.Tensor, handle: List[torch.Tensor], comm_key: int) -> torch.Tensor:
+def _ht_combine_impl(y, handle, comm_key):
     comm = _registry.get(comm_key)
     _validate_ht(comm, y, handle)
     return comm.ht_combine(y, list(handle))
+
+
+@torch.library.custom_op("epmoe::ht_combine", mutates_args=())
+def _ht_combine_op(y: torch.Tensor, handle: List[torch.Tensor], comm_key: int) -> torch.Tensor:
+    return _ht_combine_impl(y, handle, comm_key)
 
 
 @_ht_combine_op.register_fake
@@ -55,6 +59,12 @@ def _(y, handle, comm_key):
     comm = _registry.get(comm_key)
     _validate_ht(comm, y, handle)
     return y.new_empty((handle[0].shape[0], y.shape[1]))
+
+
+def _ll_combine_impl(y, topk_ids, topk_weights, handle, comm_key):
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    return comm.ll_combine(y, topk_ids, topk_weights, list(handle))
 
 
 @torch.library.custom_op("epmoe::ll_combine", mutates_args=())
@@ -65,9 +75,7 @@ def _ll_combine_op(
     handle: List[torch.Tensor],
     comm_key: int,
 ) -> torch.Tensor:
-    comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
-    return comm.ll_combine(y, topk_ids, topk_weights, list(handle))
+    return _ll_combine_impl(y, topk_ids, topk_weights, handle, comm_key)
 
 
 @_ll_combine_op.register_fake
@@ -75,6 +83,13 @@ def _(y, topk_ids, topk_weights, handle, comm_key):
     comm = _registry.get(comm_key)
     _validate_ll(comm, y, topk_ids, topk_weights)
     return y.new_empty((topk_ids.shape[0], y.shape[2]))
+
+
+def _ll_combine_out_impl(y, topk_ids, topk_weights, handle, comm_key, out) -> None:
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, y, topk_ids, topk_weights)
+    _validate_out(y, topk_ids, out)
+    comm.ll_combine_out(out, y, topk_ids, topk_weights, list(handle))
 
 
 @torch.library.custom_op("epmoe::ll_combine_out", mutates_args=("out",))
@@ -86,10 +101,7 @@ def _ll_combine_out_op(
     comm_key: int,
     out: torch.Tensor,
 ) -> None:
-    comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
-    _validate_out(y, topk_ids, out)
-    comm.ll_combine_out(out, y, topk_ids, topk_weights, list(handle))
+    _ll_combine_out_impl(y, topk_ids, topk_weights, handle, comm_key, out)
 
 
 @_ll_combine_out_op.register_fake
@@ -101,7 +113,8 @@ def _(y, topk_ids, topk_weights, handle, comm_key, out):
 
 def ht_combine(y: torch.Tensor, handle: Sequence[torch.Tensor], comm_key: int) -> torch.Tensor:
     """Unweighted HT combine: y bf16 `[N, H]` -> bf16 `[T, H]`."""
-    return _ht_combine_op(y, list(handle), comm_key)
+    op = _ht_combine_impl if _eager.direct(y, *handle) else _ht_combine_op
+    return op(y, list(handle), comm_key)
 
 
 def ll_combine(
@@ -113,7 +126,10 @@ def ll_combine(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Weighted LL combine: y bf16 `[E, C, H]` -> bf16 `[T, H]`, written into ``out`` if given."""
+    direct = _eager.direct(y, topk_ids, topk_weights, out, *handle)
     if out is None:
-        return _ll_combine_op(y, topk_ids, topk_weights, list(handle), comm_key)
-    _ll_combine_out_op(y, topk_ids, topk_weights, list(handle), comm_key, out)
+        op = _ll_combine_impl if direct else _ll_combine_op
+        return op(y, topk_ids, topk_weights, list(handle), comm_key)
+    op = _ll_combine_out_impl if direct else _ll_combine_out_op
+    op(y, topk_ids, topk_weights, list(handle), comm_key, out)
     return out

@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from epmoe import _checks
+from epmoe import _checks, _eager
 from epmoe.comm import _registry
 
 _PAYLOAD = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -86,6 +86,11 @@ def _validate_ll(comm, x, topk_ids, use_fp8) -> None:
 def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
     """The two HT dispatch ops differ only in ``worst_case`` (static N) and their tags."""
 
+    def impl(x, topk_ids, topk_weights, x_scales, comm_key):
+        comm = _registry.get(comm_key)
+        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+        return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
+
     @torch.library.custom_op(f"epmoe::{name}", mutates_args=(), tags=tags)
     def op(
         x: torch.Tensor,
@@ -94,9 +99,7 @@ def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
         x_scales: Optional[torch.Tensor],
         comm_key: int,
     ) -> List[torch.Tensor]:
-        comm = _registry.get(comm_key)
-        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
-        return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
+        return impl(x, topk_ids, topk_weights, x_scales, comm_key)
 
     @op.register_fake
     def _(x, topk_ids, topk_weights, x_scales, comm_key):
@@ -104,20 +107,26 @@ def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
         _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
         return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, worst_case)
 
-    return op
+    return op, impl
 
 
-_ht_dispatch_op = _register_ht_dispatch("ht_dispatch", worst_case=True)
-_ht_dispatch_exact_op = _register_ht_dispatch("ht_dispatch_exact", worst_case=False, tags=_UNSAFE)
+_ht_dispatch_op, _ht_dispatch_impl = _register_ht_dispatch("ht_dispatch", worst_case=True)
+_ht_dispatch_exact_op, _ht_dispatch_exact_impl = _register_ht_dispatch(
+    "ht_dispatch_exact", worst_case=False, tags=_UNSAFE
+)
+
+
+def _ll_dispatch_impl(x, topk_ids, comm_key, use_fp8):
+    comm = _registry.get(comm_key)
+    _validate_ll(comm, x, topk_ids, use_fp8)
+    return comm.ll_dispatch(x, topk_ids, None, use_fp8)
 
 
 @torch.library.custom_op("epmoe::ll_dispatch", mutates_args=())
 def _ll_dispatch_op(
     x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool
 ) -> List[torch.Tensor]:
-    comm = _registry.get(comm_key)
-    _validate_ll(comm, x, topk_ids, use_fp8)
-    return comm.ll_dispatch(x, topk_ids, None, use_fp8)
+    return _ll_dispatch_impl(x, topk_ids, comm_key, use_fp8)
 
 
 @_ll_dispatch_op.register_fake
@@ -136,7 +145,10 @@ def ht_dispatch(
     worst_case: bool = False,
 ) -> HTDispatchResult:
     """HT dispatch through communicator ``comm_key`` (see module docstring for shapes)."""
-    op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
+    if _eager.direct(x, topk_ids, topk_weights, x_scales):
+        op = _ht_dispatch_impl if worst_case else _ht_dispatch_exact_impl
+    else:
+        op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
     out = op(x, topk_ids, topk_weights, x_scales, comm_key)
     rx, rs, rids, rw, counts = out[:5]
     return HTDispatchResult(
@@ -148,5 +160,6 @@ def ll_dispatch(
     x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool = False
 ) -> LLDispatchResult:
     """LL dispatch into the masked `[E, C, H]` layout (see module docstring)."""
-    out = _ll_dispatch_op(x, topk_ids, comm_key, use_fp8)
+    op = _ll_dispatch_impl if _eager.direct(x, topk_ids) else _ll_dispatch_op
+    out = op(x, topk_ids, comm_key, use_fp8)
     return LLDispatchResult(out[0], out[1] if use_fp8 else None, out[2], tuple(out[3:]))

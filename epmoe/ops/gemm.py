@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _deps, reference
+from epmoe import _checks, _deps, _eager, reference
 
 OP = "grouped_gemm"
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -736,8 +736,11 @@ def grouped_gemm(
     if (m_indices is None) == (masked_m is None):
         raise _checks.fail(OP, "m_indices/masked_m", "exactly one of them", "both or neither")
     if m_indices is not None:
-        return _contiguous_op(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    return _masked_op(a, w, masked_m, a_scales, w_scales, int(expected_m or 0))
+        direct = _eager.direct(a, w, m_indices, a_scales, w_scales, expert_offsets)
+        run = _contiguous_cuda if direct else _contiguous_op
+        return run(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
+    return run(a, w, masked_m, a_scales, w_scales, int(expected_m or 0))
 
 
 # ------------------------------------------------------------------------------- weights / warmup

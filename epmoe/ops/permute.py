@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from epmoe import _checks, reference
+from epmoe import _checks, _eager, reference
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
 _q = importlib.import_module("epmoe.ops.quantize")
@@ -42,6 +42,7 @@ BLOCK_N = 128  # (t, k) entries per rank program: the in-block rank is a [BLOCK_
 BLOCK_SCAN = 1024  # blocks per step of the per-expert prefix scan (fixed: no recompile per M)
 BLOCK_ROWS = 128  # m_indices rows per program
 COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
+COPY_WARPS = 4
 
 
 class PermuteResult(NamedTuple):
@@ -229,7 +230,7 @@ def _permute_triton(
         x, xs, inv_perm, x_out, s_out, H, S,
         x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-        BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=4,
+        BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=COPY_WARPS,
     )  # fmt: skip
     _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     return x_out, s_out, m_indices, inv_perm, offsets
@@ -250,6 +251,13 @@ def _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout="row")
         _checks.check_device(OP, "x_scales", x_scales, x)
 
 
+def _permute_impl(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
+    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    if x.is_cuda:
+        return _permute_triton(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+
+
 @triton_op("epmoe::permute", mutates_args=())
 def _permute_op(
     x: torch.Tensor,
@@ -259,10 +267,7 @@ def _permute_op(
     x_scales: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    if x.is_cuda:
-        return _permute_triton(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    return _permute_impl(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
 
 
 @_permute_op.register_kernel("cpu")
@@ -301,7 +306,8 @@ def permute(
     # the schema would reject a non-int before our message could say what was expected
     _checks.check_positive_int(OP, "num_experts", num_experts)
     _checks.check_positive_int(OP, "alignment", alignment)
-    xp, sp, m_indices, inv_perm, offsets = _permute_op(
+    run = _permute_impl if _eager.direct(x, topk_ids, x_scales) else _permute_op
+    xp, sp, m_indices, inv_perm, offsets = run(
         x, topk_ids, num_experts, alignment, x_scales, scale_layout
     )
     return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

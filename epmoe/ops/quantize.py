@@ -4,17 +4,17 @@ Contract: ``q, s = quantize(x, scheme, group_size=128, masked_m=None, scale_layo
 
 - x: bf16/fp16/fp32 `[M, H]` or `[E, T, H]` (any strides).
 - fp8: q float8_e4m3fn like x, s float32 `[..., H // group_size]`,
-  s = max(amax(group) / 448, 1e-10), q = x / s (clamped to +-448, round to nearest even).
+  s = max(amax(group) / 448, 1e-10), q = x * (1 / s) (clamped to +-448, round to nearest even).
 - int8: q int8 like x, s float32 `[..., 1]`, s = max(amax(row) / 127, 1e-10),
-  q = round-half-away(x / s) clamped to [-127, 127].
+  q = round-half-away(x * (1 / s)) clamped to [-127, 127].
 - masked_m: int32 `[E]` for 3-D input; rows t >= masked_m[e] are unspecified (the kernels never
   read or write them).
 - scale_layout: "row" gives a contiguous s; "deepgemm" gives the same values in DeepGEMM's
   MN-major, TMA-aligned layout, strides (1, round_up(M, 4)) for `[M, S]` and
   (S * round_up(T, 4), 1, round_up(T, 4)) for `[E, T, S]`: no transpose before the grouped GEMM.
 
-All divisions are IEEE round-to-nearest (``tl.math.div_rn``) and the fp8 rounding is done exactly in
-float32 before the cast, so the CUDA kernels are byte-exact with :mod:`epmoe.reference`.
+The two divisions per group (amax / max, 1 / s) are IEEE round-to-nearest (``tl.math.div_rn``) and
+the casts round to nearest even, so the CUDA kernels are byte-exact with :mod:`epmoe.reference`.
 
 CUDA-graph safe (static shapes, fixed grid, no host sync). ``group_size`` is the quant block,
 unrelated to the permute ``alignment``.
@@ -28,28 +28,32 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from epmoe import _checks, reference
+from epmoe import _checks, _eager, reference
 
 OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
 
 # ------------------------------------------------------------------------------ launch heuristics
-FP8_TILE = 2048  # elements per fp8 program: 4 KiB of bf16, 2 x 16 B loads per thread at 4 warps
+FP8_TILE = 2048  # elements per fp8 program and row: 4 KiB of bf16, 16 B loads per thread
+FP8_BLOCK_M = 2  # rows per fp8 program: two independent loads in flight per thread
 FP8_TILE_MASKED = 8192  # masked (decode): a whole row per program, few programs find no live row
 INT8_SINGLE_PASS_MAX = 8192  # rows up to this many elements stay in registers (one HBM read)
 INT8_CHUNK = 4096  # chunk of the two-pass loop for longer rows (second read hits L2)
+INT8_ROW_TILE = 4096  # unmasked int8: rows shorter than this are batched into one program
 MASKED_PROGRAMS = 2048  # target programs over [E, slots] for masked inputs; each loops over rows
 MIN_SLOTS = 16  # row slots per expert at least, so ~8 live rows per expert run in parallel
 TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
+MAX_WARPS = 8
 
 _FP8_MAX = tl.constexpr(reference.FP8_MAX)
 _INT8_MAX = tl.constexpr(reference.INT8_MAX)
 _EPS = tl.constexpr(reference.SCALE_EPS)
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to an integer
-# The interpreter's own fp8 cast flushes subnormals, so there the rounding is done by hand; on the
-# GPU
-# the hardware cast (cvt.rn.satfinite, round to nearest even) is the one torch's own cast uses.
-_MANUAL_FP8_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# The interpreter's own fp8 and bf16 casts do not round to nearest even (fp8 flushes subnormals,
+# bf16 truncates), so there the rounding is done by hand; on the GPU the hardware casts
+# (cvt.rn.satfinite / cvt.rn) are the ones torch's own casts use.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MANUAL_RNE = tl.constexpr(_INTERPRET)
 
 
 # --------------------------------------------------------------------------- shared jit helpers
@@ -70,12 +74,12 @@ def _fp8_rne(v):
 
 @triton.jit
 def round_float(v, DTYPE: tl.constexpr):
-    """float32 v -> DTYPE with round-to-nearest-even.
+    """float32 v -> DTYPE with round-to-nearest-even (torch's cast).
 
-    bf16 is rounded with integer ops: the Triton interpreter's own bf16 cast truncates, and the
-    result must match torch's (RNE) under TRITON_INTERPRET=1 too. Same bits as cvt.rn on GPU.
+    Under the interpreter bf16 is rounded with integer ops (its own bf16 cast truncates); on the
+    GPU the cast is cvt.rn, the same bits.
     """
-    if DTYPE == tl.bfloat16:
+    if DTYPE == tl.bfloat16 and _MANUAL_RNE:
         bits = v.to(tl.int32, bitcast=True)
         r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         return tl.where(v != v, v, r).to(tl.bfloat16)
@@ -85,12 +89,15 @@ def round_float(v, DTYPE: tl.constexpr):
 
 @triton.jit
 def _quant_fp8_groups(x):
-    """x float32 `[GROUPS, BLOCK_G]` (masked lanes 0) -> (q float8e4nv, s float32 `[GROUPS]`)."""
+    """x float32 `[R, BLOCK_G]` (masked lanes 0) -> (q float8e4nv, s float32 `[R]`).
+
+    q = x * (1 / s): one IEEE division per group, not per element (see reference.quantize_fp8).
+    """
     amax = tl.max(tl.abs(x), axis=1)
     s = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _EPS)
-    v = tl.math.div_rn(x, s[:, None])
+    v = x * tl.math.div_rn(1.0, s)[:, None]
     v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
-    if _MANUAL_FP8_RNE:
+    if _MANUAL_RNE:
         v = _fp8_rne(v)
     return v.to(tl.float8e4nv), s
 
@@ -102,8 +109,9 @@ def _int8_scale(amax):
 
 @triton.jit
 def _quant_int8(x, s):
-    """round-half-away(x / s) clamped to +-127, as int8 (x float32, s float32 scalar)."""
-    v = tl.math.div_rn(x, s)
+    """round-half-away(x * (1 / s)) clamped to +-127, as int8 (x float32 `[BLOCK_M, N]`, s
+    float32 `[BLOCK_M]`)."""
+    v = x * tl.math.div_rn(1.0, s)[:, None]
     r = tl.floor(tl.abs(v) + 0.5)
     r = tl.where(v < 0, -r, r)
     return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
@@ -119,6 +127,11 @@ def _row_bound(mm_ptr, e, T, HAS_MASK: tl.constexpr):
 
 
 # -------------------------------------------------------------------------------------- kernels
+# Grid (slots, E, column chunks). A program handles BLOCK_M rows at a time, row blocks slot,
+# slot + NUM_SLOTS, ... below the expert's bound: one block when unmasked (NUM_SLOTS covers T), a
+# short loop for masked inputs (a fixed grid whatever masked_m holds).
+
+
 @triton.jit
 def _quant_fp8_kernel(
     # tensors
@@ -130,25 +143,29 @@ def _quant_fp8_kernel(
     stride_se, stride_st, stride_sg,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
-    g0 = tl.program_id(2) * GROUPS_PER_PROG
-    groups = g0 + tl.arange(0, GROUPS_PER_PROG)
+    # R = BLOCK_M x GROUPS_PER_PROG (row, group) pairs, each a row of the [R, BLOCK_G] tile
+    r = tl.arange(0, BLOCK_M * GROUPS_PER_PROG)
+    groups = tl.program_id(2) * GROUPS_PER_PROG + r % GROUPS_PER_PROG
     inner = tl.arange(0, BLOCK_G)
     cols = groups[:, None] * GROUP + inner[None, :]
     cmask = (groups[:, None] < NUM_GROUPS) & (inner[None, :] < GROUP)
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t in range(slot, bound, NUM_SLOTS):
-        t64 = tl.cast(t, tl.int64)
+    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
+        t = t0 + r // GROUPS_PER_PROG
+        live = t < bound
+        t64 = t.to(tl.int64)
+        m = cmask & live[:, None]
         x_row = x_ptr + e64 * stride_xe + t64 * stride_xt
-        x = tl.load(x_row + cols * stride_xh, mask=cmask, other=0.0)
+        x = tl.load(x_row[:, None] + cols * stride_xh, mask=m, other=0.0)
         q, s = _quant_fp8_groups(x.to(tl.float32))
-        tl.store(q_ptr + e64 * stride_qe + t64 * stride_qt + cols, q, mask=cmask)
+        tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
         s_off = e64 * stride_se + t64 * stride_st + groups * stride_sg
-        tl.store(s_ptr + s_off, s, mask=groups < NUM_GROUPS)
+        tl.store(s_ptr + s_off, s, mask=(groups < NUM_GROUPS) & live)
 
 
 @triton.jit
@@ -160,34 +177,39 @@ def _quant_int8_kernel(
     # strides (elements)
     stride_xe, stride_xt, stride_xh, stride_qe, stride_qt, stride_se, stride_st,
     # meta
-    BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t in range(slot, bound, NUM_SLOTS):
-        t64 = tl.cast(t, tl.int64)
-        x_row = x_ptr + e64 * stride_xe + t64 * stride_xt
-        q_row = q_ptr + e64 * stride_qe + t64 * stride_qt
+    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
+        t = t0 + tl.arange(0, BLOCK_M)
+        live = t < bound
+        t64 = t.to(tl.int64)
+        x_row = (x_ptr + e64 * stride_xe + t64 * stride_xt)[:, None]
+        q_row = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
-            m = offs < H
-            x = tl.load(x_row + offs * stride_xh, mask=m, other=0.0).to(tl.float32)
-            s = _int8_scale(tl.max(tl.abs(x), axis=0))
-            tl.store(q_row + offs, _quant_int8(x, s), mask=m)
+            m = live[:, None] & (offs[None, :] < H)
+            x = tl.load(x_row + offs[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
+            s = _int8_scale(tl.max(tl.abs(x), axis=1))
+            tl.store(q_row + offs[None, :], _quant_int8(x, s), mask=m)
         else:
-            amax = tl.zeros([BLOCK_H], dtype=tl.float32)
+            amax = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
-                m = h0 + offs < H
-                x = tl.load(x_row + (h0 + offs) * stride_xh, mask=m, other=0.0).to(tl.float32)
+                c = h0 + offs[None, :]
+                m = live[:, None] & (c < H)
+                x = tl.load(x_row + c * stride_xh, mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            s = _int8_scale(tl.max(amax, axis=0))
+            s = _int8_scale(tl.max(amax, axis=1))
             for h0 in range(0, H, BLOCK_H):
-                m = h0 + offs < H
-                x = tl.load(x_row + (h0 + offs) * stride_xh, mask=m, other=0.0).to(tl.float32)
-                tl.store(q_row + h0 + offs, _quant_int8(x, s), mask=m)
-        tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s)
+                c = h0 + offs[None, :]
+                m = live[:, None] & (c < H)
+                x = tl.load(x_row + c * stride_xh, mask=m, other=0.0).to(tl.float32)
+                tl.store(q_row + c, _quant_int8(x, s), mask=m)
+        tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live)
 
 
 # ----------------------------------------------------------------------------- host-side helpers
@@ -196,9 +218,9 @@ def _kernel(k):
     return k if os.environ.get("TRITON_INTERPRET") == "1" else wrap_triton(k)
 
 
-def _warps(tile: int) -> int:
-    """4 warps up to 2048 elements a program, 8 above (at most 32 fp32 values a thread)."""
-    return 8 if tile > 2048 else 4
+def _warps(elements: int) -> int:
+    """4 warps up to 2048 elements a program, 8 above (at most 32 fp32 values a thread at 8K)."""
+    return MAX_WARPS if elements > 2048 else 4
 
 
 def alloc_scales(lead: Tuple[int, ...], groups: int, layout: str, device) -> torch.Tensor:
@@ -228,15 +250,34 @@ def as_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
     return out
 
 
-def num_slots(e: int, t: int, masked: bool) -> int:
-    """Row slots per expert (grid axis 0); every program loops over rows slot, slot + slots, ...
+def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
+    """Row-block slots per expert (grid axis 0); a program handles row blocks slot, slot + slots,
+    ... of ``block_m`` rows each.
 
-    Unmasked: one row per program. Masked: enough programs to fill the GPU when few rows are live,
-    a fixed number so the grid does not depend on masked_m.
+    Unmasked: one block per program. Masked: enough programs to fill the GPU when few rows are
+    live, a fixed number so the grid does not depend on masked_m.
     """
+    blocks = triton.cdiv(t, block_m)
     if not masked:
-        return t
-    return min(t, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
+        return blocks
+    return min(blocks, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
+
+
+def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:
+    """(BLOCK_G, groups per program, rows per program) of the fp8 kernels."""
+    block_g = triton.next_power_of_2(group_size)
+    tile = FP8_TILE if not masked else FP8_TILE_MASKED
+    gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
+    return block_g, gpp, (FP8_BLOCK_M if not masked else 1)
+
+
+def int8_tiling(n: int, masked: bool) -> Tuple[int, int, bool]:
+    """(BLOCK, rows per program, single pass) of the int8 kernels for rows of n elements:
+    small rows are batched up to 4096 elements a program (more loads in flight per thread)."""
+    single = n <= INT8_SINGLE_PASS_MAX
+    block = triton.next_power_of_2(max(n, 1)) if single else INT8_CHUNK
+    block_m = 1 if masked else max(1, INT8_ROW_TILE // block)
+    return block, block_m, single
 
 
 def as_3d(x: torch.Tensor) -> Tuple[int, int, Tuple[int, int, int]]:
@@ -259,30 +300,28 @@ def launch_quant(
     H = x.shape[-1]
     _, _, (sqe, sqt, _) = as_3d(q)
     _, _, (sse, sst, ssg) = as_3d(s)
-    slots = num_slots(E, T, masked_m is not None)
-    if E * T == 0 or H == 0:
-        return
-    mm = masked_m if masked_m is not None else x  # placeholder pointer, never read
+    masked = masked_m is not None
+    # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
+    mm = masked_m if masked else x  # placeholder pointer, never read
     if scheme == "fp8":
         groups = H // group_size
-        block_g = triton.next_power_of_2(group_size)
-        tile = FP8_TILE if masked_m is None else FP8_TILE_MASKED
-        gpp = min(triton.next_power_of_2(groups), max(1, tile // block_g))
+        block_g, gpp, block_m = fp8_tiling(groups, group_size, masked)
+        slots = num_slots(E, T, masked, block_m)
         grid = (slots, E, triton.cdiv(groups, gpp))
         _kernel(_quant_fp8_kernel)[grid](
             x, q, s, mm, T, H, groups, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst, ssg,
-            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp,
-            HAS_MASK=masked_m is not None, num_warps=_warps(gpp * block_g),
+            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
+            HAS_MASK=masked, num_warps=_warps(block_m * gpp * block_g),
         )  # fmt: skip
     else:
-        single = H <= INT8_SINGLE_PASS_MAX
-        block = triton.next_power_of_2(H) if single else INT8_CHUNK
+        block, block_m, single = int8_tiling(H, masked)
+        slots = num_slots(E, T, masked, block_m)
         _kernel(_quant_int8_kernel)[(slots, E)](
             x, q, s, mm, T, H, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst,
-            BLOCK_H=block, SINGLE_PASS=single, HAS_MASK=masked_m is not None,
-            num_warps=8 if block >= 4096 else 4,
+            BLOCK_H=block, BLOCK_M=block_m, SINGLE_PASS=single, HAS_MASK=masked,
+            num_warps=_warps(block_m * block),
         )  # fmt: skip
 
 
@@ -324,6 +363,13 @@ def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
     return q, as_layout(s, scale_layout)
 
 
+def _quantize_impl(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
+    _validate(x, scheme, group_size, masked_m, scale_layout)
+    if x.is_cuda:
+        return _quantize_triton(x, scheme, group_size, masked_m, scale_layout)
+    return _reference(x, scheme, group_size, masked_m, scale_layout)
+
+
 @triton_op("epmoe::quantize", mutates_args=())
 def _quantize_op(
     x: torch.Tensor,
@@ -332,10 +378,7 @@ def _quantize_op(
     masked_m: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _validate(x, scheme, group_size, masked_m, scale_layout)
-    if x.is_cuda:
-        return _quantize_triton(x, scheme, group_size, masked_m, scale_layout)
-    return _reference(x, scheme, group_size, masked_m, scale_layout)
+    return _quantize_impl(x, scheme, group_size, masked_m, scale_layout)
 
 
 @_quantize_op.register_kernel("cpu")
@@ -363,4 +406,6 @@ def quantize(
         (q float8_e4m3fn/int8 like x (contiguous), s float32 `[..., H // group_size]` (fp8) or
         `[..., 1]` (int8)).
     """
+    if _eager.direct(x, masked_m):
+        return _quantize_impl(x, scheme, group_size, masked_m, scale_layout)
     return _quantize_op(x, scheme, group_size, masked_m, scale_layout)

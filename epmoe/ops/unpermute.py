@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, reference
+from epmoe import _checks, _eager, reference
 from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
@@ -28,6 +28,7 @@ OP = "unpermute"
 
 # ------------------------------------------------------------------------------ launch heuristics
 BLOCK_BYTES = 4096  # output bytes per program: bf16 -> 2048 columns, 16 fp32 accumulators a thread
+UNPERMUTE_WARPS = 4
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -72,14 +73,15 @@ def _unpermute_triton(
     H = y.shape[1]
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
     ok = torch.ones((), dtype=torch.bool, device=y.device)  # cleared by programs seeing a bad row
-    if M > 0 and H > 0:
-        block = min(triton.next_power_of_2(H), max(16, BLOCK_BYTES // y.element_size()))
-        _q._kernel(_unpermute_kernel)[(M, triton.cdiv(H, block))](
-            y, inv_perm, topk_weights, out, ok, H, y.shape[0],
-            y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
-            topk_weights.stride(0), topk_weights.stride(1),
-            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, num_warps=4,
-        )  # fmt: skip
+    # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
+    # empty grid launches nothing
+    block = min(triton.next_power_of_2(max(H, 1)), max(16, BLOCK_BYTES // y.element_size()))
+    _q._kernel(_unpermute_kernel)[(M, triton.cdiv(H, block))](
+        y, inv_perm, topk_weights, out, ok, H, y.shape[0],
+        y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1),
+        K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, num_warps=UNPERMUTE_WARPS,
+    )  # fmt: skip
     _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
     return out
 
@@ -96,14 +98,18 @@ def _validate(y, inv_perm, topk_weights) -> None:
     _checks.check_device(OP, "topk_weights", topk_weights, y)
 
 
-@triton_op("epmoe::unpermute", mutates_args=())
-def _unpermute_op(
-    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
+def _unpermute_impl(y, inv_perm, topk_weights):
     _validate(y, inv_perm, topk_weights)
     if y.is_cuda:
         return _unpermute_triton(y, inv_perm, topk_weights)
     return reference.unpermute(y, inv_perm, topk_weights)
+
+
+@triton_op("epmoe::unpermute", mutates_args=())
+def _unpermute_op(
+    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    return _unpermute_impl(y, inv_perm, topk_weights)
 
 
 @_unpermute_op.register_kernel("cpu")
@@ -122,4 +128,6 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
     Returns:
         y.dtype `[M, H]`, float32 accumulation.
     """
+    if _eager.direct(y, inv_perm, topk_weights):
+        return _unpermute_impl(y, inv_perm, topk_weights)
     return _unpermute_op(y, inv_perm, topk_weights)

@@ -61,7 +61,10 @@ def test_silu_2d(dtype, monkeypatch):
 
 
 def test_silu_masked_and_m_indices(monkeypatch):
-    monkeypatch.setattr(A, "ROW_PROGRAMS", 4)
+    # one slot per expert: each masked program loops over row blocks; 4-row blocks over 6 rows
+    monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 1)
+    monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
+    monkeypatch.setattr(A, "SILU_BLOCK_M", 4)
     gen = torch.Generator().manual_seed(1)
     y3 = torch.randn((3, 4, 96), generator=gen).to(torch.bfloat16)
     _check_silu(y3, masked_m=torch.tensor([0, 4, 2], dtype=torch.int32))
@@ -82,7 +85,9 @@ def test_quant_2d(scheme, dtype, layout):
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_quant_masked_and_m_indices(scheme, monkeypatch):
-    monkeypatch.setattr(A, "ROW_PROGRAMS", 3)  # m_indices: each program loops over several rows
+    monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 2)  # masked: programs loop over rows
+    monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
+    monkeypatch.setattr(A, "FP8_BLOCK_M", 4)  # 7 rows: a partial second block of rows
     gen = torch.Generator().manual_seed(3)
     y3 = torch.randn((4, 5, 512), generator=gen).to(torch.bfloat16)
     mm = torch.tensor([5, 0, 2, 7], dtype=torch.int32)

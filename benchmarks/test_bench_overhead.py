@@ -1,0 +1,134 @@
+"""Eager host overhead per stage op (one GPU): what a call costs the CPU beyond its kernel launches.
+
+For each local stage at a small decode-like shape (``small`` config: the GPU work is a few µs, so
+the host is the bottleneck) this measures host µs per call, the median over 7 rounds of 100
+back-to-back calls without a sync (the launch queue never fills at these sizes):
+
+- ``public_us``: the public function (``epmoe.ops.quantize`` ...): eager fast path, see
+  :mod:`epmoe._eager`;
+- ``dispatcher_us``: the registered op, ``torch.ops.epmoe.<op>.default`` (the path every call took
+  before the fast path, and still takes under compile / modes);
+- ``raw_us``: the stage's kernel launches and output allocations alone (its ``_*_triton`` host
+  function, no validation): the floor for this stage's launches;
+- ``x_plus_x_us``: one torch elementwise launch, for scale.
+
+``overhead_us = public_us - raw_us`` is the op-dispatch overhead (validation + the fast-path check);
+target <= 15 µs. ``dispatcher_us - raw_us`` is what the torch.library path costs.
+
+Run on the GPU machine:
+  python -m pytest benchmarks/test_bench_overhead.py --benchmark-enable \
+      --benchmark-json=overhead.json
+"""
+
+import importlib
+import statistics
+import time
+
+import _configs
+import pytest
+import torch
+
+from epmoe import reference
+from epmoe.ops import permute, quantize, silu_and_mul, silu_and_mul_quant, unpermute
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TARGET_US = 15.0
+CALLS = 100
+ROUNDS = 7
+CFG = _configs.CONFIGS["small"]
+
+_quant = importlib.import_module("epmoe.ops.quantize")
+_perm = importlib.import_module("epmoe.ops.permute")
+_unperm = importlib.import_module("epmoe.ops.unpermute")
+_act = importlib.import_module("epmoe.ops.activation")
+
+
+def host_us(fn) -> float:
+    """Median host µs per call over ROUNDS rounds of CALLS calls (GPU drained between rounds)."""
+    for _ in range(3):
+        fn()
+    rounds = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        rounds.append((time.perf_counter() - t0) / CALLS * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(0)
+    E, H, I = CFG.local_experts, CFG.hidden, CFG.intermediate
+    T = CFG.decode_capacity
+    x = torch.randn((T, H), generator=gen).to(torch.bfloat16).cuda()
+    ids = _configs.received_routing(CFG, T, gen).cuda()
+    w = torch.rand(ids.shape, generator=gen).cuda()
+    xq, xs = reference.quantize(x, "fp8")
+    p = permute(xq, ids, E, CFG.alignment, xs)
+    y = torch.randn((p.x.shape[0], H), generator=gen).to(torch.bfloat16).cuda()
+    y3 = torch.randn((E, T, 2 * I), generator=gen).to(torch.bfloat16).cuda()
+    mm = _configs.decode_masked_m(CFG, gen).cuda()
+    ops = torch.ops.epmoe
+    return {
+        "quantize": (
+            lambda: quantize(x, "fp8"),
+            lambda: ops.quantize.default(x, "fp8"),
+            lambda: _quant._quantize_triton(x, "fp8"),
+            1,
+        ),
+        "permute": (
+            lambda: permute(xq, ids, E, CFG.alignment, xs),
+            lambda: ops.permute.default(xq, ids, E, CFG.alignment, xs),
+            lambda: _perm._permute_triton(xq, ids, E, CFG.alignment, xs),
+            5,  # count, scan, place, copy + the async id check
+        ),
+        "unpermute": (
+            lambda: unpermute(y, p.inv_perm, w),
+            lambda: ops.unpermute.default(y, p.inv_perm, w),
+            lambda: _unperm._unpermute_triton(y, p.inv_perm, w),
+            2,  # gather-sum + the async id check
+        ),
+        "silu_and_mul": (
+            lambda: silu_and_mul(y3, mm),
+            lambda: ops.silu_and_mul.default(y3, mm),
+            lambda: _act._silu_and_mul_triton(y3, mm),
+            1,
+        ),
+        "silu_and_mul_quant": (
+            lambda: silu_and_mul_quant(y3, "fp8", mm, scale_layout="deepgemm"),
+            lambda: ops.silu_and_mul_quant.default(y3, "fp8", mm, 128, None, "deepgemm"),
+            lambda: _act._silu_and_mul_quant_triton(y3, "fp8", mm, 128, None, "deepgemm"),
+            1,
+        ),
+    }
+
+
+STAGES = ("quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quant")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_eager_overhead(benchmark, stage):
+    public, dispatcher, raw, launches = _cases()[stage]
+    x = torch.ones(1024, device="cuda")
+    info = dict(
+        stage=stage,
+        shape=f"config {CFG.name}",
+        launches=launches,
+        gpu=torch.cuda.get_device_name(),
+        raw_us=host_us(raw),
+        public_us=host_us(public),
+        dispatcher_us=host_us(dispatcher),
+        x_plus_x_us=host_us(lambda: x + x),
+    )
+    info["overhead_us"] = info["public_us"] - info["raw_us"]
+    info["dispatcher_overhead_us"] = info["dispatcher_us"] - info["raw_us"]
+    info["target_us"] = TARGET_US
+    info["meets_target"] = info["overhead_us"] <= TARGET_US
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(public, rounds=20, iterations=CALLS, warmup_rounds=2)

@@ -1,0 +1,51 @@
+"""Eager fast path: the public op functions call their CUDA implementation without the dispatcher.
+
+A ``torch.library`` custom op or triton op costs 15-20 µs of host time per eager call before its
+own Python runs (autograd wrapper, redispatch, the dynamo-disable wrapper; measured in
+``benchmarks/test_bench_overhead.py``), several times the launch of a small kernel. The public
+functions of :mod:`epmoe.ops` (``quantize``, ``permute``, ...) therefore call the op's
+implementation directly, with the same validation, when nothing could tell the difference:
+
+- not under torch.compile / dynamo (the traced call is always the registered op),
+- no torch function or dispatch mode active (FakeTensorMode, make_fx, functionalization,
+  TorchDispatchMode-based tools all see the op), no profiler running (traces show ``epmoe::<op>``),
+- every tensor argument a plain CUDA ``torch.Tensor`` (no subclass, no functorch / functional
+  wrapper) that does not require grad.
+
+Otherwise, and always with ``EPMOE_EAGER_DISPATCH=1``, the call goes through
+``torch.ops.epmoe.<op>``. Results are identical either way: both run the same function.
+"""
+
+import os
+
+import torch
+
+_ENABLED = os.environ.get("EPMOE_EAGER_DISPATCH", "0") != "1"
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the eager fast path on or off (off: every call goes through the registered op)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def direct(*tensors) -> bool:
+    """True when an op call with these tensor arguments (None allowed) may skip the dispatcher."""
+    if not _ENABLED or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch.autograd._profiler_enabled():
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or not t.is_cuda or t.requires_grad:
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t):
+            return False
+    return True

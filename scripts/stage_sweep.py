@@ -1,0 +1,200 @@
+"""Launch-parameter sweep of the local-stage Triton kernels at workload W (one GPU).
+
+Times each stage (CUDA-graph replay, L2 flushed by a read, median of 100; benchmarks/_timing) for
+a set of values of the module-level launch constants, and prints / appends one JSON line per point:
+{"stage", "params", "us", "gbps"}. Used to choose the defaults in epmoe/ops; not a test.
+
+  PYTHONPATH=.:benchmarks python3 scripts/stage_sweep.py --out sweep.jsonl [--only permute,...]
+"""
+
+import argparse
+import functools
+import importlib
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+import _configs  # noqa: E402
+import _timing  # noqa: E402
+
+from epmoe import reference  # noqa: E402
+
+Q = importlib.import_module("epmoe.ops.quantize")
+A = importlib.import_module("epmoe.ops.activation")
+P = importlib.import_module("epmoe.ops.permute")
+U = importlib.import_module("epmoe.ops.unpermute")
+CFG = _configs.CONFIGS["W"]
+
+
+def grid(**axes):
+    keys = list(axes)
+    return [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*axes.values())]
+
+
+@functools.cache
+def data():
+    gen = torch.Generator().manual_seed(0)
+    M, H, I, E, T = CFG.prefill_tokens, CFG.hidden, CFG.intermediate, CFG.local_experts, 256
+    ids = _configs.received_routing(CFG, M, gen).cuda()
+    x = torch.randn((M, H), generator=gen).to(torch.bfloat16).cuda()
+    p = P._permute_triton(torch.empty((M, 16), dtype=torch.uint8, device="cuda"), ids, E, 128)
+    m_idx, inv = p[2], p[3]
+    y = torch.randn((m_idx.numel(), 2 * I), generator=gen).to(torch.bfloat16).cuda()
+    x3 = torch.randn((E, T, H), generator=gen).to(torch.bfloat16).cuda()
+    y3 = torch.randn((E, T, 2 * I), generator=gen).to(torch.bfloat16).cuda()
+    mm = _configs.decode_masked_m(CFG, gen).cuda()
+    yo = torch.randn((m_idx.numel(), H), generator=gen).to(torch.bfloat16).cuda()
+    w = torch.rand(ids.shape, generator=gen).cuda()
+    return dict(ids=ids, x=x, m_idx=m_idx, inv=inv, y=y, x3=x3, y3=y3, mm=mm, yo=yo, w=w)
+
+
+def count(t):
+    return int(t.sum().item())
+
+
+def cases():
+    d = data()
+    M, H, I, E = CFG.prefill_tokens, CFG.hidden, CFG.intermediate, CFG.local_experts
+    live = count(d["m_idx"] >= 0)
+    dec = count(d["mm"].clamp(max=256))
+    srcs = count((d["ids"] >= 0).any(dim=1))
+    copies = count(d["ids"] >= 0)
+    fp8 = reference.quantize(d["x"], "fp8")
+    i8 = reference.quantize(d["x"], "int8")
+    qb = {"fp8": lambda r, w: r * (2 * w + w + 4 * w // 128), "int8": lambda r, w: r * (3 * w + 4)}
+    out = []
+    for scheme in ("fp8", "int8"):
+        out.append(
+            (
+                f"quantize_prefill_{scheme}",
+                Q,
+                qb[scheme](M, H),
+                lambda s=scheme: Q._quantize_triton(
+                    d["x"], s, 128, None, "deepgemm" if s == "fp8" else "row"
+                ),
+            )
+        )
+        out.append(
+            (
+                f"quantize_decode_{scheme}",
+                Q,
+                qb[scheme](dec, H),
+                lambda s=scheme: Q._quantize_triton(
+                    d["x3"], s, 128, d["mm"], "deepgemm" if s == "fp8" else "row"
+                ),
+            )
+        )
+        sb = {"fp8": lambda r: r * (4 * I + I + 4 * I // 128), "int8": lambda r: r * (5 * I + 4)}
+        out.append(
+            (
+                f"silu_quant_prefill_{scheme}",
+                A,
+                sb[scheme](live) + 4 * d["m_idx"].numel(),
+                lambda s=scheme: A._silu_and_mul_quant_triton(
+                    d["y"], s, None, 128, d["m_idx"], "deepgemm" if s == "fp8" else "row"
+                ),
+            )
+        )
+        out.append(
+            (
+                f"silu_quant_decode_{scheme}",
+                A,
+                sb[scheme](dec),
+                lambda s=scheme: A._silu_and_mul_quant_triton(
+                    d["y3"], s, d["mm"], 128, None, "deepgemm" if s == "fp8" else "row"
+                ),
+            )
+        )
+    for name, (xx, ss, layout) in {
+        "bf16": (d["x"], None, "row"),
+        "fp8": (*fp8, "deepgemm"),
+        "int8": (*i8, "row"),
+    }.items():
+        S = 0 if ss is None else ss.shape[1]
+        row = H * xx.element_size() + 4 * S
+        m_sum = d["m_idx"].numel()
+        nbytes = srcs * row + copies * row + 8 * d["ids"].numel() + 4 * (m_sum + d["ids"].numel())
+        out.append(
+            (
+                f"permute_prefill_{name}",
+                P,
+                nbytes,
+                lambda xx=xx, ss=ss, lay=layout: P._permute_triton(xx, d["ids"], E, 128, ss, lay),
+            )
+        )
+    tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
+    out.append(("permute_index_only", P, 1, lambda: P._permute_triton(tiny, d["ids"], E, 128)))
+    out.append(
+        (
+            "unpermute_prefill",
+            U,
+            copies * H * 2 + d["ids"].numel() * 8 + M * H * 2,
+            lambda: U._unpermute_triton(d["yo"], d["inv"], d["w"]),
+        )
+    )
+    return out
+
+
+SWEEPS = {
+    "quantize_prefill_fp8": grid(
+        FP8_TILE=[1024, 2048, 4096], FP8_BLOCK_M=[1, 2, 4], MAX_WARPS=[4, 8]
+    ),
+    "quantize_prefill_int8": grid(MAX_WARPS=[4, 8, 16]),
+    "quantize_decode_fp8": grid(FP8_TILE_MASKED=[2048, 4096, 8192], MIN_SLOTS=[8, 16, 32]),
+    "quantize_decode_int8": grid(MIN_SLOTS=[8, 16, 32], MAX_WARPS=[8, 16]),
+    "silu_quant_prefill_fp8": grid(FP8_TILE=[512, 1024, 2048], FP8_BLOCK_M=[1, 2, 4, 8]),
+    "silu_quant_prefill_int8": grid(INT8_ROW_TILE=[2048, 4096, 8192], MAX_WARPS=[4, 8]),
+    "silu_quant_decode_fp8": grid(FP8_TILE_MASKED=[1024, 2048, 4096], MIN_SLOTS=[8, 16, 32]),
+    "silu_quant_decode_int8": grid(MIN_SLOTS=[8, 16, 32]),
+    "permute_prefill_bf16": grid(COPY_BYTES=[2048, 4096, 8192, 16384], COPY_WARPS=[4, 8]),
+    "permute_prefill_fp8": grid(COPY_BYTES=[2048, 4096, 8192, 16384], COPY_WARPS=[4, 8]),
+    "permute_prefill_int8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_index_only": [{}],
+    "unpermute_prefill": grid(BLOCK_BYTES=[2048, 4096, 8192], UNPERMUTE_WARPS=[4, 8]),
+}
+# constants that live in epmoe.ops.quantize but steer every stage's kernels
+SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="sweep.jsonl")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--budget-s", type=float, default=400)
+    args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    t_end = time.time() + args.budget_s
+    with open(args.out, "a") as f:
+        copy = _timing.copy_timings()
+        print(json.dumps({"copy_2GiB": copy}), file=f, flush=True)
+        print("copy", copy, flush=True)
+        for name, mod, nbytes, fn in cases():
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            for params in SWEEPS.get(name, [{}]):
+                if time.time() > t_end:
+                    print("budget reached", flush=True)
+                    return
+                saved = {}
+                for k, v in params.items():
+                    m = Q if k in SHARED else mod
+                    saved[(m, k)] = getattr(m, k)
+                    setattr(m, k, v)
+                try:
+                    t = _timing.time_cuda(fn)
+                    rec = dict(stage=name, params=params, us=t.ms * 1e3, gbps=t.gbps(nbytes))
+                except Exception as e:  # noqa: BLE001 - a bad point is reported, not fatal
+                    rec = dict(stage=name, params=params, error=repr(e)[:300])
+                finally:
+                    for (m, k), v in saved.items():
+                        setattr(m, k, v)
+                print(json.dumps(rec), file=f, flush=True)
+                print(rec, flush=True)
+
+
+if __name__ == "__main__":
+    main()

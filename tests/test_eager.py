@@ -1,0 +1,108 @@
+"""The eager fast path (epmoe._eager): when public op functions may skip the dispatcher, and that
+both paths give the same results (GPU)."""
+
+import importlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from epmoe import _eager, reference
+from epmoe.ops import permute, quantize, silu_and_mul, silu_and_mul_quant, unpermute
+from tests.ops import _stage_cases as C
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_tensors_take_the_registered_op():
+    x = torch.randn(2, 128)
+    assert not _eager.direct(x)
+    with _Count() as mode:
+        quantize(x, "fp8")
+    assert "epmoe.quantize.default" in mode.ops
+
+
+def test_no_tensors_and_disabled():
+    assert _eager.direct(None)
+    _eager.set_enabled(False)
+    try:
+        assert not _eager.direct(None)
+    finally:
+        _eager.set_enabled(True)
+    assert _eager.enabled()
+
+
+@pytest.mark.gpu
+@cuda
+def test_direct_conditions_cuda():
+    x = torch.randn(4, 128, device="cuda")
+    assert _eager.direct(x, None)
+    assert not _eager.direct(x, torch.randn(3))  # a CPU tensor among them
+    assert not _eager.direct(x.clone().requires_grad_())
+    with _Count():
+        assert not _eager.direct(x)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as fake:
+        assert not _eager.direct(fake.from_tensor(x))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not _eager.direct(x)
+
+
+@pytest.mark.gpu
+@cuda
+def test_fast_path_skips_the_dispatcher(monkeypatch):
+    q = importlib.import_module("epmoe.ops.quantize")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the registered op was called")
+
+    monkeypatch.setattr(q, "_quantize_op", boom)
+    x = torch.randn(4, 256, device="cuda")
+    quantize(x, "fp8")  # fast path: never reaches _quantize_op
+    with pytest.raises(AssertionError, match="registered op"):
+        with _Count():
+            quantize(x, "fp8")
+
+
+def _stage_outputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((64, 512), generator=gen).to(torch.bfloat16).cuda()
+    ids = C.routing(64, 4, 8, gen).cuda()
+    w = torch.rand(ids.shape, generator=gen).cuda()
+    xq, xs = reference.quantize(x, "fp8")
+    y3 = torch.randn((8, 32, 512), generator=gen).to(torch.bfloat16).cuda()
+    mm = torch.randint(0, 33, (8,), generator=gen, dtype=torch.int32).cuda()
+    p = permute(xq, ids, 8, 128, xs)
+    live = p.m_indices >= 0
+    out = [quantize(x, "int8"), quantize(y3, "fp8", masked_m=mm)]
+    out.append((p.x.view(torch.uint8)[live], p.x_scales[live], p.m_indices, p.inv_perm))
+    yp = torch.randn((p.x.shape[0], 512), generator=gen).to(torch.bfloat16).cuda()
+    out.append(unpermute(yp, p.inv_perm, w))
+    rows = C.masked_rows(8, 32, mm).cuda()
+    out.append(silu_and_mul(y3, mm)[rows])
+    q, s = silu_and_mul_quant(y3, "fp8", mm)
+    out.append((q.view(torch.uint8)[rows], s[rows]))
+    return out
+
+
+@pytest.mark.gpu
+@cuda
+def test_fast_path_equals_registered_op():
+    fast = _stage_outputs()
+    _eager.set_enabled(False)
+    try:
+        slow = _stage_outputs()
+    finally:
+        _eager.set_enabled(True)
+    flat = torch.utils._pytree.tree_leaves
+    for a, b in zip(flat(fast), flat(slow), strict=True):
+        C.assert_equal(a, b, "fast vs registered op")
