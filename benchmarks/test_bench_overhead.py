@@ -47,19 +47,23 @@ _unperm = importlib.import_module("epmoe.ops.unpermute")
 _act = importlib.import_module("epmoe.ops.activation")
 
 
-def host_us(fn) -> float:
-    """Median host µs per call over ROUNDS rounds of CALLS calls (GPU drained between rounds)."""
-    for _ in range(3):
-        fn()
-    rounds = []
-    for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
+def host_us(**fns) -> dict:
+    """Median host µs per call of each function: ROUNDS rounds of CALLS calls, the functions
+    interleaved round by round (so a slow phase of the machine hits them all alike), GPU drained
+    before every timed loop."""
+    for fn in fns.values():
+        for _ in range(10):
             fn()
-        rounds.append((time.perf_counter() - t0) / CALLS * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+    rounds = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            rounds[name].append((time.perf_counter() - t0) / CALLS * 1e6)
+    torch.cuda.synchronize()
+    return {f"{name}_us": statistics.median(r) for name, r in rounds.items()}
 
 
 def _cases():
@@ -116,16 +120,9 @@ STAGES = ("quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quan
 def test_eager_overhead(benchmark, stage):
     public, dispatcher, raw, launches = _cases()[stage]
     x = torch.ones(1024, device="cuda")
-    info = dict(
-        stage=stage,
-        shape=f"config {CFG.name}",
-        launches=launches,
-        gpu=torch.cuda.get_device_name(),
-        raw_us=host_us(raw),
-        public_us=host_us(public),
-        dispatcher_us=host_us(dispatcher),
-        x_plus_x_us=host_us(lambda: x + x),
-    )
+    info = dict(stage=stage, shape=f"config {CFG.name}", launches=launches)
+    info["gpu"] = torch.cuda.get_device_name()
+    info.update(host_us(raw=raw, public=public, dispatcher=dispatcher, x_plus_x=lambda: x + x))
     info["overhead_us"] = info["public_us"] - info["raw_us"]
     info["dispatcher_overhead_us"] = info["dispatcher_us"] - info["raw_us"]
     info["target_us"] = TARGET_US

@@ -33,6 +33,13 @@ def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -
 
 
 # ----------------------------------------------------------------------------------------- quantize
+def _div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c with IEEE division on every device: CUDA turns division by a Python scalar into a
+    multiplication by its reciprocal, which differs in the last bit (and so would the scales and,
+    through them, the codes of the CPU and CUDA references)."""
+    return a / torch.full_like(a, c)
+
+
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
 
@@ -47,7 +54,7 @@ def quantize_fp8(x: torch.Tensor, group_size: int = 128) -> Tuple[torch.Tensor, 
     """
     shape = x.shape
     g = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    s = (g.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_EPS)
+    s = _div(g.abs().amax(dim=-1), FP8_MAX).clamp_min(SCALE_EPS)
     q = (g * torch.reciprocal(s).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(shape), s
 
@@ -58,7 +65,7 @@ def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     s = max(amax(row) / 127, 1e-10); q = round-half-away(x * (1 / s)) clamped to +-127.
     """
     xf = x.float()
-    s = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(SCALE_EPS)
+    s = _div(xf.abs().amax(dim=-1, keepdim=True), INT8_MAX).clamp_min(SCALE_EPS)
     q = _round_half_away(xf * torch.reciprocal(s)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
 
@@ -92,11 +99,11 @@ def quantize_weights(w: torch.Tensor, scheme: str) -> Tuple[torch.Tensor, Option
     if scheme == "fp8":
         b = FP8_WEIGHT_BLOCK
         blocks = wf.reshape(E, N // b, b, Kd // b, b)
-        s = (blocks.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(SCALE_EPS)
+        s = _div(blocks.abs().amax(dim=(2, 4)), FP8_MAX).clamp_min(SCALE_EPS)
         q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return q.reshape(E, N, Kd), s
     if scheme == "int8":
-        s = (wf.abs().amax(dim=-1) / INT8_MAX).clamp_min(SCALE_EPS)
+        s = _div(wf.abs().amax(dim=-1), INT8_MAX).clamp_min(SCALE_EPS)
         q = _round_half_away(wf / s.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return q, s
     raise _checks.fail("quantize_weights", "scheme", "one of 'bf16', 'fp8', 'int8'", repr(scheme))

@@ -126,6 +126,15 @@ def cases():
                 lambda xx=xx, ss=ss, lay=layout: P._permute_triton(xx, d["ids"], E, 128, ss, lay),
             )
         )
+    dec_ids = d["ids"][:256]
+    dsrc, dcop = count((dec_ids >= 0).any(dim=1)), count(dec_ids >= 0)
+    row8 = H + 4 * (H // 128)
+    m_dec = reference.permuted_rows(256, CFG.top_k, E, 128)
+    out.append((
+        "permute_decode_fp8", P,
+        (dsrc + dcop) * row8 + 12 * dec_ids.numel() + 4 * m_dec,
+        lambda: P._permute_triton(fp8[0][:256], dec_ids, E, 128, fp8[1][:256], "deepgemm"),
+    ))  # fmt: skip
     tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
     out.append(("permute_index_only", P, 1, lambda: P._permute_triton(tiny, d["ids"], E, 128)))
     out.append(
@@ -140,21 +149,22 @@ def cases():
 
 
 SWEEPS = {
-    "quantize_prefill_fp8": grid(
-        FP8_TILE=[1024, 2048, 4096], FP8_BLOCK_M=[1, 2, 4], MAX_WARPS=[4, 8]
+    "quantize_prefill_fp8": grid(FP8_TILE=[1024, 2048], FP8_BLOCK_M=[2, 4, 8]),
+    "quantize_prefill_int8": grid(MAX_WARPS=[8, 16]),
+    "quantize_decode_fp8": grid(FP8_TILE_MASKED=[4096, 8192], MIN_SLOTS=[8, 16]),
+    "quantize_decode_int8": grid(MIN_SLOTS=[8, 16]),
+    "silu_quant_prefill_fp8": grid(
+        ROW_PROGRAMS=[None, 2048, 4096, 8192], FP8_TILE=[1024, 2048], FP8_BLOCK_M=[1, 2]
     ),
-    "quantize_prefill_int8": grid(MAX_WARPS=[4, 8, 16]),
-    "quantize_decode_fp8": grid(FP8_TILE_MASKED=[2048, 4096, 8192], MIN_SLOTS=[8, 16, 32]),
-    "quantize_decode_int8": grid(MIN_SLOTS=[8, 16, 32], MAX_WARPS=[8, 16]),
-    "silu_quant_prefill_fp8": grid(FP8_TILE=[512, 1024, 2048], FP8_BLOCK_M=[1, 2, 4, 8]),
-    "silu_quant_prefill_int8": grid(INT8_ROW_TILE=[2048, 4096, 8192], MAX_WARPS=[4, 8]),
-    "silu_quant_decode_fp8": grid(FP8_TILE_MASKED=[1024, 2048, 4096], MIN_SLOTS=[8, 16, 32]),
-    "silu_quant_decode_int8": grid(MIN_SLOTS=[8, 16, 32]),
-    "permute_prefill_bf16": grid(COPY_BYTES=[2048, 4096, 8192, 16384], COPY_WARPS=[4, 8]),
-    "permute_prefill_fp8": grid(COPY_BYTES=[2048, 4096, 8192, 16384], COPY_WARPS=[4, 8]),
-    "permute_prefill_int8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
-    "permute_index_only": [{}],
-    "unpermute_prefill": grid(BLOCK_BYTES=[2048, 4096, 8192], UNPERMUTE_WARPS=[4, 8]),
+    "silu_quant_prefill_int8": grid(ROW_PROGRAMS=[None, 2048, 4096, 8192]),
+    "silu_quant_decode_fp8": [{}],
+    "silu_quant_decode_int8": [{}],
+    "permute_prefill_bf16": grid(BLOCK_N=[32, 64, 128]),
+    "permute_prefill_fp8": grid(BLOCK_N=[64], COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_prefill_int8": [{}],
+    "permute_index_only": grid(BLOCK_N=[32, 64, 128], FILL_SPLIT=[1, 4, 16]),
+    "permute_decode_fp8": grid(BLOCK_N=[32, 64, 128]),
+    "unpermute_prefill": [{}],
 }
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}

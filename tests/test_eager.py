@@ -83,11 +83,12 @@ def _stage_outputs():
     mm = torch.randint(0, 33, (8,), generator=gen, dtype=torch.int32).cuda()
     p = permute(xq, ids, 8, 128, xs)
     live = p.m_indices >= 0
-    out = [quantize(x, "int8"), quantize(y3, "fp8", masked_m=mm)]
+    rows = C.masked_rows(8, 32, mm).cuda()  # rows past masked_m are unspecified
+    q3, s3 = quantize(y3, "fp8", masked_m=mm)
+    out = [quantize(x, "int8"), (q3.view(torch.uint8)[rows], s3[rows])]
     out.append((p.x.view(torch.uint8)[live], p.x_scales[live], p.m_indices, p.inv_perm))
     yp = torch.randn((p.x.shape[0], 512), generator=gen).to(torch.bfloat16).cuda()
     out.append(unpermute(yp, p.inv_perm, w))
-    rows = C.masked_rows(8, 32, mm).cuda()
     out.append(silu_and_mul(y3, mm)[rows])
     q, s = silu_and_mul_quant(y3, "fp8", mm)
     out.append((q.view(torch.uint8)[rows], s[rows]))

@@ -45,12 +45,17 @@ OPQ = "silu_and_mul_quant"
 # ------------------------------------------------------------------------------ launch heuristics
 SILU_TILE = 2048  # outputs per silu_and_mul program and row: 8 KiB of bf16 input
 SILU_BLOCK_M = 2  # rows per silu_and_mul program (unmasked): more loads in flight per thread
-FP8_TILE = 1024  # outputs per fused fp8 program and row (groups x group size): 4 KiB of bf16
-FP8_BLOCK_M = 4  # rows per fused fp8 program (unmasked)
-FP8_TILE_MASKED = 4096  # masked (decode): whole rows of I <= 4096 per program
+# W sweep on H200: prefill 2048 x 1 row 197 us, 1024 x 2 207 us, 512 x 1 343 us; decode 1024 8.7 us,
+# 4096 9.1 us
+FP8_TILE = 2048  # outputs per fused fp8 program and row (groups x group size): 8 KiB of bf16
+FP8_BLOCK_M = 1  # rows per fused fp8 program (unmasked)
+FP8_TILE_MASKED = 1024  # masked (decode): a row of I = 2048 in two programs
 INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows recompute in a 2nd pass
 INT8_CHUNK = 4096
-INT8_ROW_TILE = 4096  # unmasked int8: rows shorter than this are batched into one program
+INT8_ROW_TILE = 2048  # unmasked int8: rows shorter than this are batched (W: 2048 248 us,
+# 4096 249 us, 8192 330 us)
+# m_indices layout: programs per column chunk looping over row blocks (None: one block each)
+ROW_PROGRAMS = None
 
 
 # --------------------------------------------------------------------------------- jit helpers
@@ -62,12 +67,13 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _live_rows(mi_ptr, t, live, HAS_ROWS: tl.constexpr):
-    """live, and-ed with m_indices[t] >= 0 when m_indices marks padding rows (never read)."""
+def _row_ids(mi_ptr, t, bound, HAS_ROWS: tl.constexpr):
+    """m_indices[t] (-1 past bound), loaded one loop step ahead of its use so its latency overlaps
+    the current rows' loads; 0 without m_indices."""
     if HAS_ROWS:
-        return live & (tl.load(mi_ptr + t, mask=live, other=-1) >= 0)
+        return tl.load(mi_ptr + t, mask=t < bound, other=-1)
     else:
-        return live
+        return tl.zeros(t.shape, dtype=tl.int32)
 
 
 @triton.jit
@@ -102,9 +108,13 @@ def _silu_mul_kernel(
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
-        t = t0 + tl.arange(0, BLOCK_M)
-        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS)
+    step = NUM_SLOTS * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    for t0 in range(slot * BLOCK_M, bound, step):
+        t = t0 + rows
+        live = (t < bound) & (ids >= 0)
+        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
         t64 = t.to(tl.int64)
         m = live[:, None] & (cols[None, :] < I)
         h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols[None, :], m, I,
@@ -135,9 +145,13 @@ def _silu_mul_fp8_kernel(
     gmask = groups < NUM_GROUPS
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
-        t = t0 + r // GROUPS_PER_PROG
-        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS) & gmask
+    step = NUM_SLOTS * BLOCK_M
+    rows = r // GROUPS_PER_PROG
+    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    for t0 in range(slot * BLOCK_M, bound, step):
+        t = t0 + rows
+        live = (t < bound) & (ids >= 0) & gmask
+        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
         t64 = t.to(tl.int64)
         m = live[:, None] & (inner[None, :] < GROUP)
         h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols, m, I, stride_yh)
@@ -163,9 +177,13 @@ def _silu_mul_int8_kernel(
     offs = tl.arange(0, BLOCK)[None, :]
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
-    for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
-        t = t0 + tl.arange(0, BLOCK_M)
-        live = _live_rows(mi_ptr, t, t < bound, HAS_ROWS)
+    step = NUM_SLOTS * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    for t0 in range(slot * BLOCK_M, bound, step):
+        t = t0 + rows
+        live = (t < bound) & (ids >= 0)
+        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
         t64 = t.to(tl.int64)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
@@ -188,8 +206,13 @@ def _silu_mul_int8_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side launch
-def _slots(E, T, masked_m, block_m):
-    return _q.num_slots(E, T, masked_m is not None, block_m)
+def _slots(E, T, masked_m, block_m, m_indices=None):
+    """Row-block slots (grid axis 0). With m_indices and ROW_PROGRAMS set, a fixed number of
+    programs loops over the row blocks, prefetching the next block's m_indices."""
+    slots = _q.num_slots(E, T, masked_m is not None, block_m)
+    if m_indices is not None and ROW_PROGRAMS:
+        return min(slots, ROW_PROGRAMS)
+    return slots
 
 
 def _silu_and_mul_triton(
@@ -204,7 +227,7 @@ def _silu_and_mul_triton(
     _, _, (she, sht, _) = _q.as_3d(h)
     block = min(triton.next_power_of_2(max(inter, 1)), SILU_TILE)
     block_m = 1 if masked_m is not None else SILU_BLOCK_M
-    slots = _slots(E, T, masked_m, block_m)
+    slots = _slots(E, T, masked_m, block_m, m_indices)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
     grid = (slots, E, triton.cdiv(inter, block))
@@ -244,7 +267,7 @@ def _silu_and_mul_quant_triton(
         tile = FP8_TILE if not masked else FP8_TILE_MASKED
         gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
         block_m = 1 if masked else FP8_BLOCK_M
-        slots = _slots(E, T, masked_m, block_m)
+        slots = _slots(E, T, masked_m, block_m, m_indices)
         grid = (slots, E, triton.cdiv(groups, gpp))
         _q._kernel(_silu_mul_fp8_kernel)[grid](
             y, q, s, mm, mi, T, inter, groups, slots,
@@ -256,7 +279,7 @@ def _silu_and_mul_quant_triton(
         single = inter <= INT8_SINGLE_PASS_MAX
         block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
         block_m = 1 if masked else max(1, INT8_ROW_TILE // block)
-        slots = _slots(E, T, masked_m, block_m)
+        slots = _slots(E, T, masked_m, block_m, m_indices)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, mm, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,

@@ -15,7 +15,7 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: four kernels, fixed grids from shapes, no atomics, no host sync. Each source row
+CUDA-graph safe: five kernels, fixed grids from shapes, no atomics, no host sync. Each source row
 is read once and written to all of its local experts. ``alignment`` is the grouped-GEMM row block
 (128 for deep_gemm), never the quant block. Ids outside [0, E) other than -1 are an error
 (ValueError on CPU; device assert on CUDA, ValueError there too in debug mode).
@@ -38,9 +38,11 @@ _q = importlib.import_module("epmoe.ops.quantize")
 OP = "permute"
 
 # ------------------------------------------------------------------------------ launch heuristics
-BLOCK_N = 128  # (t, k) entries per rank program: the in-block rank is a [BLOCK_N, BLOCK_N] compare
+BLOCK_N = 64  # (t, k) entries per block: the in-block rank is a [BLOCK_N, BLOCK_N] compare that
+# stays in registers (128 spilled and made the index kernels 40% of a W-sized permute)
 BLOCK_SCAN = 1024  # blocks per step of the per-expert prefix scan (fixed: no recompile per M)
-BLOCK_ROWS = 128  # m_indices rows per program
+BLOCK_ROWS = 1024  # m_indices rows per step of an expert's fill loop
+FILL_SPLIT = 4  # programs per expert filling its m_indices block (one expert may own every row)
 COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
 COPY_WARPS = 4
 
@@ -57,8 +59,9 @@ class PermuteResult(NamedTuple):
 # Deterministic placement without atomics: the flattened (t, k) entries are cut into blocks of
 # BLOCK_N; row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this
 # block). Kernel 1 counts per (expert, block), kernel 2 turns the counts into per-expert exclusive
-# prefixes over blocks, kernel 3 adds the aligned expert starts and the in-block rank (and writes
-# m_indices / expert_offsets), kernel 4 copies each source row once to all its destinations.
+# prefixes over blocks (and totals), kernel 3 computes the aligned expert starts and writes
+# expert_offsets and m_indices, kernel 4 adds start, prefix and in-block rank into inv_perm, and
+# kernel 5 copies each source row once to all its destinations.
 
 
 @triton.jit
@@ -100,40 +103,54 @@ def _scan_kernel(counts_ptr, totals_ptr, NB, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _place_kernel(
-    # tensors
-    ids_ptr, counts_ptr, totals_ptr, inv_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
-    # sizes
-    N, K, stride_it, stride_ik, E, NB, ALIGN, M_SUM,
-    # meta
-    BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+def _offsets_kernel(
+    totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    E, ALIGN, M_SUM,
+    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """Program (e, j): rows of expert e's aligned block (e == E: the unused tail), every SPLIT-th
+    chunk from j: m_indices = e for the first totals[e] rows, -1 on the alignment padding."""
+    e = tl.program_id(0)
+    j = tl.program_id(1)
     ex = tl.arange(0, E_PAD)
     tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
     aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
     end = tl.cumsum(aligned, axis=0)
-    start = end - aligned  # expert block starts: every program recomputes these E values
-    if pid == 0:
+    start = end - aligned
+    used = tl.sum(aligned, axis=0)
+    if e == 0 and j == 0:
         tl.store(offsets_ptr + ex, start, mask=ex < E)
-        tl.store(offsets_ptr + E + ex, tl.sum(aligned, axis=0), mask=ex < 1)
+        tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
         n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
         tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
-    if pid < NB:
-        lanes = tl.arange(0, BLOCK_N)
-        i = pid * BLOCK_N + lanes
-        e, bad = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
-        # rank among the entries of the same expert earlier in this block
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=e >= 0, other=0)
-        first = tl.sum(tl.where(e[:, None] == ex[None, :], start[None, :], 0), axis=1)
-        tl.store(inv_ptr + i, tl.where(e >= 0, first + before + rank, -1), mask=i < N)
-    else:
-        r = (pid - NB) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        inside = (r[:, None] >= start[None, :]) & (r[:, None] < (start + tot)[None, :])
-        expert = tl.sum(tl.where(inside, ex[None, :] + 1, 0), axis=1) - 1
-        tl.store(m_idx_ptr + r, expert, mask=r < M_SUM)
+    # this program's expert as scalars: picked out of the vectors by a masked sum
+    lo = tl.where(e < E, tl.sum(tl.where(ex == e, start, 0), axis=0), used)
+    hi = tl.where(e < E, lo + tl.sum(tl.where(ex == e, aligned, 0), axis=0), M_SUM)
+    live_end = tl.where(e < E, lo + tl.sum(tl.where(ex == e, tot, 0), axis=0), used)
+    val = tl.where(e < E, e, -1)
+    rows = tl.arange(0, BLOCK_ROWS)
+    for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
+        r = r0 + rows
+        tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr, counts_ptr, offsets_ptr, inv_ptr,
+    N, K, stride_it, stride_ik, E, NB,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_N)
+    i = pid * BLOCK_N + lanes
+    e, _ = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
+    # rank among the entries of the same expert earlier in this block
+    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    live = e >= 0
+    before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=live, other=0)
+    first = tl.load(offsets_ptr + e, mask=live, other=0)
+    tl.store(inv_ptr + i, tl.where(live, first + before + rank, -1), mask=i < N)
 
 
 @triton.jit
@@ -217,11 +234,13 @@ def _permute_triton(
         BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
     )  # fmt: skip
     _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
-    grid = (nb + triton.cdiv(m_sum, BLOCK_ROWS),)
-    _kernel(_place_kernel)[grid](
-        topk_ids, counts, totals, inv_perm, m_indices, offsets, ok,
-        n, K, sit, sik, E, nb, A, m_sum,
-        BLOCK_N=BLOCK_N, BLOCK_ROWS=BLOCK_ROWS, E_PAD=triton.next_power_of_2(E), num_warps=8,
+    _kernel(_offsets_kernel)[(E + 1, FILL_SPLIT)](
+        totals, m_indices, offsets, ok, E, A, m_sum,
+        E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, num_warps=4,
+    )  # fmt: skip
+    _kernel(_place_kernel)[(nb,)](
+        topk_ids, counts, offsets, inv_perm, n, K, sit, sik, E, nb,
+        BLOCK_N=BLOCK_N, num_warps=4,
     )  # fmt: skip
     block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
     xs = x_scales if x_scales is not None else x

@@ -34,8 +34,10 @@ OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
 
 # ------------------------------------------------------------------------------ launch heuristics
-FP8_TILE = 2048  # elements per fp8 program and row: 4 KiB of bf16, 16 B loads per thread
-FP8_BLOCK_M = 2  # rows per fp8 program: two independent loads in flight per thread
+# W prefill sweep on H200 (scripts/stage_sweep.py): 1024 x 4 rows at 4 warps 44.8 us, 2048 x 1 row
+# 52 us, 4096 x 4 rows 60 us (register pressure)
+FP8_TILE = 1024  # elements per fp8 program and row
+FP8_BLOCK_M = 4  # rows per fp8 program: four independent row loads in flight per thread
 FP8_TILE_MASKED = 8192  # masked (decode): a whole row per program, few programs find no live row
 INT8_SINGLE_PASS_MAX = 8192  # rows up to this many elements stay in registers (one HBM read)
 INT8_CHUNK = 4096  # chunk of the two-pass loop for longer rows (second read hits L2)
@@ -219,8 +221,8 @@ def _kernel(k):
 
 
 def _warps(elements: int) -> int:
-    """4 warps up to 2048 elements a program, 8 above (at most 32 fp32 values a thread at 8K)."""
-    return MAX_WARPS if elements > 2048 else 4
+    """4 warps up to 4096 elements a program (32 a thread), MAX_WARPS above."""
+    return MAX_WARPS if elements > 4096 else 4
 
 
 def alloc_scales(lead: Tuple[int, ...], groups: int, layout: str, device) -> torch.Tensor:

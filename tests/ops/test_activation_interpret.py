@@ -65,6 +65,7 @@ def test_silu_masked_and_m_indices(monkeypatch):
     monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 1)
     monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
     monkeypatch.setattr(A, "SILU_BLOCK_M", 4)
+    monkeypatch.setattr(A, "ROW_PROGRAMS", 1)  # m_indices: one program loops, prefetching ids
     gen = torch.Generator().manual_seed(1)
     y3 = torch.randn((3, 4, 96), generator=gen).to(torch.bfloat16)
     _check_silu(y3, masked_m=torch.tensor([0, 4, 2], dtype=torch.int32))
@@ -88,6 +89,8 @@ def test_quant_masked_and_m_indices(scheme, monkeypatch):
     monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 2)  # masked: programs loop over rows
     monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
     monkeypatch.setattr(A, "FP8_BLOCK_M", 4)  # 7 rows: a partial second block of rows
+    monkeypatch.setattr(A, "INT8_ROW_TILE", 1024)  # int8: 4-row blocks too (I = 128)
+    monkeypatch.setattr(A, "ROW_PROGRAMS", 1)  # m_indices: one program loops over both blocks
     gen = torch.Generator().manual_seed(3)
     y3 = torch.randn((4, 5, 512), generator=gen).to(torch.bfloat16)
     mm = torch.tensor([5, 0, 2, 7], dtype=torch.int32)

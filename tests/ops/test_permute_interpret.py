@@ -22,6 +22,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(P, "BLOCK_N", 8)
     monkeypatch.setattr(P, "BLOCK_SCAN", 2)
     monkeypatch.setattr(P, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(P, "FILL_SPLIT", 2)
     monkeypatch.setattr(P, "COPY_BYTES", 64)
 
 
