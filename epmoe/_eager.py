@@ -14,11 +14,16 @@ implementation directly, with the same validation, when nothing could tell the d
 
 Otherwise, and always with ``EPMOE_EAGER_DISPATCH=1``, the call goes through
 ``torch.ops.epmoe.<op>``. Results are identical either way: both run the same function.
+
+:func:`run` calls the implementation the way a triton op's eager call does, with ``wrap_triton``
+switched off: outside a triton op ``wrap_triton(kernel)[grid](...)`` otherwise routes every
+launch through the triton_kernel_wrapper higher-order op, ~100 µs of Python per launch.
 """
 
 import os
 
 import torch
+from torch._library import triton as _triton_lib
 
 _ENABLED = os.environ.get("EPMOE_EAGER_DISPATCH", "0") != "1"
 
@@ -49,3 +54,14 @@ def direct(*tensors) -> bool:
         if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t):
             return False
     return True
+
+
+def run(fn, *args):
+    """fn(*args) with wrap_triton disabled (its kernels launch directly), as inside a triton op."""
+    state = _triton_lib.wrap_triton_enabled
+    prev = _triton_lib.is_wrap_triton_enabled()
+    state.value = False
+    try:
+        return fn(*args)
+    finally:
+        state.value = prev

@@ -126,6 +126,20 @@ def cases():
                 lambda xx=xx, ss=ss, lay=layout: P._permute_triton(xx, d["ids"], E, 128, ss, lay),
             )
         )
+    # silu diagnosis: the same work without m_indices (all M_sum rows live), on the live rows
+    # packed, unfused silu_and_mul, and quantize of its output
+    yl = d["y"][:live]
+    hl = torch.empty((live, I), dtype=torch.bfloat16, device="cuda")
+    out += [
+        ("diag_silu_quant_all_rows", A, sb["fp8"](d["m_idx"].numel()),
+         lambda: A._silu_and_mul_quant_triton(d["y"], "fp8", None, 128, None, "deepgemm")),
+        ("diag_silu_quant_packed", A, sb["fp8"](live),
+         lambda: A._silu_and_mul_quant_triton(yl, "fp8", None, 128, None, "deepgemm")),
+        ("diag_silu_only_m_idx", A, live * 6 * I + 4 * d["m_idx"].numel(),
+         lambda: A._silu_and_mul_triton(d["y"], None, d["m_idx"])),
+        ("diag_quantize_h", Q, qb["fp8"](live, I),
+         lambda: Q._quantize_triton(hl, "fp8", 128, None, "deepgemm")),
+    ]  # fmt: skip
     dec_ids = d["ids"][:256]
     dsrc, dcop = count((dec_ids >= 0).any(dim=1)), count(dec_ids >= 0)
     row8 = H + 4 * (H // 128)
@@ -149,22 +163,24 @@ def cases():
 
 
 SWEEPS = {
-    "quantize_prefill_fp8": grid(FP8_TILE=[1024, 2048], FP8_BLOCK_M=[2, 4, 8]),
-    "quantize_prefill_int8": grid(MAX_WARPS=[8, 16]),
-    "quantize_decode_fp8": grid(FP8_TILE_MASKED=[4096, 8192], MIN_SLOTS=[8, 16]),
-    "quantize_decode_int8": grid(MIN_SLOTS=[8, 16]),
-    "silu_quant_prefill_fp8": grid(
-        ROW_PROGRAMS=[None, 2048, 4096, 8192], FP8_TILE=[1024, 2048], FP8_BLOCK_M=[1, 2]
-    ),
-    "silu_quant_prefill_int8": grid(ROW_PROGRAMS=[None, 2048, 4096, 8192]),
+    "quantize_prefill_fp8": [{}],
+    "quantize_prefill_int8": [{}],
+    "quantize_decode_fp8": [{}],
+    "quantize_decode_int8": [{}],
+    "silu_quant_prefill_fp8": grid(ROW_PROGRAMS=[8192, 16384], FP8_TILE=[2048], FP8_BLOCK_M=[1]),
+    "silu_quant_prefill_int8": grid(ROW_PROGRAMS=[8192, 16384]),
     "silu_quant_decode_fp8": [{}],
     "silu_quant_decode_int8": [{}],
-    "permute_prefill_bf16": grid(BLOCK_N=[32, 64, 128]),
-    "permute_prefill_fp8": grid(BLOCK_N=[64], COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_prefill_bf16": [{}],
+    "permute_prefill_fp8": [{}],
     "permute_prefill_int8": [{}],
-    "permute_index_only": grid(BLOCK_N=[32, 64, 128], FILL_SPLIT=[1, 4, 16]),
-    "permute_decode_fp8": grid(BLOCK_N=[32, 64, 128]),
+    "permute_index_only": [{}],
+    "permute_decode_fp8": [{}],
     "unpermute_prefill": [{}],
+    "diag_silu_quant_all_rows": grid(FP8_TILE=[1024, 2048]),
+    "diag_silu_quant_packed": grid(FP8_TILE=[1024, 2048]),
+    "diag_silu_only_m_idx": grid(SILU_TILE=[1024, 2048], SILU_BLOCK_M=[1, 2]),
+    "diag_quantize_h": [{}],
 }
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}

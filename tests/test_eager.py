@@ -42,6 +42,18 @@ def test_no_tensors_and_disabled():
     assert _eager.enabled()
 
 
+def test_run_launches_without_the_wrap_triton_hop():
+    """Outside a triton op wrap_triton would route each launch through a higher-order op."""
+    from torch._library import triton as lib
+
+    before = lib.is_wrap_triton_enabled()
+    assert _eager.run(lib.is_wrap_triton_enabled) is False
+    assert lib.is_wrap_triton_enabled() == before
+    with pytest.raises(ZeroDivisionError):
+        _eager.run(lambda: 1 / 0)
+    assert lib.is_wrap_triton_enabled() == before
+
+
 @pytest.mark.gpu
 @cuda
 def test_direct_conditions_cuda():

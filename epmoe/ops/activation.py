@@ -388,7 +388,7 @@ def silu_and_mul(
         y.dtype `[..., I]`.
     """
     if _eager.direct(y, masked_m, m_indices):
-        return _silu_and_mul_impl(y, masked_m, m_indices)
+        return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices)
     return _silu_and_mul_op(y, masked_m, m_indices)
 
 
@@ -413,5 +413,7 @@ def silu_and_mul_quant(
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
     if _eager.direct(y, masked_m, m_indices):
-        return _silu_and_mul_quant_impl(y, scheme, masked_m, group_size, m_indices, scale_layout)
+        return _eager.run(
+            _silu_and_mul_quant_impl, y, scheme, masked_m, group_size, m_indices, scale_layout
+        )
     return _silu_and_mul_quant_op(y, scheme, masked_m, group_size, m_indices, scale_layout)

@@ -325,8 +325,9 @@ def permute(
     # the schema would reject a non-int before our message could say what was expected
     _checks.check_positive_int(OP, "num_experts", num_experts)
     _checks.check_positive_int(OP, "alignment", alignment)
-    run = _permute_impl if _eager.direct(x, topk_ids, x_scales) else _permute_op
-    xp, sp, m_indices, inv_perm, offsets = run(
-        x, topk_ids, num_experts, alignment, x_scales, scale_layout
-    )
+    args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    if _eager.direct(x, topk_ids, x_scales):
+        xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_impl, *args)
+    else:
+        xp, sp, m_indices, inv_perm, offsets = _permute_op(*args)
     return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

@@ -409,5 +409,5 @@ def quantize(
         `[..., 1]` (int8)).
     """
     if _eager.direct(x, masked_m):
-        return _quantize_impl(x, scheme, group_size, masked_m, scale_layout)
+        return _eager.run(_quantize_impl, x, scheme, group_size, masked_m, scale_layout)
     return _quantize_op(x, scheme, group_size, masked_m, scale_layout)

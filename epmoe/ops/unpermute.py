@@ -129,5 +129,5 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
         y.dtype `[M, H]`, float32 accumulation.
     """
     if _eager.direct(y, inv_perm, topk_weights):
-        return _unpermute_impl(y, inv_perm, topk_weights)
+        return _eager.run(_unpermute_impl, y, inv_perm, topk_weights)
     return _unpermute_op(y, inv_perm, topk_weights)
