@@ -68,11 +68,11 @@ def _payload(cfg: _configs.ModelConfig, tokens: int, scheme: str):
 
 @functools.cache
 def _layout(cfg: _configs.ModelConfig, tokens: int):
-    """(m_indices, inv_perm) of permute for this routing (the payload does not matter here)."""
+    """(m_indices, inv_perm, expert_offsets) of permute for this routing (any payload)."""
     ids = _routing(cfg, tokens)
     x = torch.empty((tokens, 16), dtype=torch.uint8, device="cuda")
     p = permute(x, ids, cfg.local_experts, cfg.alignment)
-    return p.m_indices, p.inv_perm
+    return p.m_indices, p.inv_perm, p.expert_offsets
 
 
 def _masked(cfg, gen_seed: int = SEED + 2) -> torch.Tensor:
@@ -125,7 +125,7 @@ def test_permute_decode(benchmark, cfg):
 # -------------------------------------------------------------------------------------- unpermute
 def _unpermute_case(benchmark, cfg, tokens: int, shape: str):
     ids = _routing(cfg, tokens)
-    _, inv = _layout(cfg, tokens)
+    _, inv, _ = _layout(cfg, tokens)
     m_sum = reference.permuted_rows(tokens, cfg.top_k, cfg.local_experts, cfg.alignment)
     gen = torch.Generator(device="cuda").manual_seed(SEED + 3)
     y = torch.randn((m_sum, cfg.hidden), generator=gen, device="cuda").to(torch.bfloat16)
@@ -201,7 +201,7 @@ def test_quantize_decode(benchmark, cfg, scheme):
 # ----------------------------------------------------------------------------- silu_and_mul_quant
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_silu_and_mul_quant_prefill(benchmark, cfg, scheme):
-    m_idx, _ = _layout(cfg, cfg.prefill_tokens)
+    m_idx, _, offs = _layout(cfg, cfg.prefill_tokens)
     gen = torch.Generator(device="cuda").manual_seed(SEED + 5)
     y = torch.randn((m_idx.numel(), 2 * cfg.intermediate), generator=gen, device="cuda")
     y = y.to(torch.bfloat16)
@@ -210,7 +210,7 @@ def test_silu_and_mul_quant_prefill(benchmark, cfg, scheme):
     layout = "deepgemm" if scheme == "fp8" else "row"
     _timing.record(
         benchmark,
-        lambda: silu_and_mul_quant(y, scheme, None, cfg.quant_group, m_idx, scale_layout=layout),
+        lambda: silu_and_mul_quant(y, scheme, None, cfg.quant_group, m_idx, layout, offs),
         nbytes,
         baseline=lambda: reference.silu_and_mul_quant(y, scheme, cfg.quant_group),
         target=TARGETS["silu_and_mul_quant"],

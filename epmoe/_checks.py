@@ -61,7 +61,13 @@ def check_ndim(op: str, arg: str, t: torch.Tensor, ndims: Sequence[int]) -> None
 def check_shape(op: str, arg: str, t: torch.Tensor, shape: Sequence[object]) -> None:
     """``shape`` entries may be None (any size)."""
     check_tensor(op, arg, t)
-    ok = t.dim() == len(shape) and all(s is None or t.shape[i] == s for i, s in enumerate(shape))
+    got = t.shape
+    ok = len(got) == len(shape)
+    if ok:  # a plain loop: this runs on every eager call (no generator)
+        for g, s in zip(got, shape, strict=True):
+            if s is not None and g != s:
+                ok = False
+                break
     if not ok:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise fail(op, arg, f"shape {want}", f"{list(t.shape)}")

@@ -182,12 +182,18 @@ class EPMoE(nn.Module):
             return self._forward_ht(x, topk_ids, topk_weights)
         return self._forward_ll(x, topk_ids, topk_weights)
 
-    def _act(self, y, masked_m=None, m_indices=None):
+    def _act(self, y, masked_m=None, m_indices=None, expert_offsets=None):
+        # expert_offsets: the kernels skip the unused tail of the static M_sum bound
         if self.quant == "bf16":
-            return silu_and_mul(y, masked_m=masked_m, m_indices=m_indices), None
+            return silu_and_mul(y, masked_m, m_indices, expert_offsets), None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
         return silu_and_mul_quant(
-            y, self.quant, masked_m=masked_m, m_indices=m_indices, scale_layout=self._scale_layout()
+            y,
+            self.quant,
+            masked_m=masked_m,
+            m_indices=m_indices,
+            scale_layout=self._scale_layout(),
+            expert_offsets=expert_offsets,
         )
 
     def _scale_layout(self) -> str:
@@ -214,7 +220,8 @@ class EPMoE(nn.Module):
             w_scales=self.w1_scale,
             expert_offsets=p.expert_offsets,
         )
-        h, hs = self._act(y, m_indices=p.m_indices)  # padding rows are skipped
+        # padding rows and the unused tail are skipped
+        h, hs = self._act(y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
         y = grouped_gemm(
             h,
             self.w2,

@@ -42,14 +42,14 @@ def data():
     ids = _configs.received_routing(CFG, M, gen).cuda()
     x = torch.randn((M, H), generator=gen).to(torch.bfloat16).cuda()
     p = P._permute_triton(torch.empty((M, 16), dtype=torch.uint8, device="cuda"), ids, E, 128)
-    m_idx, inv = p[2], p[3]
+    m_idx, inv, offs = p[2], p[3], p[4]
     y = torch.randn((m_idx.numel(), 2 * I), generator=gen).to(torch.bfloat16).cuda()
     x3 = torch.randn((E, T, H), generator=gen).to(torch.bfloat16).cuda()
     y3 = torch.randn((E, T, 2 * I), generator=gen).to(torch.bfloat16).cuda()
     mm = _configs.decode_masked_m(CFG, gen).cuda()
     yo = torch.randn((m_idx.numel(), H), generator=gen).to(torch.bfloat16).cuda()
     w = torch.rand(ids.shape, generator=gen).cuda()
-    return dict(ids=ids, x=x, m_idx=m_idx, inv=inv, y=y, x3=x3, y3=y3, mm=mm, yo=yo, w=w)
+    return dict(ids=ids, x=x, m_idx=m_idx, inv=inv, offs=offs, y=y, x3=x3, y3=y3, mm=mm, yo=yo, w=w)
 
 
 def count(t):
@@ -167,20 +167,21 @@ SWEEPS = {
     "quantize_prefill_int8": [{}],
     "quantize_decode_fp8": [{}],
     "quantize_decode_int8": [{}],
-    "silu_quant_prefill_fp8": grid(ROW_PROGRAMS=[8192, 16384], FP8_TILE=[2048], FP8_BLOCK_M=[1]),
-    "silu_quant_prefill_int8": grid(ROW_PROGRAMS=[8192, 16384]),
+    "silu_quant_prefill_fp8": grid(OFFSETS_PROGRAMS=[4096, 8192, 16384], FP8_TILE=[1024, 2048]),
+    "silu_quant_prefill_int8": grid(OFFSETS_PROGRAMS=[4096, 8192, 16384]),
     "silu_quant_decode_fp8": [{}],
     "silu_quant_decode_int8": [{}],
     "permute_prefill_bf16": [{}],
-    "permute_prefill_fp8": [{}],
-    "permute_prefill_int8": [{}],
+    "permute_prefill_fp8": [{"SCALES_BY_ROW": False}]
+    + grid(SCALES_BY_ROW=[True], SCALE_TILE=[2048, 4096, 8192]),
+    "permute_prefill_int8": grid(SCALES_BY_ROW=[True, False]),
     "permute_index_only": [{}],
-    "permute_decode_fp8": [{}],
+    "permute_decode_fp8": grid(SCALES_BY_ROW=[True, False]),
     "unpermute_prefill": [{}],
-    "diag_silu_quant_all_rows": grid(FP8_TILE=[1024, 2048]),
-    "diag_silu_quant_packed": grid(FP8_TILE=[1024, 2048]),
-    "diag_silu_only_m_idx": grid(SILU_TILE=[1024, 2048], SILU_BLOCK_M=[1, 2]),
-    "diag_quantize_h": [{}],
+    "diag_silu_quant_all_rows": [],
+    "diag_silu_quant_packed": [{}],
+    "diag_silu_only_m_idx": [],
+    "diag_quantize_h": [],
 }
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}

@@ -10,6 +10,9 @@ Contract:
 - masked_m: int32 `[E]` for 3-D y: rows t >= masked_m[e] are unspecified and never read.
 - m_indices: int32 `[M_sum]` for 2-D y (the permute layout): rows with m_indices == -1 (alignment
   padding, unused tail) are unspecified and never read.
+- expert_offsets: int32 `[E + 1]` for 2-D y (permute's): rows >= expert_offsets[-1] (the unused
+  tail of the static M_sum bound, about half of it at workload W) are unspecified and never
+  touched; a fixed number of programs loops over the rows below it.
 
 CUDA-graph safe (fixed grid from shapes only). The fused kernel uses the same SiLU code as the
 unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_quant(y)`` equals
@@ -17,7 +20,7 @@ unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_qu
 """
 
 import importlib
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -56,6 +59,10 @@ INT8_ROW_TILE = 2048  # unmasked int8: rows shorter than this are batched (W: 20
 # 4096 249 us, 8192 330 us)
 # m_indices layout: programs per column chunk looping over row blocks (None: one block each)
 ROW_PROGRAMS = None
+# with expert_offsets: programs looping over the rows below expert_offsets[-1]; at W the unused
+# tail is half of M_sum, and a program per tail row costs a memory latency each (sweep: 8192
+# looping programs 180 us with the tail vs 82 us for the live rows alone)
+OFFSETS_PROGRAMS = 8192
 
 
 # --------------------------------------------------------------------------------- jit helpers
@@ -206,10 +213,31 @@ def _silu_mul_int8_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side launch
-def _slots(E, T, masked_m, block_m, m_indices=None):
-    """Row-block slots (grid axis 0). With m_indices and ROW_PROGRAMS set, a fixed number of
-    programs loops over the row blocks, prefetching the next block's m_indices."""
-    slots = _q.num_slots(E, T, masked_m is not None, block_m)
+class _Rows(NamedTuple):
+    E: int
+    T: int
+    strides: Tuple[int, int, int]
+    bound: torch.Tensor  # pointer the kernels read the row bound from (masked_m, offsets[-1:])
+    has_bound: bool
+    masked: bool  # decode-style masked layout (few live rows per expert)
+
+
+def _rows(y, masked_m, expert_offsets) -> _Rows:
+    E, T, strides = _q.as_3d(y)
+    if masked_m is not None:
+        return _Rows(E, T, strides, masked_m, True, True)
+    if expert_offsets is not None:  # rows >= expert_offsets[-1] (the unused tail) are skipped
+        return _Rows(E, T, strides, expert_offsets[-1:], True, False)
+    return _Rows(E, T, strides, y, False, False)  # placeholder pointer, never read
+
+
+def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
+    """Row-block slots (grid axis 0). With m_indices and ROW_PROGRAMS set, or with
+    expert_offsets, a fixed number of programs loops over the row blocks (prefetching the next
+    block's m_indices); programs past the bound (the unused tail) then never start."""
+    slots = _q.num_slots(rows.E, rows.T, rows.masked, block_m)
+    if rows.has_bound and not rows.masked:
+        return min(slots, OFFSETS_PROGRAMS)
     if m_indices is not None and ROW_PROGRAMS:
         return min(slots, ROW_PROGRAMS)
     return slots
@@ -219,22 +247,24 @@ def _silu_and_mul_triton(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     inter = y.shape[-1] // 2
     h = torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
-    E, T, (sye, syt, syh) = _q.as_3d(y)
+    rows = _rows(y, masked_m, expert_offsets)
+    (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
     _, _, (she, sht, _) = _q.as_3d(h)
     block = min(triton.next_power_of_2(max(inter, 1)), SILU_TILE)
-    block_m = 1 if masked_m is not None else SILU_BLOCK_M
-    slots = _slots(E, T, masked_m, block_m, m_indices)
+    block_m = 1 if rows.masked else SILU_BLOCK_M
+    slots = _slots(rows, block_m, m_indices)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
     grid = (slots, E, triton.cdiv(inter, block))
     _q._kernel(_silu_mul_kernel)[grid](
-        y, h, masked_m if masked_m is not None else y, m_indices if m_indices is not None else y,
+        y, h, rows.bound, m_indices if m_indices is not None else y,
         T, inter, slots, sye, syt, syh, she, sht,
-        BLOCK=block, BLOCK_M=block_m, HAS_MASK=masked_m is not None,
+        BLOCK=block, BLOCK_M=block_m, HAS_MASK=rows.has_bound,
         HAS_ROWS=m_indices is not None, num_warps=_q._warps(block * block_m),
     )  # fmt: skip
     return h
@@ -247,6 +277,7 @@ def _silu_and_mul_quant_triton(
     group_size: int = 128,
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     inter = y.shape[-1] // 2
@@ -255,22 +286,21 @@ def _silu_and_mul_quant_triton(
     groups = inter // group_size if scheme == "fp8" else 1
     q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
     s = _q.alloc_scales(lead, groups, scale_layout, y.device)
-    E, T, (sye, syt, syh) = _q.as_3d(y)
+    rows = _rows(y, masked_m, expert_offsets)
+    (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
     _, _, (sqe, sqt, _) = _q.as_3d(q)
     _, _, (sse, sst, ssg) = _q.as_3d(s)
-    masked = masked_m is not None
-    mm = masked_m if masked else y  # placeholder pointers, never read
-    mi = m_indices if m_indices is not None else y
-    flags = dict(HAS_MASK=masked, HAS_ROWS=m_indices is not None)
+    mi = m_indices if m_indices is not None else y  # placeholder pointer, never read
+    flags = dict(HAS_MASK=rows.has_bound, HAS_ROWS=m_indices is not None)
     if scheme == "fp8":
         block_g = triton.next_power_of_2(group_size)
-        tile = FP8_TILE if not masked else FP8_TILE_MASKED
+        tile = FP8_TILE if not rows.masked else FP8_TILE_MASKED
         gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
-        block_m = 1 if masked else FP8_BLOCK_M
-        slots = _slots(E, T, masked_m, block_m, m_indices)
+        block_m = 1 if rows.masked else FP8_BLOCK_M
+        slots = _slots(rows, block_m, m_indices)
         grid = (slots, E, triton.cdiv(groups, gpp))
         _q._kernel(_silu_mul_fp8_kernel)[grid](
-            y, q, s, mm, mi, T, inter, groups, slots,
+            y, q, s, rows.bound, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
             GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
             num_warps=_q._warps(block_m * gpp * block_g), **flags,
@@ -278,10 +308,10 @@ def _silu_and_mul_quant_triton(
     else:
         single = inter <= INT8_SINGLE_PASS_MAX
         block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
-        block_m = 1 if masked else max(1, INT8_ROW_TILE // block)
-        slots = _slots(E, T, masked_m, block_m, m_indices)
+        block_m = 1 if rows.masked else max(1, INT8_ROW_TILE // block)
+        slots = _slots(rows, block_m, m_indices)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
-            y, q, s, mm, mi, T, inter, slots,
+            y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
             BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single,
             num_warps=_q._warps(block * block_m), **flags,
@@ -290,7 +320,7 @@ def _silu_and_mul_quant_triton(
 
 
 # ------------------------------------------------------------------------------------------ ops
-def _validate(op, y, masked_m=None, m_indices=None) -> None:
+def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None:
     _checks.check_dtype(op, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(op, "y", y, (2, 3))
     _checks.check_multiple(op, "y.shape[-1]", y.shape[-1], 2, "(gate and up halves)")
@@ -300,16 +330,24 @@ def _validate(op, y, masked_m=None, m_indices=None) -> None:
         _checks.check_dtype(op, "masked_m", masked_m, (torch.int32, torch.int64))
         _checks.check_shape(op, "masked_m", masked_m, (y.shape[0],))
         _checks.check_device(op, "masked_m", masked_m, y)
-    if m_indices is not None:
+    for name, t in (("m_indices", m_indices), ("expert_offsets", expert_offsets)):
+        if t is None:
+            continue
         if y.dim() != 2:
-            raise _checks.fail(op, "m_indices", "None for a 3-D y", "a tensor")
-        _checks.check_dtype(op, "m_indices", m_indices, (torch.int32,))
+            raise _checks.fail(op, name, "None for a 3-D y", "a tensor")
+        _checks.check_dtype(op, name, t, (torch.int32,))
+        _checks.check_ndim(op, name, t, (1,))
+        _checks.check_device(op, name, t, y)
+    if m_indices is not None:
         _checks.check_shape(op, "m_indices", m_indices, (y.shape[0],))
-        _checks.check_device(op, "m_indices", m_indices, y)
+    if expert_offsets is not None and expert_offsets.shape[0] < 1:
+        raise _checks.fail(op, "expert_offsets", "[E + 1] with E >= 0", list(expert_offsets.shape))
 
 
-def _validate_quant(y, scheme, masked_m, group_size, m_indices=None, scale_layout="row") -> None:
-    _validate(OPQ, y, masked_m, m_indices)
+def _validate_quant(
+    y, scheme, masked_m, group_size, m_indices=None, scale_layout="row", expert_offsets=None
+) -> None:
+    _validate(OPQ, y, masked_m, m_indices, expert_offsets)
     _checks.check_choice(OPQ, "scheme", scheme, ("fp8", "int8"))
     _checks.check_positive_int(OPQ, "group_size", group_size)
     _checks.check_choice(OPQ, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
@@ -322,19 +360,22 @@ def _reference_quant(y, scheme, group_size, scale_layout):
     return q, _q.as_layout(s, scale_layout)
 
 
-def _silu_and_mul_impl(y, masked_m=None, m_indices=None):
-    _validate(OP, y, masked_m, m_indices)
+def _silu_and_mul_impl(y, masked_m=None, m_indices=None, expert_offsets=None):
+    _validate(OP, y, masked_m, m_indices, expert_offsets)
     if y.is_cuda:
-        return _silu_and_mul_triton(y, masked_m, m_indices)
+        return _silu_and_mul_triton(y, masked_m, m_indices, expert_offsets)
     return reference.silu_and_mul(y)
 
 
 def _silu_and_mul_quant_impl(
-    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row"
-):
-    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
+    expert_offsets=None,
+):  # fmt: skip
+    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
     if y.is_cuda:
-        return _silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, scale_layout)
+        return _silu_and_mul_quant_triton(
+            y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets
+        )
     return _reference_quant(y, scheme, group_size, scale_layout)
 
 
@@ -343,13 +384,14 @@ def _silu_and_mul_op(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return _silu_and_mul_impl(y, masked_m, m_indices)
+    return _silu_and_mul_impl(y, masked_m, m_indices, expert_offsets)
 
 
 @_silu_and_mul_op.register_kernel("cpu")
-def _silu_and_mul_cpu(y, masked_m=None, m_indices=None):
-    _validate(OP, y, masked_m, m_indices)
+def _silu_and_mul_cpu(y, masked_m=None, m_indices=None, expert_offsets=None):
+    _validate(OP, y, masked_m, m_indices, expert_offsets)
     return reference.silu_and_mul(y)
 
 
@@ -361,15 +403,19 @@ def _silu_and_mul_quant_op(
     group_size: int = 128,
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _silu_and_mul_quant_impl(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    return _silu_and_mul_quant_impl(
+        y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets
+    )
 
 
 @_silu_and_mul_quant_op.register_kernel("cpu")
 def _silu_and_mul_quant_cpu(
-    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row"
-):
-    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
+    expert_offsets=None,
+):  # fmt: skip
+    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
     return _reference_quant(y, scheme, group_size, scale_layout)
 
 
@@ -377,6 +423,7 @@ def silu_and_mul(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """silu(gate) * up in y.dtype.
 
@@ -384,12 +431,14 @@ def silu_and_mul(
         y: bf16/fp16/fp32 `[M_sum, 2I]` or `[E, T, 2I]`, gate columns first.
         masked_m: optional int32 `[E]` live rows per expert (3-D y); other rows unspecified.
         m_indices: optional int32 `[M_sum]` expert per row (2-D y); rows with -1 unspecified.
+        expert_offsets: optional int32 `[E + 1]` (permute's, 2-D y); rows >= expert_offsets[-1]
+            (the unused tail of the static bound) are unspecified and never touched.
     Returns:
         y.dtype `[..., I]`.
     """
-    if _eager.direct(y, masked_m, m_indices):
-        return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices)
-    return _silu_and_mul_op(y, masked_m, m_indices)
+    if _eager.direct(y, masked_m, m_indices, expert_offsets):
+        return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices, expert_offsets)
+    return _silu_and_mul_op(y, masked_m, m_indices, expert_offsets)
 
 
 def silu_and_mul_quant(
@@ -399,6 +448,7 @@ def silu_and_mul_quant(
     group_size: int = 128,
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize.
 
@@ -409,11 +459,12 @@ def silu_and_mul_quant(
         group_size: fp8 channels per scale (I must be a multiple).
         m_indices: optional int32 `[M_sum]` expert per row (2-D y); rows with -1 unspecified.
         scale_layout: "row" or "deepgemm" (see :mod:`epmoe.ops.quantize`).
+        expert_offsets: optional int32 `[E + 1]` (permute's, 2-D y); rows >= expert_offsets[-1]
+            are unspecified and never touched. With m_indices this is the fast HT path.
     Returns:
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
-    if _eager.direct(y, masked_m, m_indices):
-        return _eager.run(
-            _silu_and_mul_quant_impl, y, scheme, masked_m, group_size, m_indices, scale_layout
-        )
-    return _silu_and_mul_quant_op(y, scheme, masked_m, group_size, m_indices, scale_layout)
+    args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
+    if _eager.direct(y, masked_m, m_indices, expert_offsets):
+        return _eager.run(_silu_and_mul_quant_impl, *args)
+    return _silu_and_mul_quant_op(*args)

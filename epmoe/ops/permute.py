@@ -15,10 +15,10 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: five kernels, fixed grids from shapes, no atomics, no host sync. Each source row
-is read once and written to all of its local experts. ``alignment`` is the grouped-GEMM row block
-(128 for deep_gemm), never the quant block. Ids outside [0, E) other than -1 are an error
-(ValueError on CPU; device assert on CUDA, ValueError there too in debug mode).
+CUDA-graph safe: five kernels (six with scales), fixed grids from shapes, no atomics, no host
+sync. Each source row is read once and written to all of its local experts. ``alignment`` is the
+grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside [0, E) other than
+-1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too in debug mode).
 """
 
 import importlib
@@ -45,6 +45,10 @@ BLOCK_ROWS = 1024  # m_indices rows per step of an expert's fill loop
 FILL_SPLIT = 4  # programs per expert filling its m_indices block (one expert may own every row)
 COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
 COPY_WARPS = 4
+# scales (fp8 / int8 payloads) copied per destination row block by their own kernel (coalesced
+# stores into DeepGEMM's MN-major layout) instead of per source token inside the copy kernel
+SCALES_BY_ROW = True
+SCALE_TILE = 4096  # scale values per program of the row-block scale copy
 
 
 class PermuteResult(NamedTuple):
@@ -136,9 +140,9 @@ def _offsets_kernel(
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, counts_ptr, offsets_ptr, inv_ptr,
+    ids_ptr, counts_ptr, offsets_ptr, inv_ptr, src_ptr,
     N, K, stride_it, stride_ik, E, NB,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_N)
@@ -150,7 +154,10 @@ def _place_kernel(
     live = e >= 0
     before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=live, other=0)
     first = tl.load(offsets_ptr + e, mask=live, other=0)
-    tl.store(inv_ptr + i, tl.where(live, first + before + rank, -1), mask=i < N)
+    row = first + before + rank
+    tl.store(inv_ptr + i, tl.where(live, row, -1), mask=i < N)
+    if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+        tl.store(src_ptr + row, (i // K).to(tl.int32), mask=live & (i < N))
 
 
 @triton.jit
@@ -186,6 +193,32 @@ def _copy_rows_kernel(
                 r = tl.load(inv_ptr + t * K + k)
                 s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
                 tl.store(s_dst, sv, mask=so < tl.where(r >= 0, S, 0))
+
+
+@triton.jit
+def _scale_rows_kernel(
+    # tensors
+    xs_ptr, src_ptr, m_idx_ptr, offsets_ptr, outs_ptr,
+    # sizes
+    S, E,
+    # strides (elements)
+    stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens: the
+    stores are contiguous (down the rows in DeepGEMM's MN-major layout), where a per-source copy
+    would scatter one 4-byte store per (row, group)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    used = tl.load(offsets_ptr + E)
+    mi = tl.load(m_idx_ptr + r, mask=r < used, other=-1)
+    live = mi >= 0
+    src = tl.load(src_ptr + r, mask=live, other=0).to(tl.int64)
+    so = tl.arange(0, BLOCK_S)
+    m = live[:, None] & (so[None, :] < S)
+    v = tl.load(xs_ptr + src[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
+    out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
+    tl.store(out, v, mask=m)
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -238,19 +271,29 @@ def _permute_triton(
         totals, m_indices, offsets, ok, E, A, m_sum,
         E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, num_warps=4,
     )  # fmt: skip
+    by_row = S > 0 and SCALES_BY_ROW
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else inv_perm
     _kernel(_place_kernel)[(nb,)](
-        topk_ids, counts, offsets, inv_perm, n, K, sit, sik, E, nb,
-        BLOCK_N=BLOCK_N, num_warps=4,
+        topk_ids, counts, offsets, inv_perm, src, n, K, sit, sik, E, nb,
+        BLOCK_N=BLOCK_N, WRITE_SRC=by_row, num_warps=4,
     )  # fmt: skip
     block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
+    block_s = triton.next_power_of_2(max(S, 1))
     _kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
         x, xs, inv_perm, x_out, s_out, H, S,
         x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-        BLOCK_S=triton.next_power_of_2(max(S, 1)), HAS_SCALES=S > 0, num_warps=COPY_WARPS,
+        BLOCK_S=block_s, HAS_SCALES=S > 0 and not by_row, num_warps=COPY_WARPS,
     )  # fmt: skip
+    if by_row:
+        block_r = max(1, SCALE_TILE // block_s)
+        _kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
+            xs, src, m_indices, offsets, s_out, S, E,
+            ssm, sss, s_out.stride(0), s_out.stride(1),
+            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
+        )  # fmt: skip
     _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     return x_out, s_out, m_indices, inv_perm, offsets
 
@@ -322,12 +365,12 @@ def permute(
         PermuteResult(x `[M_sum, H]`, x_scales `[M_sum, S]` | None, m_indices int32 `[M_sum]`,
         inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
     """
-    # the schema would reject a non-int before our message could say what was expected
-    _checks.check_positive_int(OP, "num_experts", num_experts)
-    _checks.check_positive_int(OP, "alignment", alignment)
     args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
     if _eager.direct(x, topk_ids, x_scales):
         xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_impl, *args)
     else:
+        # the schema would reject a non-int before our message could say what was expected
+        _checks.check_positive_int(OP, "num_experts", num_experts)
+        _checks.check_positive_int(OP, "alignment", alignment)
         xp, sp, m_indices, inv_perm, offsets = _permute_op(*args)
     return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

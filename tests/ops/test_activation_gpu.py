@@ -172,3 +172,38 @@ def test_cuda_graph_replay(scheme):
         rows = C.masked_rows(16, 64, mm)
         C.assert_equal(q.cpu()[rows], rq[rows], "q replay")
         C.assert_equal(s.cpu()[rows], rs[rows], "s replay")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_expert_offsets_skip_the_tail(scheme):
+    """The permute layout at a W-like ratio: rows past expert_offsets[-1] keep their poison."""
+    from epmoe.ops import permute
+
+    gen = torch.Generator().manual_seed(10)
+    ids = C.routing(600, 8, 16, gen).cuda()
+    p = permute(torch.empty((600, 16), dtype=torch.uint8, device="cuda"), ids, 16, 128)
+    y = torch.randn((p.m_indices.numel(), 512), generator=gen).to(torch.bfloat16).cuda()
+    used = int(p.expert_offsets[-1])
+    assert 0 < used < y.shape[0]
+    live = (p.m_indices >= 0).cpu()
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            if scheme == "bf16":
+                out = silu_and_mul(y, None, p.m_indices, p.expert_offsets)
+                C.assert_close(out.cpu()[live], reference.silu_and_mul(y.cpu())[live])
+            else:
+                out, s = silu_and_mul_quant(
+                    y, scheme, None, 128, p.m_indices, "deepgemm", p.expert_offsets
+                )
+                rq, rs = reference.quantize(silu_and_mul(y, None, p.m_indices).cpu(), scheme)
+                C.assert_equal(q := out.cpu()[live], rq[live], "q")
+                C.assert_equal(s.cpu()[live], rs[live], "s")
+                assert q.numel() > 0
+        torch.cuda.synchronize()
+        tail = out[used:].reshape(-1).view(torch.uint8)
+        assert bool((tail == byte).all()), "a row past expert_offsets[-1] was written"
+    opcheck(
+        torch.ops.epmoe.silu_and_mul_quant.default,
+        (y, "fp8", None, 128, p.m_indices, "deepgemm", p.expert_offsets),
+        utils=NO_VALUE_COMPARE,
+    )

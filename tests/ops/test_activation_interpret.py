@@ -140,3 +140,27 @@ def test_bad_m_indices():
         A.silu_and_mul(torch.zeros(2, 2, 8), m_indices=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="silu_and_mul_quant: m_indices expected dtype"):
         A.silu_and_mul_quant(torch.zeros(2, 256), "fp8", m_indices=torch.zeros(2))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_expert_offsets_skip_the_tail(scheme, monkeypatch):
+    """Rows >= expert_offsets[-1] are never touched (they keep the poison); the rest as usual."""
+    monkeypatch.setattr(A, "OFFSETS_PROGRAMS", 2)  # two programs loop over the row blocks
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn((12, 256), generator=gen).to(torch.bfloat16)
+    mi = torch.tensor([0, 0, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], dtype=torch.int32)
+    offs = torch.tensor([0, 4, 8], dtype=torch.int32)  # used rows: 8
+    live = (mi >= 0) & (torch.arange(12) < 8)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            if scheme == "bf16":
+                out = A._silu_and_mul_triton(y, None, mi, offs)
+                C.assert_close(out[live], reference.silu_and_mul(y)[live])
+            else:
+                out, s = A._silu_and_mul_quant_triton(y, scheme, None, 128, mi, "row", offs)
+                h = A._silu_and_mul_triton(y, None, mi)
+                rq, rs = reference.quantize(h, scheme)
+                C.assert_equal(out[live], rq[live], "q")
+                C.assert_equal(s[live], rs[live], "s")
+        tail = out[8:].reshape(-1).view(torch.uint8)
+        assert bool((tail == byte).all()), "a row past expert_offsets[-1] was written"

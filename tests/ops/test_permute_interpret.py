@@ -79,7 +79,11 @@ def test_default_blocks_many_experts():
     _run(_payload(m, 16, torch.bfloat16, gen), ids, e, 16, None)
 
 
-def test_deepgemm_scale_layout(small_blocks):
+@pytest.mark.parametrize("by_row", [True, False])
+def test_deepgemm_scale_layout(by_row, small_blocks, monkeypatch):
+    """Both scale copies: per destination row block (default) and per source token."""
+    monkeypatch.setattr(P, "SCALES_BY_ROW", by_row)
+    monkeypatch.setattr(P, "SCALE_TILE", 16)  # 4 rows of 4 (padded) scales per program
     gen = torch.Generator().manual_seed(8)
     m, k, e, a = 9, 3, 4, 8
     x = _payload(m, 16, torch.float8_e4m3fn, gen)
