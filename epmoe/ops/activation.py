@@ -57,6 +57,7 @@ INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows reco
 INT8_CHUNK = 4096
 INT8_ROW_TILE = 2048  # unmasked int8: rows shorter than this are batched (W: 2048 248 us,
 # 4096 249 us, 8192 330 us)
+INT8_WARPS = None  # unmasked int8 warps (None: by elements per program)
 # m_indices layout: programs per column chunk looping over row blocks (None: one block each)
 ROW_PROGRAMS = None
 # with expert_offsets: programs looping over the rows below expert_offsets[-1]; at W the unused
@@ -310,11 +311,11 @@ def _silu_and_mul_quant_triton(
         block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
         block_m = 1 if rows.masked else max(1, INT8_ROW_TILE // block)
         slots = _slots(rows, block_m, m_indices)
+        warps = INT8_WARPS if INT8_WARPS and not rows.masked else _q._warps(block * block_m)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
-            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single,
-            num_warps=_q._warps(block * block_m), **flags,
+            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags,
         )  # fmt: skip
     return q, s
 

@@ -15,10 +15,11 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: five kernels (six with scales), fixed grids from shapes, no atomics, no host
-sync. Each source row is read once and written to all of its local experts. ``alignment`` is the
-grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside [0, E) other than
--1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too in debug mode).
+CUDA-graph safe: four kernels (five with DeepGEMM-layout scales), fixed grids from shapes, no
+atomics, no host sync. Each source row is read once and written to all of its local experts.
+``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
+[0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
+in debug mode).
 """
 
 import importlib
@@ -63,9 +64,10 @@ class PermuteResult(NamedTuple):
 # Deterministic placement without atomics: the flattened (t, k) entries are cut into blocks of
 # BLOCK_N; row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this
 # block). Kernel 1 counts per (expert, block), kernel 2 turns the counts into per-expert exclusive
-# prefixes over blocks (and totals), kernel 3 computes the aligned expert starts and writes
-# expert_offsets and m_indices, kernel 4 adds start, prefix and in-block rank into inv_perm, and
-# kernel 5 copies each source row once to all its destinations.
+# prefixes over blocks (and totals), kernel 3 adds the aligned expert start, the prefix and the
+# in-block rank into inv_perm (its extra programs write m_indices and expert_offsets), kernel 4
+# copies each source row once to all its destinations, and with DeepGEMM-layout scales kernel 5
+# copies the scales per destination row block.
 
 
 @triton.jit
@@ -107,57 +109,65 @@ def _scan_kernel(counts_ptr, totals_ptr, NB, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _offsets_kernel(
-    totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
-    E, ALIGN, M_SUM,
-    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Program (e, j): rows of expert e's aligned block (e == E: the unused tail), every SPLIT-th
-    chunk from j: m_indices = e for the first totals[e] rows, -1 on the alignment padding."""
-    e = tl.program_id(0)
-    j = tl.program_id(1)
+def _expert_starts(totals_ptr, E, ALIGN, E_PAD: tl.constexpr):
+    """(live rows, aligned block starts, aligned block sizes) per expert `[E_PAD]` (0 past E)."""
     ex = tl.arange(0, E_PAD)
     tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
     aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
-    end = tl.cumsum(aligned, axis=0)
-    start = end - aligned
-    used = tl.sum(aligned, axis=0)
-    if e == 0 and j == 0:
-        tl.store(offsets_ptr + ex, start, mask=ex < E)
-        tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
-        n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
-        tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
-    # this program's expert as scalars: picked out of the vectors by a masked sum
-    lo = tl.where(e < E, tl.sum(tl.where(ex == e, start, 0), axis=0), used)
-    hi = tl.where(e < E, lo + tl.sum(tl.where(ex == e, aligned, 0), axis=0), M_SUM)
-    live_end = tl.where(e < E, lo + tl.sum(tl.where(ex == e, tot, 0), axis=0), used)
-    val = tl.where(e < E, e, -1)
-    rows = tl.arange(0, BLOCK_ROWS)
-    for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
-        r = r0 + rows
-        tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
+    return tot, tl.cumsum(aligned, axis=0) - aligned, aligned
 
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, counts_ptr, offsets_ptr, inv_ptr, src_ptr,
-    N, K, stride_it, stride_ik, E, NB,
-    BLOCK_N: tl.constexpr, WRITE_SRC: tl.constexpr,
+    # tensors
+    ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    # sizes
+    N, K, stride_it, stride_ik, E, NB, ALIGN, M_SUM,
+    # meta
+    BLOCK_N: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
+    """Programs [0, NB): inv_perm of one block of entries (and the source token of each row).
+    Programs NB + e * SPLIT + j: every SPLIT-th chunk (from j) of expert e's aligned block
+    (e == E: the unused tail): m_indices = e on its first totals[e] rows, -1 on the padding; the
+    first of them also writes expert_offsets and the id check. Every program recomputes the E
+    aligned starts from the totals (a cumsum of E_PAD values)."""
     pid = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_N)
-    i = pid * BLOCK_N + lanes
-    e, _ = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
-    # rank among the entries of the same expert earlier in this block
-    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    live = e >= 0
-    before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=live, other=0)
-    first = tl.load(offsets_ptr + e, mask=live, other=0)
-    row = first + before + rank
-    tl.store(inv_ptr + i, tl.where(live, row, -1), mask=i < N)
-    if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-        tl.store(src_ptr + row, (i // K).to(tl.int32), mask=live & (i < N))
+    tot, start, aligned = _expert_starts(totals_ptr, E, ALIGN, E_PAD)
+    if pid < NB:
+        lanes = tl.arange(0, BLOCK_N)
+        i = pid * BLOCK_N + lanes
+        e, _ = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
+        live = e >= 0
+        # rank among the entries of the same expert earlier in this block
+        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=live, other=0)
+        first = tl.gather(start, tl.where(live, e, 0), 0)
+        row = first + before + rank
+        tl.store(inv_ptr + i, tl.where(live, row, -1), mask=i < N)
+        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+            tl.store(src_ptr + row, (i // K).to(tl.int32), mask=live & (i < N))
+    else:
+        q = pid - NB
+        e = q // SPLIT
+        j = q % SPLIT
+        ex = tl.arange(0, E_PAD)
+        used = tl.sum(aligned, axis=0)
+        if q == 0:
+            tl.store(offsets_ptr + ex, start, mask=ex < E)
+            tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
+            n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
+            tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
+        # this program's expert as scalars: picked out of the vectors by a masked sum
+        lo = tl.where(e < E, tl.sum(tl.where(ex == e, start, 0), axis=0), used)
+        hi = tl.where(e < E, lo + tl.sum(tl.where(ex == e, aligned, 0), axis=0), M_SUM)
+        live_end = tl.where(e < E, lo + tl.sum(tl.where(ex == e, tot, 0), axis=0), used)
+        val = tl.where(e < E, e, -1)
+        rows = tl.arange(0, BLOCK_ROWS)
+        for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
+            r = r0 + rows
+            tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
 
 
 @triton.jit
@@ -267,15 +277,13 @@ def _permute_triton(
         BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
     )  # fmt: skip
     _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
-    _kernel(_offsets_kernel)[(E + 1, FILL_SPLIT)](
-        totals, m_indices, offsets, ok, E, A, m_sum,
-        E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, num_warps=4,
-    )  # fmt: skip
-    by_row = S > 0 and SCALES_BY_ROW
+    by_row = S > 0 and SCALES_BY_ROW and scale_layout == "deepgemm"
     src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else inv_perm
-    _kernel(_place_kernel)[(nb,)](
-        topk_ids, counts, offsets, inv_perm, src, n, K, sit, sik, E, nb,
-        BLOCK_N=BLOCK_N, WRITE_SRC=by_row, num_warps=4,
+    _kernel(_place_kernel)[(nb + (E + 1) * FILL_SPLIT,)](
+        topk_ids, counts, totals, inv_perm, src, m_indices, offsets, ok,
+        n, K, sit, sik, E, nb, A, m_sum,
+        BLOCK_N=BLOCK_N, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
+        SPLIT=FILL_SPLIT, WRITE_SRC=by_row, num_warps=4,
     )  # fmt: skip
     block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
     xs = x_scales if x_scales is not None else x
@@ -299,10 +307,45 @@ def _permute_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
+    """The common all-good case in one expression (every eager call pays for validation); any
+    False falls through to the checks below, which say what is wrong."""
+    try:
+        m, dev = x.shape[0], x.device
+        return (
+            type(num_experts) is int
+            and num_experts > 0
+            and type(alignment) is int
+            and alignment > 0
+            and scale_layout in _q.SCALE_LAYOUTS
+            and x.dim() == 2
+            and topk_ids.dtype in _ID_DTYPES
+            and topk_ids.dim() == 2
+            and topk_ids.shape[0] == m
+            and topk_ids.device == dev
+            and (
+                x_scales is None
+                or (
+                    x_scales.dtype == torch.float32
+                    and x_scales.dim() == 2
+                    and x_scales.shape[0] == m
+                    and x_scales.device == dev
+                )
+            )
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
 def _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout="row") -> None:
+    if _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout):
+        return
     _checks.check_ndim(OP, "x", x, (2,))
     _checks.check_choice(OP, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
-    _checks.check_dtype(OP, "topk_ids", topk_ids, (torch.int32, torch.int64))
+    _checks.check_dtype(OP, "topk_ids", topk_ids, _ID_DTYPES)
     _checks.check_shape(OP, "topk_ids", topk_ids, (x.shape[0], None))
     _checks.check_device(OP, "topk_ids", topk_ids, x)
     _checks.check_positive_int(OP, "num_experts", num_experts)
