@@ -150,7 +150,7 @@ def _place_kernel(
             tl.store(src_ptr + row, (i // K).to(tl.int32), mask=live & (i < N))
     else:
         q = pid - NB
-        e = q // SPLIT
+        fe = q // SPLIT  # the expert this program fills (E: the unused tail)
         j = q % SPLIT
         ex = tl.arange(0, E_PAD)
         used = tl.sum(aligned, axis=0)
@@ -160,10 +160,10 @@ def _place_kernel(
             n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
             tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
         # this program's expert as scalars: picked out of the vectors by a masked sum
-        lo = tl.where(e < E, tl.sum(tl.where(ex == e, start, 0), axis=0), used)
-        hi = tl.where(e < E, lo + tl.sum(tl.where(ex == e, aligned, 0), axis=0), M_SUM)
-        live_end = tl.where(e < E, lo + tl.sum(tl.where(ex == e, tot, 0), axis=0), used)
-        val = tl.where(e < E, e, -1)
+        lo = tl.where(fe < E, tl.sum(tl.where(ex == fe, start, 0), axis=0), used)
+        hi = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, aligned, 0), axis=0), M_SUM)
+        live_end = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, tot, 0), axis=0), used)
+        val = tl.where(fe < E, fe, -1)
         rows = tl.arange(0, BLOCK_ROWS)
         for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
             r = r0 + rows

@@ -1,0 +1,164 @@
+"""Compile every Triton kernel of the local stages for sm90 (H100/H200) without a GPU.
+
+The interpreter (TRITON_INTERPRET=1, what CI runs the kernels with) does not type-check the way
+the compiler does, so a kernel can pass every CPU test and still fail to compile on the GPU. This
+script runs each stage's real host-side launch code on CPU tensors with the launches recorded
+instead of run, then compiles each recorded launch (its argument types, constexprs and num_warps)
+to a cubin for sm90 with the local Triton and its bundled ptxas. Exit code 1 on any failure.
+
+  python scripts/compile_kernels.py        (do not set TRITON_INTERPRET)
+"""
+
+import importlib
+import os
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_kernels: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from epmoe import _checks, reference  # noqa: E402
+
+Q = importlib.import_module("epmoe.ops.quantize")
+A = importlib.import_module("epmoe.ops.activation")
+P = importlib.import_module("epmoe.ops.permute")
+U = importlib.import_module("epmoe.ops.unpermute")
+
+TARGET = GPUTarget("cuda", 90, 32)
+_DTYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32",
+    torch.int64: "i64", torch.bool: "i1",
+}  # fmt: skip
+Launch = Tuple[Any, tuple, dict]
+
+
+class _Recorder:
+    def __init__(self, fn, calls: List[Launch]):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def record(launch: Callable[[], object]) -> List[Launch]:
+    """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
+    calls: List[Launch] = []
+    saved = (Q._kernel, P._kernel, _checks.check_values)
+    Q._kernel = P._kernel = lambda fn: _Recorder(fn, calls)
+    _checks.check_values = lambda *a, **k: None
+    try:
+        launch()
+    finally:
+        Q._kernel, P._kernel, _checks.check_values = saved
+    return calls
+
+
+def _arg_type(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return "*" + _DTYPES[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2**31) <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"unsupported kernel argument {type(v).__name__}")
+
+
+def compile_launch(fn, args: tuple, kwargs: dict) -> None:
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = fn.arg_names
+    sig: Dict[str, str] = {}
+    constexprs = {}
+    values = dict(zip(names, args, strict=False))  # trailing constexprs may come as kwargs
+    values.update(kwargs)
+    for i, name in enumerate(names):
+        if i in fn.constexprs:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = values[name]
+        else:
+            sig[name] = _arg_type(values[name])
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                   options=options)  # fmt: skip
+
+
+def cases() -> Dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(0)
+    bf = torch.randn((64, 512), generator=g).to(torch.bfloat16)
+    y3 = torch.randn((4, 16, 512), generator=g).to(torch.bfloat16)
+    mm = torch.tensor([3, 0, 16, 7], dtype=torch.int32)
+    ids = torch.randint(-1, 8, (64, 4), generator=g)
+    q8, s8 = reference.quantize(bf, "fp8")
+    qi, si = reference.quantize(bf, "int8")
+    p = P._permute_triton  # outputs below are only shapes: nothing runs
+    m_sum = reference.permuted_rows(64, 4, 8, 128)
+    mi = torch.zeros(m_sum, dtype=torch.int32)
+    offs = torch.zeros(9, dtype=torch.int32)
+    y2 = torch.randn((m_sum, 512), generator=g).to(torch.bfloat16)
+    inv = torch.zeros((64, 4), dtype=torch.int32)
+    w = torch.rand((64, 4), generator=g)
+    return {
+        "quantize fp8 2d/3d masked": lambda: (
+            Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
+            Q._quantize_triton(y3, "fp8", 128, mm, "deepgemm"),
+        ),
+        "quantize int8 2d/3d masked/two-pass": lambda: (
+            Q._quantize_triton(bf, "int8"),
+            Q._quantize_triton(y3, "int8", 128, mm),
+            Q._quantize_triton(torch.randn((3, 20000)).to(torch.bfloat16), "int8"),
+        ),
+        "silu_and_mul 2d/masked/m_indices+offsets": lambda: (
+            A._silu_and_mul_triton(y2),
+            A._silu_and_mul_triton(y3, mm),
+            A._silu_and_mul_triton(y2, None, mi, offs),
+        ),
+        "silu_and_mul_quant fp8/int8 all layouts": lambda: [
+            A._silu_and_mul_quant_triton(yy, s, m, 128, i, lay, o)
+            for s in ("fp8", "int8")
+            for yy, m, i, o, lay in (
+                (y2, None, mi, offs, "deepgemm"),
+                (y3, mm, None, None, "deepgemm"),
+                (y2, None, mi, None, "row"),
+                (y2, None, None, None, "row"),
+            )
+        ],  # fmt: skip
+        "permute bf16/fp8 (deepgemm scales)/int8": lambda: (
+            p(bf, ids, 8, 128),
+            p(q8, ids, 8, 128, s8, "deepgemm"),
+            p(qi, ids, 8, 128, si, "row"),
+        ),
+        "unpermute": lambda: U._unpermute_triton(y2, inv, w),
+    }
+
+
+def main() -> int:
+    failed = 0
+    for name, launch in cases().items():
+        calls = record(launch)
+        seen = set()
+        for fn, args, kwargs in calls:
+            key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())),
+                   tuple(_arg_type(a) for a in args))  # fmt: skip
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                compile_launch(fn, args, kwargs)
+                print(f"ok    {name}: {fn.__name__} {dict(sorted(kwargs.items()))}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report every kernel that fails
+                failed += 1
+                msg = str(e).strip().splitlines()
+                print(f"FAIL  {name}: {fn.__name__}: {type(e).__name__}: {msg[-1] if msg else ''}")
+    print(f"compile_kernels: {failed} failure(s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
