@@ -44,14 +44,11 @@ def direct(*tensors) -> bool:
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
-    if torch.autograd._profiler_enabled():
+    # functorch transforms (vmap, grad, functionalize) wrap tensors that look like plain ones
+    if torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active():
         return False
     for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not torch.Tensor or not t.is_cuda or t.requires_grad:
-            return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t):
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda or t.requires_grad):
             return False
     return True
 

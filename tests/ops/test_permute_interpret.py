@@ -83,6 +83,7 @@ def test_default_blocks_many_experts():
 def test_deepgemm_scale_layout(by_row, small_blocks, monkeypatch):
     """Both scale copies: per destination row block (default) and per source token."""
     monkeypatch.setattr(P, "SCALES_BY_ROW", by_row)
+    monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)  # this small case takes it too
     monkeypatch.setattr(P, "SCALE_TILE", 16)  # 4 rows of 4 (padded) scales per program
     gen = torch.Generator().manual_seed(8)
     m, k, e, a = 9, 3, 4, 8
