@@ -139,7 +139,7 @@ def cases() -> Dict[str, Callable[[], object]]:
 
 
 def main() -> int:
-    P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scale kernel too
+    P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scales too
     failed = 0
     for name, launch in cases().items():
         calls = record(launch)
