@@ -85,6 +85,13 @@ def _row_ids(mi_ptr, t, bound, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _next_rows(mi_ptr, t, ids, step, bound, HAS_ROWS: tl.constexpr):
+    """Rows t of this loop step: (t as int64, live mask, m_indices of the next step's rows)."""
+    live = (t < bound) & (ids >= 0)
+    return t.to(tl.int64), live, _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
+
+
+@triton.jit
 def _load_h(y_rows, cols, mask, I, stride_yh):
     """silu(gate) * up of rows ``y_rows`` `[R, 1]` at columns ``cols``, rounded to y's dtype, as
     float32."""
@@ -120,10 +127,7 @@ def _silu_mul_kernel(
     rows = tl.arange(0, BLOCK_M)
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
     for t0 in range(slot * BLOCK_M, bound, step):
-        t = t0 + rows
-        live = (t < bound) & (ids >= 0)
-        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
-        t64 = t.to(tl.int64)
+        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
         m = live[:, None] & (cols[None, :] < I)
         h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols[None, :], m, I,
                     stride_yh)  # fmt: skip
@@ -157,10 +161,8 @@ def _silu_mul_fp8_kernel(
     rows = r // GROUPS_PER_PROG
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
     for t0 in range(slot * BLOCK_M, bound, step):
-        t = t0 + rows
-        live = (t < bound) & (ids >= 0) & gmask
-        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
-        t64 = t.to(tl.int64)
+        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
+        live = live & gmask
         m = live[:, None] & (inner[None, :] < GROUP)
         h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols, m, I, stride_yh)
         q, s = _quant_fp8_groups(h)
@@ -189,10 +191,7 @@ def _silu_mul_int8_kernel(
     rows = tl.arange(0, BLOCK_M)
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
     for t0 in range(slot * BLOCK_M, bound, step):
-        t = t0 + rows
-        live = (t < bound) & (ids >= 0)
-        ids = _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
-        t64 = t.to(tl.int64)
+        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
