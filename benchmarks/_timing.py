@@ -110,6 +110,40 @@ def time_cuda(
     return Timing(statistics.median(times), min(times), iters, method)
 
 
+def launch_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median CUDA-event time (ms) of ``iters`` single eager launches of ``fn`` (no L2 flush)."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def paired_ms(
+    rounds: int,
+    iters: int,
+    warmup: int = 1,
+    after_warmup: Optional[Callable[[], object]] = None,
+    **fns: Callable[[], object],
+) -> Dict[str, float]:
+    """Median ms per launch of each function, measured in alternating rounds (same clocks, same
+    thermals for both sides of a comparison). ``after_warmup``: e.g. a barrier across ranks."""
+    for fn in fns.values():  # warm-up: compiles, autotunes, faults pages in
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
+    times: Dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(launch_ms(fn, iters))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 @functools.cache
 def copy_timings(nbytes: int = COPY_BYTES, device: Optional[int] = None) -> Dict[str, float]:
     """GB/s (read + written) of an ``nbytes`` device copy by method: memcpy in a graph, memcpy

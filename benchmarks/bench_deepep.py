@@ -23,13 +23,13 @@ Run on the GPU machine from the repository root (2 GPUs, deep_ep installed):
 import argparse
 import json
 import os
-import statistics
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script: make `epmoe` and `tests` importable
     sys.path.insert(0, _ROOT)
 
+import _timing  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -45,30 +45,10 @@ SEED = 0
 
 
 # --------------------------------------------------------------------------------------- timing
-def _launch_ms(fn, iters: int):
-    """Median CUDA-event time (ms) of single launches of ``fn``."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-
-
 def _paired_us(rounds: int, iters: int, **fns):
-    """Median microseconds per launch of each fn, measured in alternating rounds."""
-    for fn in fns.values():  # warm-up: buffers, JIT, first-touch
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(_launch_ms(fn, iters))
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    """Median microseconds per launch of each fn, alternating rounds, ranks in step."""
+    t = _timing.paired_ms(rounds, iters, warmup=2, after_warmup=dist.barrier, **fns)
+    return {k: 1e3 * v for k, v in t.items()}
 
 
 def _entry(t: dict, nbytes: float) -> dict:

@@ -14,8 +14,7 @@ Run on the GPU machine:
       --benchmark-json=benchmarks/results/gemm_h200.json
 """
 
-import statistics
-
+import _timing
 import pytest
 import torch
 
@@ -45,28 +44,8 @@ SEED = 0
 
 
 # --------------------------------------------------------------------------------------- timing
-def _ms(fn, iters: int = ITERS) -> float:
-    """Median CUDA-event time of one launch of ``fn`` (ms)."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-
-
 def _paired_ms(**fns) -> dict:
-    """Median ms of each function, measured in alternating rounds (same clocks, same thermals)."""
-    for fn in fns.values():  # warm-up: compiles, autotunes, faults pages in
-        fn()
-    torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for k, fn in fns.items():
-            times[k].append(_ms(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return _timing.paired_ms(ROUNDS, ITERS, **fns)
 
 
 def _synced(fn):
