@@ -43,6 +43,10 @@ def test_activation_opcheck(seed):
     y3 = torch.randn(2, 3, 256).bfloat16()
     m = torch.tensor([0, 2], dtype=torch.int32)
     opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y3, "int8", m, 128))
+    mi = torch.tensor([0, 0, -1], dtype=torch.int32)
+    offs = torch.tensor([0, 2], dtype=torch.int32)
+    opcheck(torch.ops.epmoe.silu_and_mul.default, (y, None, mi, offs))
+    opcheck(torch.ops.epmoe.silu_and_mul_quant.default, (y, "fp8", None, 128, mi, "row", offs))
 
 
 @pytest.mark.parametrize(
@@ -56,6 +60,22 @@ def test_activation_opcheck(seed):
                 torch.zeros(2, 256), "fp8", torch.zeros(2, dtype=torch.int32)
             ),
             "silu_and_mul_quant: masked_m expected None for a 2-D y",
+        ),
+        (
+            lambda: ops.silu_and_mul(torch.zeros(2, 4), expert_offsets=torch.zeros(2)),
+            "silu_and_mul: expert_offsets expected dtype torch.int32",
+        ),
+        (
+            lambda: ops.silu_and_mul(
+                torch.zeros(2, 3, 4), expert_offsets=torch.zeros(2, dtype=torch.int32)
+            ),
+            "silu_and_mul: expert_offsets expected None for a 3-D y",
+        ),
+        (
+            lambda: ops.silu_and_mul_quant(
+                torch.zeros(2, 256), "fp8", expert_offsets=torch.zeros(0, dtype=torch.int32)
+            ),
+            "silu_and_mul_quant: expert_offsets expected \\[E \\+ 1\\]",
         ),
     ],
 )
