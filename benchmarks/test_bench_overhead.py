@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from epmoe import _eager, reference
-from epmoe.ops import permute, quantize, silu_and_mul, silu_and_mul_quant, unpermute
+from epmoe.ops import gemm, permute, quantize, silu_and_mul, silu_and_mul_quant, unpermute
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,7 +79,17 @@ def _cases():
     y3 = torch.randn((E, T, 2 * I), generator=gen).to(torch.bfloat16).cuda()
     mm = _configs.decode_masked_m(CFG, gen).cuda()
     ops = torch.ops.epmoe
+    # int8 masked grouped GEMM (the Triton kernel: no optional package needed), decode-like
+    a8, a8s = reference.quantize(y3[..., :H], "int8")
+    w8, w8s = reference.quantize_weights(torch.randn((E, H, H), generator=gen), "int8")
+    w8, w8s = w8.cuda(), w8s.cuda()
     return {
+        "grouped_gemm_masked_int8": (
+            lambda: gemm.grouped_gemm(a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s),
+            lambda: ops.grouped_gemm_masked.default(a8, w8, mm, a8s, w8s, 0),
+            lambda: _eager.run(gemm._masked_cuda_impl, a8, w8, mm, a8s, w8s, 0),
+            1,  # plus the async count check
+        ),
         "quantize": (
             lambda: quantize(x, "fp8"),
             lambda: ops.quantize.default(x, "fp8"),
@@ -115,7 +125,14 @@ def _cases():
     }
 
 
-STAGES = ("quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quant")
+STAGES = (
+    "quantize",
+    "permute",
+    "unpermute",
+    "silu_and_mul",
+    "silu_and_mul_quant",
+    "grouped_gemm_masked_int8",
+)
 
 
 @pytest.mark.parametrize("stage", STAGES)
