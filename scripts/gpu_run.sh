@@ -2,6 +2,7 @@
 # One device session on the 2xH200 machine: environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
 # steps: tests bench cli_bench sweep deepep_bench layer_bench demo (EPMOE_CAP_<step> caps one step's seconds)
+# Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
 mkdir -p "$OUT"
@@ -52,3 +53,9 @@ for step in "$@"; do
 done
 cat "$OUT/summary.txt" 2>/dev/null
 tail -5 "$OUT"/*.log 2>/dev/null
+# The device tool returns at most 8 files from $OUT: pack everything but the summary into one.
+if [ "${EPMOE_PACK:-1}" = 1 ]; then
+  (cd "$OUT" && find . -type f ! -name summary.txt ! -name out.tgz ! -name .packed | sort > .packed \
+     && tar czf out.tgz -T .packed && xargs rm -f < .packed && rm -f .packed \
+     && find . -mindepth 1 -type d -empty -delete)
+fi
