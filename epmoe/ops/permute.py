@@ -288,8 +288,8 @@ def _permute_triton(
         BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
     )  # fmt: skip
     _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
-    # python bool on sizes is fine here: n is static whenever a graph is captured (the exact-size
-    # HT path is not captured); under torch.compile an unbacked n takes the per-token path
+    # DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES entries
+    # (an unbacked n under torch.compile takes the per-token path: see _at_least)
     by_row = (
         S > 0
         and SCALES_BY_ROW
