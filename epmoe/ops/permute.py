@@ -296,7 +296,9 @@ def _permute_triton(
         and scale_layout == "deepgemm"
         and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
     )
-    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else inv_perm
+    # placeholder when unused: a tensor the kernel only reads (an alias of a buffer the kernel
+    # writes would be a mutated alias to torch.compile's functionalization)
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
     _kernel(_place_kernel)[(nb + (E + 1) * FILL_SPLIT,)](
         topk_ids, counts, totals, inv_perm, src, m_indices, offsets, ok,
         n, K, sit, sik, E, nb, A, m_sum,
