@@ -42,6 +42,20 @@ def test_no_tensors_and_disabled():
     assert _eager.enabled()
 
 
+def test_functorch_transforms_take_the_registered_op():
+    """vmap / grad / functionalize wrap tensors that look like plain ones: no fast path inside."""
+    seen = []
+
+    def probe(x):
+        seen.append(_eager.direct())
+        return x
+
+    torch.func.vmap(probe)(torch.zeros(2))
+    torch.func.functionalize(probe)(torch.zeros(2))
+    assert seen == [False, False]
+    assert _eager.direct()
+
+
 def test_run_launches_without_the_wrap_triton_hop():
     """Outside a triton op wrap_triton would route each launch through a higher-order op."""
     from torch._library import triton as lib
