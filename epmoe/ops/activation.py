@@ -391,10 +391,8 @@ def _silu_and_mul_op(
     return _silu_and_mul_impl(y, masked_m, m_indices, expert_offsets)
 
 
-@_silu_and_mul_op.register_kernel("cpu")
-def _silu_and_mul_cpu(y, masked_m=None, m_indices=None, expert_offsets=None):
-    _validate(OP, y, masked_m, m_indices, expert_offsets)
-    return reference.silu_and_mul(y)
+# CPU kernels: the same functions, which take their reference branch for CPU tensors
+_silu_and_mul_op.register_kernel("cpu")(_silu_and_mul_impl)
 
 
 @triton_op("epmoe::silu_and_mul_quant", mutates_args=())
@@ -412,13 +410,7 @@ def _silu_and_mul_quant_op(
     )
 
 
-@_silu_and_mul_quant_op.register_kernel("cpu")
-def _silu_and_mul_quant_cpu(
-    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
-    expert_offsets=None,
-):  # fmt: skip
-    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    return _reference_quant(y, scheme, group_size, scale_layout)
+_silu_and_mul_quant_op.register_kernel("cpu")(_silu_and_mul_quant_impl)
 
 
 def silu_and_mul(

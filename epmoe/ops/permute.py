@@ -23,13 +23,12 @@ in debug mode).
 """
 
 import importlib
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from epmoe import _checks, _eager, reference
 
@@ -243,11 +242,6 @@ def _at_least(n, lo: int) -> bool:
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
 
 
-def _kernel(k):
-    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors)."""
-    return k if os.environ.get("TRITON_INTERPRET") == "1" else wrap_triton(k)
-
-
 def _permute_triton(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -283,11 +277,11 @@ def _permute_triton(
     totals = torch.empty((E + 1,), dtype=torch.int32, device=dev)
 
     sit, sik = topk_ids.stride()
-    _kernel(_count_kernel)[(nb,)](
+    _q._kernel(_count_kernel)[(nb,)](
         topk_ids, counts, n, K, sit, sik, E, nb,
         BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
     )  # fmt: skip
-    _kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
+    _q._kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
     # DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES entries
     # (an unbacked n under torch.compile takes the per-token path: see _at_least)
     by_row = (
@@ -299,7 +293,7 @@ def _permute_triton(
     # placeholder when unused: a tensor the kernel only reads (an alias of a buffer the kernel
     # writes would be a mutated alias to torch.compile's functionalization)
     src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
-    _kernel(_place_kernel)[(nb + (E + 1) * FILL_SPLIT,)](
+    _q._kernel(_place_kernel)[(nb + (E + 1) * FILL_SPLIT,)](
         topk_ids, counts, totals, inv_perm, src, m_indices, offsets, ok,
         n, K, sit, sik, E, nb, A, m_sum,
         BLOCK_N=BLOCK_N, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
@@ -309,7 +303,7 @@ def _permute_triton(
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     block_s = triton.next_power_of_2(max(S, 1))
-    _kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
+    _q._kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
         x, xs, inv_perm, x_out, s_out, H, S,
         x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
@@ -317,7 +311,7 @@ def _permute_triton(
     )  # fmt: skip
     if by_row:
         block_r = max(1, SCALE_TILE // block_s)
-        _kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
+        _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
             xs, src, m_indices, offsets, s_out, S, E,
             ssm, sss, s_out.stride(0), s_out.stride(1),
             BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
@@ -395,10 +389,8 @@ def _permute_op(
     return _permute_impl(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
 
 
-@_permute_op.register_kernel("cpu")
-def _permute_cpu(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
-    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+# CPU kernel: the same function, which takes its reference branch for CPU tensors
+_permute_op.register_kernel("cpu")(_permute_impl)
 
 
 def _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout):

@@ -217,8 +217,9 @@ def _quant_int8_kernel(
 
 # ----------------------------------------------------------------------------- host-side helpers
 def _kernel(k):
-    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors)."""
-    return k if os.environ.get("TRITON_INTERPRET") == "1" else wrap_triton(k)
+    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors).
+    Every stage module launches through this one (module attribute: tools may patch it)."""
+    return k if _INTERPRET else wrap_triton(k)
 
 
 def _warps(elements: int) -> int:
@@ -385,10 +386,8 @@ def _quantize_op(
     return _quantize_impl(x, scheme, group_size, masked_m, scale_layout)
 
 
-@_quantize_op.register_kernel("cpu")
-def _quantize_cpu(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
-    _validate(x, scheme, group_size, masked_m, scale_layout)
-    return _reference(x, scheme, group_size, masked_m, scale_layout)
+# CPU kernel: the same function, which takes its reference branch for CPU tensors
+_quantize_op.register_kernel("cpu")(_quantize_impl)
 
 
 def quantize(
