@@ -225,14 +225,7 @@ def record(
             extra["meets_speedup"] = extra["speedup_vs_eager"] >= target_vs_baseline
     extra.update(info)
     benchmark.extra_info.update(extra)
-    replay = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(replay):
-            fn()
-        call = replay.replay
-    except Exception:  # noqa: BLE001
-        torch.cuda.synchronize()
-        call = fn
+    call = _capture(fn) or fn
 
     def synced():
         call()

@@ -59,10 +59,8 @@ def _synced(fn):
 
 @pytest.fixture(scope="module")
 def copy_gbps() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) of a 4 GiB buffer."""
-    bufs = torch.empty((2, 2 * 2**30), dtype=torch.uint8, device="cuda")
-    ms = _paired_ms(copy=lambda: bufs[1].copy_(bufs[0]))["copy"]
-    return 2 * bufs.shape[1] / ms / 1e6
+    """The HBM copy ceiling of this run (GB/s read + written, ``_timing.copy_gbps``)."""
+    return _timing.copy_gbps()
 
 
 # ------------------------------------------------------------------------------------------ data

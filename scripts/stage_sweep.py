@@ -179,10 +179,10 @@ SWEEPS = {
     "permute_index_only": grid(FILL_SPLIT=[2, 4, 8], BLOCK_N=[64, 128]),
     "permute_decode_fp8": grid(SCALES_BY_ROW=[True, False], FILL_SPLIT=[1, 4]),
     "unpermute_prefill": [{}],
-    "diag_silu_quant_all_rows": [],
+    "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
-    "diag_silu_only_m_idx": [],
-    "diag_quantize_h": [],
+    "diag_silu_only_m_idx": [{}],
+    "diag_quantize_h": [{}],
 }
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
