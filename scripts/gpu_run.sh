@@ -43,7 +43,7 @@ for step in "$@"; do
       echo "demo rc=$?" >> "$OUT/summary.txt" ;;
     sweep)
       timeout $((t - 10)) python3 scripts/stage_sweep.py --out "$OUT/sweep.jsonl" \
-        --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} > "$OUT/sweep.log" 2>&1
+        --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} ${EPMOE_SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
       echo "sweep rc=$?" >> "$OUT/summary.txt" ;;
     cli_bench)
       timeout $((t - 10)) python3 -m epmoe bench --out-dir "$OUT/cli_bench" \

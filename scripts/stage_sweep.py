@@ -5,6 +5,10 @@ a set of values of the module-level launch constants, and prints / appends one J
 {"stage", "params", "us", "gbps"}. Used to choose the defaults in epmoe/ops; not a test.
 
   PYTHONPATH=.:benchmarks python3 scripts/stage_sweep.py --out sweep.jsonl [--only permute,...]
+
+With --profile, each stage's default point also gets a kernel breakdown: the device time of every
+kernel of one call (torch.profiler over graph replays, L2 flushed between them), {"stage",
+"kernels": {name: us}}, to tell the kernels' own time from the gaps between dependent launches.
 """
 
 import argparse
@@ -97,7 +101,13 @@ def cases():
                 A,
                 sb[scheme](live) + 4 * d["m_idx"].numel(),
                 lambda s=scheme: A._silu_and_mul_quant_triton(
-                    d["y"], s, None, 128, d["m_idx"], "deepgemm" if s == "fp8" else "row"
+                    d["y"],
+                    s,
+                    None,
+                    128,
+                    d["m_idx"],
+                    "deepgemm" if s == "fp8" else "row",
+                    d["offs"],
                 ),
             )
         )
@@ -169,8 +179,8 @@ SWEEPS = {
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
     "quantize_decode_fp8": [{}],
     "quantize_decode_int8": [{}],
-    "silu_quant_prefill_fp8": grid(OFFSETS_PROGRAMS=[8192, 32768]),
-    "silu_quant_prefill_int8": grid(INT8_ROW_TILE=[2048, 4096], INT8_WARPS=[4, 8]),
+    "silu_quant_prefill_fp8": grid(ROW_STAGES=[1, 3]),
+    "silu_quant_prefill_int8": grid(INT8_WARPS=[1, 2, 4], INT8_ROW_TILE=[2048, 4096]),
     "silu_quant_decode_fp8": [{}],
     "silu_quant_decode_int8": [{}],
     "permute_prefill_bf16": grid(BLOCK_N=[64, 128]),
@@ -188,11 +198,33 @@ SWEEPS = {
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
 
 
+def kernel_breakdown(fn, iters: int = 20) -> dict:
+    """Average device µs per call of each kernel ``fn`` launches (graph replays, L2 flushed)."""
+    run = _timing._capture(lambda: _eager.run(fn)) or (lambda: _eager.run(fn))
+    run()
+    flush = _timing._flush_buffer(torch.cuda.current_device())
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            _timing._flush(flush)
+            run()
+        torch.cuda.synchronize()
+    total: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "reduce_kernel" not in ev.name:
+            us = ev.time_range.elapsed_us()  # the kernel on the device
+            total[ev.name] = total.get(ev.name, 0.0) + us  # (the flush is a reduce_kernel sum)
+    total["(all kernels)"] = sum(total.values())
+    return {k: round(v / iters, 2) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep.jsonl")
     ap.add_argument("--only", default="")
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--profile", action="store_true", help="kernel breakdown per stage")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     t_end = time.time() + args.budget_s
@@ -203,6 +235,13 @@ def main() -> None:
         for name, mod, nbytes, fn in cases():
             if only and not any(name.startswith(o) for o in only):
                 continue
+            if args.profile:
+                try:
+                    rec = dict(stage=name, kernels=kernel_breakdown(fn))
+                except Exception as e:  # noqa: BLE001
+                    rec = dict(stage=name, profile_error=repr(e)[:300])
+                print(json.dumps(rec), file=f, flush=True)
+                print(rec, flush=True)
             for params in SWEEPS.get(name, [{}]):
                 if time.time() > t_end:
                     print("budget reached", flush=True)
