@@ -117,5 +117,7 @@ def check_values(
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:
     """Ids must be -1 or in [0, hi)."""
-    ok = ((ids >= -1) & (ids < hi)).all()
+    from epmoe.ops._range import range_ok  # (epmoe.ops imports this module)
+
+    ok = range_ok(ids, -1, hi)
     check_values(ok, op, arg, f"ids in [0, {hi}) or -1")

@@ -20,6 +20,7 @@ switched off: outside a triton op ``wrap_triton(kernel)[grid](...)`` otherwise r
 launch through the triton_kernel_wrapper higher-order op, ~100 µs of Python per launch.
 """
 
+import contextlib
 import os
 
 import torch
@@ -62,3 +63,11 @@ def run(fn, *args):
         return fn(*args)
     finally:
         state.value = prev
+
+
+def on_device(t: torch.Tensor):
+    """torch.cuda.device(t.device), or a no-op context when it already is the current device (the
+    usual case; entering the device context costs two device exchanges per call)."""
+    if t.device.index is None or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)

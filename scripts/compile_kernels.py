@@ -28,6 +28,8 @@ Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
+G = importlib.import_module("epmoe.ops.gemm")
+R = importlib.import_module("epmoe.ops._range")
 
 TARGET = GPUTarget("cuda", 90, 32)
 _DTYPES = {
@@ -49,13 +51,14 @@ class _Recorder:
 def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
-    saved = (Q._kernel, _checks.check_values)
+    saved = (Q._kernel, _checks.check_values, G._int8_masked_kernel)
     Q._kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through Q._kernel
     _checks.check_values = lambda *a, **k: None
+    G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)  # (launched directly)
     try:
         launch()
     finally:
-        Q._kernel, _checks.check_values = saved
+        Q._kernel, _checks.check_values, G._int8_masked_kernel = saved
     return calls
 
 
@@ -74,6 +77,10 @@ def _arg_type(v) -> str:
 def compile_launch(fn, args: tuple, kwargs: dict) -> None:
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
+        values = dict(zip(fn.arg_names, args, strict=False), **kwargs)
+        kwargs.update({k: h(values) for k, h in fn.values.items()})
+        fn = fn.fn
     names = fn.arg_names
     sig: Dict[str, str] = {}
     constexprs = {}
@@ -135,6 +142,19 @@ def cases() -> Dict[str, Callable[[], object]]:
             p(qi, ids, 8, 128, si, "row"),
         ),
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
+        "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
+            ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
+        ),
+        "int8 masked GEMM with its count check": lambda: G._int8_masked_triton(
+            qi.view(4, 16, 512),
+            torch.zeros((4, 64, 512), dtype=torch.int8),
+            mm,
+            si.view(4, 16, 1),
+            torch.rand((4, 64)),
+            0,
+            config=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            ok=torch.empty((), dtype=torch.bool),
+        ),  # fmt: skip
     }
 
 
@@ -145,18 +165,19 @@ def main() -> int:
         calls = record(launch)
         seen = set()
         for fn, args, kwargs in calls:
-            key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())),
+            kname = getattr(fn, "__name__", None) or fn.fn.__name__  # (a Heuristics wraps it)
+            key = (kname, tuple(sorted((k, str(v)) for k, v in kwargs.items())),
                    tuple(_arg_type(a) for a in args))  # fmt: skip
             if key in seen:
                 continue
             seen.add(key)
             try:
                 compile_launch(fn, args, kwargs)
-                print(f"ok    {name}: {fn.__name__} {dict(sorted(kwargs.items()))}", flush=True)
+                print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every kernel that fails
                 failed += 1
                 msg = str(e).strip().splitlines()
-                print(f"FAIL  {name}: {fn.__name__}: {type(e).__name__}: {msg[-1] if msg else ''}")
+                print(f"FAIL  {name}: {kname}: {type(e).__name__}: {msg[-1] if msg else ''}")
     print(f"compile_kernels: {failed} failure(s)")
     return 1 if failed else 0
 

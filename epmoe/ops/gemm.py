@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from epmoe import _checks, _deps, _eager, reference
+from epmoe.ops._range import range_ok
 
 OP = "grouped_gemm"
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -203,7 +204,47 @@ def empty_fp8_act_scales(lead: Sequence[int], groups: int, device) -> torch.Tens
 
 
 # ------------------------------------------------------------------------------------- validation
+def _valid(a, w, a_scales, w_scales, masked: bool) -> bool:
+    """The common all-good case in one pass (every eager call pays for validation: the full checks
+    below cost ~9 µs of host time); any False falls through to them, which say what is wrong."""
+    try:
+        dt, dev = a.dtype, a.device
+        if (
+            dt not in A_DTYPES
+            or w.dtype != dt
+            or a.dim() != (3 if masked else 2)
+            or w.dim() != 3
+            or w.device != dev
+        ):
+            return False
+        kd, e, n = a.shape[-1], w.shape[0], w.shape[1]
+        if w.shape[2] != kd or (masked and a.shape[0] != e):
+            return False
+        if dt == torch.bfloat16:
+            return a_scales is None and w_scales is None
+        if (
+            a_scales.dtype != torch.float32
+            or w_scales.dtype != torch.float32
+            or a_scales.device != dev
+            or w_scales.device != dev
+        ):
+            return False
+        lead = tuple(a.shape[:-1])
+        if dt == torch.int8:
+            return tuple(a_scales.shape) == lead + (1,) and tuple(w_scales.shape) == (e, n)
+        return (
+            kd % 128 == 0
+            and n % 128 == 0
+            and tuple(a_scales.shape) == lead + (kd // 128,)
+            and tuple(w_scales.shape) == (e, n // 128, kd // 128)
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
 def _validate(a, w, a_scales, w_scales, masked: bool) -> None:
+    if _valid(a, w, a_scales, w_scales, masked):
+        return
     _checks.check_dtype(OP, "a", a, A_DTYPES)
     _checks.check_ndim(OP, "a", a, (3,) if masked else (2,))
     _checks.check_dtype(OP, "w", w, (a.dtype,))
@@ -251,13 +292,21 @@ def _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets=Non
 
 def _validate_masked(a, w, masked_m, a_scales, w_scales) -> None:
     _validate(a, w, a_scales, w_scales, masked=True)
+    if (
+        type(masked_m) is torch.Tensor
+        and masked_m.dtype == torch.int32
+        and masked_m.dim() == 1
+        and masked_m.shape[0] == w.shape[0]
+        and masked_m.device == a.device
+    ):
+        return
     _checks.check_dtype(OP, "masked_m", masked_m, (torch.int32,))
     _checks.check_shape(OP, "masked_m", masked_m, (w.shape[0],))
     _checks.check_device(OP, "masked_m", masked_m, a)
 
 
 def _check_counts(masked_m: torch.Tensor, t: int) -> None:
-    ok = ((masked_m >= 0) & (masked_m <= t)).all()
+    ok = range_ok(masked_m, 0, t + 1)
     _checks.check_values(ok, OP, "masked_m", f"counts in [0, {t}]")
 
 
@@ -333,7 +382,7 @@ def _int8_contiguous_kernel(
 @triton.jit
 def _int8_masked_kernel(
     # tensors
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
     # sizes (E only keys the autotuner)
     T, N, K, E,
     # strides
@@ -344,11 +393,17 @@ def _int8_masked_kernel(
     stride_oe, stride_ot, stride_on,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
+        if pid_n + expert + pid_s == 0:
+            ex = tl.arange(0, E_PAD)
+            c = tl.load(masked_m_ptr + ex, mask=ex < E, other=0)
+            n_bad = tl.sum(((c < 0) | (c > T)).to(tl.int32), axis=0)
+            tl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
     # clamped to T so a bad count can never read past the expert's slot (the op also asserts it)
     count = tl.minimum(tl.load(masked_m_ptr + expert), T)
     e64 = expert.to(tl.int64)
@@ -488,6 +543,7 @@ def _int8_masked_triton(
     expected_m: int = 0,
     config: Optional[dict] = None,
     out: Optional[torch.Tensor] = None,
+    ok: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch the INT8 masked kernel (also on CPU tensors under TRITON_INTERPRET=1).
 
@@ -498,6 +554,8 @@ def _int8_masked_triton(
         config: explicit meta-parameters (BLOCK_N, BLOCK_K, num_warps[, num_stages], optionally
             BLOCK_M and M_SPLIT); None = autotuned BLOCK_N/BLOCK_K.
         out: bf16 `[E, T, N]` to write into (tests); None allocates it.
+        ok: bool `[]` the kernel sets to "every count in [0, T]" (the op's value check, no launch
+            of its own); None skips the check.
     Returns:
         bf16 `[E, T, N]`; rows t >= masked_m[e] are left unwritten.
     """
@@ -518,14 +576,14 @@ def _int8_masked_triton(
 
     kernel = _int8_masked_tuned if config is None else _int8_masked_kernel
     kernel[grid](
-        a, w, a_scales, w_scales, masked_m, out,
+        a, w, a_scales, w_scales, masked_m, out, ok if ok is not None else masked_m,
         T, N, K, E,
         a.stride(0), a.stride(1), a.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
         a_scales.stride(0), a_scales.stride(1),
         w_scales.stride(0), w_scales.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        **meta,
+        CHECK=ok is not None, E_PAD=triton.next_power_of_2(E), **meta,
     )  # fmt: skip
     return out
 
@@ -575,8 +633,12 @@ def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m):
     E, T, K = a.shape
     N = w.shape[1]
     backend = _backend(scheme, "masked", a.device, N, K)
-    if backend == "triton":
-        return _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m)
+    if backend == "triton":  # the kernel itself checks the counts
+        ok = torch.empty((), dtype=torch.bool, device=a.device)
+        out = _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
+        _checks.check_values(ok, OP, "masked_m", f"counts in [0, {T}]")
+        return out
+    _check_counts(masked_m, T)
     if backend == "reference" or T == 0:
         return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
     if backend == "bmm":
@@ -668,7 +730,7 @@ def _contiguous_cpu(a, w, m_indices, a_scales=None, w_scales=None, expert_offset
 def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None):
     _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-    with torch.cuda.device(a.device):  # Triton and deep_gemm launch on the current device
+    with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
         return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
 
 
@@ -702,8 +764,7 @@ def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0):
 @_masked_op.register_kernel("cuda")
 def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0):
     _validate_masked(a, w, masked_m, a_scales, w_scales)
-    _check_counts(masked_m, a.shape[1])
-    with torch.cuda.device(a.device):
+    with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
         return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m)
 
 

@@ -52,6 +52,10 @@ COPY_WARPS = 4
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
 SCALE_TILE = 4096  # scale values per program of the row-block scale copy
+# place each entry inside the copy kernel (3 launches: count, scan + fill, place + copy) instead of
+# a placement kernel of its own between scan and copy (4 launches)
+PLACE_IN_COPY = True
+TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over
 
 
 class PermuteResult(NamedTuple):
@@ -233,6 +237,146 @@ def _scale_rows_kernel(
     tl.store(out, v, mask=m)
 
 
+# Placement folded into the copy (PLACE_IN_COPY): blocks of TB whole tokens (TB * K entries).
+# Kernel 1 counts per (expert, block) and adds each block's counts into the expert totals
+# (atomics on order-free sums: the row order never depends on them); kernel 2 turns each
+# expert's counts into "row of the block's first entry of e" (aligned start + exclusive prefix
+# over blocks), its extra programs write m_indices, expert_offsets and the id check; kernel 3
+# copies each token's row, computing its K destination rows on the way (rank among the same
+# expert's entries earlier in the block); the programs of a token's first column chunk also
+# write inv_perm. Three dependent launches instead of four, and no placement pass of its own.
+
+
+@triton.jit
+def _load_token_ids(ids_ptr, t, k, M, K, stride_it, stride_ik, E):
+    """(expert of entries (t, k) as int32: -1 for -1, invalid ids, t >= M, k >= K; invalid mask)"""
+    valid = (t + k * 0 < M) & (k < K)  # (t may be a scalar: the mask is k's shape or larger)
+    e = tl.load(ids_ptr + t * stride_it + k * stride_ik, mask=valid, other=-1)
+    ok = valid & (e >= 0) & (e < E)
+    bad = valid & ((e < -1) | (e >= E))
+    return tl.where(ok, e, -1).to(tl.int32), bad
+
+
+@triton.jit
+def _count_tokens_kernel(
+    ids_ptr, counts_ptr, totals_ptr,
+    M, K, stride_it, stride_ik, E, NB,
+    TB: tl.constexpr, K_PAD: tl.constexpr, NUM_BINS: tl.constexpr, COPIES: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    t = (b * TB + tl.arange(0, TB))[:, None]
+    e, bad = _load_token_ids(ids_ptr, t, tl.arange(0, K_PAD)[None, :], M, K, stride_it,
+                             stride_ik, E)  # fmt: skip
+    e = tl.reshape(e, [TB * K_PAD])
+    hist = tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: the -1 entries (ignored)
+    bins = tl.arange(0, NUM_BINS)
+    tl.store(counts_ptr + bins * NB + b, hist, mask=bins < E)
+    # totals[b % COPIES, e] += this block's count; column E counts the invalid ids. COPIES rows
+    # spread the atomics (one row: every block adds onto the same E + 1 words, 8.5 us at W)
+    n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+    add = tl.where(bins < E, hist, n_bad)
+    row = totals_ptr + (b % COPIES) * (E + 1)
+    tl.atomic_add(row + bins, add, mask=(bins <= E) & (add > 0))
+
+
+@triton.jit
+def _scan_fill_kernel(
+    counts_ptr, totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    E, NB, ALIGN, M_SUM,
+    BLOCK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    COPIES: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, E): counts[e, b] <- aligned start of e + entries of e in blocks < b.
+    Programs E + f * SPLIT + j: every SPLIT-th chunk (from j) of expert f's aligned block (f == E:
+    the unused tail): m_indices = f on its first totals[f] rows, -1 on the padding; the first of
+    them also writes expert_offsets and the id check."""
+    pid = tl.program_id(0)
+    ex = tl.arange(0, E_PAD)
+    cp = tl.arange(0, COPIES)[:, None] * (E + 1)
+    tot = tl.sum(tl.load(totals_ptr + cp + ex[None, :], mask=ex[None, :] < E, other=0), axis=0)
+    aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
+    start = tl.cumsum(aligned, axis=0) - aligned
+    if pid < E:
+        row = counts_ptr + pid.to(tl.int64) * NB
+        carry = tl.zeros([BLOCK], dtype=tl.int32) + tl.sum(tl.where(ex == pid, start, 0), axis=0)
+        for b0 in range(0, NB, BLOCK):
+            offs = b0 + tl.arange(0, BLOCK)
+            c = tl.load(row + offs, mask=offs < NB, other=0)
+            tl.store(row + offs, tl.cumsum(c, axis=0) - c + carry, mask=offs < NB)
+            carry += tl.sum(c, axis=0)
+    else:
+        q = pid - E
+        fe = q // SPLIT  # the expert this program fills (E: the unused tail)
+        j = q % SPLIT
+        used = tl.sum(aligned, axis=0)
+        if q == 0:
+            tl.store(offsets_ptr + ex, start, mask=ex < E)
+            tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
+            n_bad = tl.sum(tl.load(totals_ptr + cp + E), axis=0)  # [COPIES, 1]
+            tl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
+        lo = tl.where(fe < E, tl.sum(tl.where(ex == fe, start, 0), axis=0), used)
+        hi = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, aligned, 0), axis=0), M_SUM)
+        live_end = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, tot, 0), axis=0), used)
+        val = tl.where(fe < E, fe, -1)
+        rows = tl.arange(0, BLOCK_ROWS)
+        for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
+            r = r0 + rows
+            tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
+
+
+@triton.jit
+def _place_copy_kernel(
+    # tensors
+    x_ptr, xs_ptr, ids_ptr, counts_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
+    # sizes
+    M, H, S, SPC, E, NB,
+    # strides (elements)
+    stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    b = t // TB
+    kk = tl.arange(0, K_PAD)
+    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+    live = e >= 0
+    # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
+    tb = b * TB + tl.arange(0, TB)[:, None]
+    eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
+    eb = tl.reshape(eb, [TB * K_PAD])
+    pos = tl.arange(0, TB * K_PAD)
+    own = (t - b * TB) * K_PAD + kk
+    earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+    rows = tl.where(live, first + rank, -1)
+    t64 = t.to(tl.int64)
+    if c == 0:
+        tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+            tl.store(src_ptr + rows, t + kk * 0, mask=live)
+    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read
+    h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live)
+    for k in tl.static_range(K):
+        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+        dst = out_ptr + r.to(tl.int64) * H + cols
+        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0))
+    if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
+        so = c * SPC + tl.arange(0, BLOCK_S)
+        s_hi = tl.minimum(c * SPC + SPC, S)
+        sv = tl.load(
+            xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
+        )
+        for k in tl.static_range(K):
+            r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+            s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
+            tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0))
+
+
 # ----------------------------------------------------------------------------- host-side launch
 def _at_least(n, lo: int) -> bool:
     """n >= lo. A symbolic n (torch.compile) is guarded on when backed; an unbacked one (exact-size
@@ -270,6 +414,9 @@ def _permute_triton(
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
+    if PLACE_IN_COPY:
+        return _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_indices,
+                              inv_perm, offsets, ok)  # fmt: skip
     # counts[e, b]: entries of expert e in block b (row E: invalid ids), then exclusive prefixes
     # sym_max, and no `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
     # torch.compile); a launch with an empty grid is a no-op
@@ -308,6 +455,70 @@ def _permute_triton(
         x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
         BLOCK_S=block_s, HAS_SCALES=S > 0 and not by_row, num_warps=COPY_WARPS,
+    )  # fmt: skip
+    if by_row:
+        block_r = max(1, SCALE_TILE // block_s)
+        _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
+            xs, src, m_indices, offsets, s_out, S, E,
+            ssm, sss, s_out.stride(0), s_out.stride(1),
+            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
+        )  # fmt: skip
+    _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+    return x_out, s_out, m_indices, inv_perm, offsets
+
+
+def _by_row(S: int, scale_layout: str, n) -> bool:
+    """DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES
+    entries (an unbacked n under torch.compile takes the per-token path: see _at_least)."""
+    return (
+        S > 0
+        and SCALES_BY_ROW
+        and scale_layout == "deepgemm"
+        and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
+    )
+
+
+def _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_indices, inv_perm,
+                   offsets, ok):  # fmt: skip
+    """The three-launch path (PLACE_IN_COPY): count -> scan + fill -> place + copy."""
+    M, K = topk_ids.shape
+    H = x.shape[1]
+    dev = x.device
+    m_sum = x_out.shape[0]
+    S = x_scales.shape[1] if x_scales is not None else 0
+    k_pad = triton.next_power_of_2(K)
+    tb = max(1, BLOCK_N // k_pad)  # whole tokens per block
+    nb = triton.cdiv(M, tb)
+    # sym_max, and no `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
+    # torch.compile); a launch with an empty grid is a no-op
+    counts = torch.empty((E, torch.sym_max(nb, 1)), dtype=torch.int32, device=dev)
+    totals = torch.zeros((TOTAL_COPIES, E + 1), dtype=torch.int32, device=dev)
+    sit, sik = topk_ids.stride()
+    _q._kernel(_count_tokens_kernel)[(nb,)](
+        topk_ids, counts, totals, M, K, sit, sik, E, nb,
+        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), COPIES=TOTAL_COPIES,
+        num_warps=4,
+    )  # fmt: skip
+    _q._kernel(_scan_fill_kernel)[(E + (E + 1) * FILL_SPLIT,)](
+        counts, totals, m_indices, offsets, ok, E, nb, A, m_sum,
+        BLOCK=BLOCK_SCAN, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
+        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, num_warps=4,
+    )  # fmt: skip
+    by_row = _by_row(S, scale_layout, M * K)
+    # placeholder when unused: a tensor the kernel only reads (an alias of a buffer the kernel
+    # writes would be a mutated alias to torch.compile's functionalization)
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
+    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
+    xs = x_scales if x_scales is not None else x
+    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
+    block_s = triton.next_power_of_2(max(S, 1))
+    chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
+    spc = triton.cdiv(S, chunks)  # scales per column chunk
+    _q._kernel(_place_copy_kernel)[(M, chunks)](
+        x, xs, topk_ids, counts, inv_perm, src, x_out, s_out, M, H, S, spc, E, nb,
+        sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
+        K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
+        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, num_warps=COPY_WARPS,
     )  # fmt: skip
     if by_row:
         block_r = max(1, SCALE_TILE // block_s)

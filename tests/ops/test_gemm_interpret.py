@@ -118,3 +118,22 @@ def test_masked_tiling_static():
     assert gemm._masked_tiling(256, 100) == (64, 2)
     assert gemm._masked_tiling(256, 33) == (64, 1)
     assert gemm._masked_tiling(8, 1000) == (16, 1)  # clamped to T
+
+
+@pytest.mark.parametrize(
+    "counts,want",
+    [([0, 7, 20, 16], True), ([0, 21, 3, 1], False), ([-1, 0, 0, 0], False), ([20] * 4, True)],
+)
+def test_int8_masked_kernel_checks_counts(counts, want):
+    """The kernel's own count check (the op asserts on it): ok = every count in [0, T]."""
+    gen = torch.Generator().manual_seed(11)
+    E, T, N, K = 4, 20, 16, 32
+    masked_m = torch.tensor(counts, dtype=torch.int32)
+    a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
+    ok = torch.tensor(not want)  # the kernel must overwrite it either way
+    y = gemm._int8_masked_triton(a, w, masked_m, as_, ws, config=MASKED, ok=ok)
+    assert bool(ok) is want
+    # a bad count is clamped to [0, T]: rows inside the slot only, results of the clamped count
+    clamped = masked_m.clamp(0, T)
+    live = torch.arange(T)[None, :] < clamped[:, None]
+    assert_close(y[live], reference.grouped_gemm_masked(a, w, clamped, as_, ws)[live])

@@ -16,9 +16,10 @@ pytestmark = pytest.mark.interpret
 P = C.permute_mod
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Tiny blocks so a few dozen entries span several count / scan / copy blocks."""
+@pytest.fixture(params=[True, False], ids=["place_in_copy", "place_kernel"])
+def small_blocks(monkeypatch, request):
+    """Tiny blocks so a few dozen entries span several count / scan / copy blocks (both paths)."""
+    monkeypatch.setattr(P, "PLACE_IN_COPY", request.param)
     monkeypatch.setattr(P, "BLOCK_N", 8)
     monkeypatch.setattr(P, "BLOCK_SCAN", 2)
     monkeypatch.setattr(P, "BLOCK_ROWS", 16)
@@ -126,3 +127,10 @@ def test_bad_ids_raise(small_blocks):
         P._permute_triton(torch.zeros((2, 8)), ids, 3, 4)
     with pytest.raises(ValueError, match="permute: topk_ids expected"):
         P._permute_triton(torch.zeros((2, 8)), torch.tensor([[0, -2], [1, 1]]), 3, 4)
+
+
+def test_zero_width_rows_still_place(small_blocks):
+    """H = 0: no payload to copy, but inv_perm, m_indices and the offsets are still written."""
+    gen = torch.Generator().manual_seed(9)
+    ids = C.routing(6, 2, 3, gen)
+    _run(torch.zeros((6, 0), dtype=torch.bfloat16), ids, 3, 4)
