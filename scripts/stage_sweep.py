@@ -183,13 +183,11 @@ SWEEPS = {
     "silu_quant_prefill_int8": grid(INT8_WARPS=[1, 2, 4], INT8_ROW_TILE=[2048, 4096]),
     "silu_quant_decode_fp8": [{}],
     "silu_quant_decode_int8": [{}],
-    "permute_prefill_bf16": grid(BLOCK_N=[128, 256], TOTAL_COPIES=[1, 16])
-    + [{"PLACE_IN_COPY": False}],
-    "permute_prefill_fp8": grid(SCALES_BY_ROW=[True, False], BLOCK_N=[128, 256])
-    + [{"PLACE_IN_COPY": False}],
-    "permute_prefill_int8": grid(PLACE_IN_COPY=[True, False]),
-    "permute_index_only": grid(PLACE_IN_COPY=[True, False]),
-    "permute_decode_fp8": grid(PLACE_IN_COPY=[True, False], SCALES_BY_ROW=[True, False]),
+    "permute_prefill_bf16": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_prefill_fp8": grid(COPY_BYTES=[4096, 8192], SCALE_TILE=[2048, 4096, 8192]),
+    "permute_prefill_int8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_index_only": [{}],
+    "permute_decode_fp8": grid(SCALES_BY_ROW=[True, False], COPY_BYTES=[4096, 8192]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],

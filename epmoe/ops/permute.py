@@ -15,8 +15,9 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: four kernels (five with DeepGEMM-layout scales), fixed grids from shapes, no
-atomics, no host sync. Each source row is read once and written to all of its local experts.
+CUDA-graph safe: three kernels (four with DeepGEMM-layout scales) and a memset, fixed grids from
+shapes, no host sync; the only atomics add up per-expert totals (order-free sums), so the row
+order is deterministic. Each source row is read once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
 in debug mode).
@@ -38,8 +39,8 @@ _q = importlib.import_module("epmoe.ops.quantize")
 OP = "permute"
 
 # ------------------------------------------------------------------------------ launch heuristics
-BLOCK_N = 128  # (t, k) entries per block: the in-block rank is a [BLOCK_N, BLOCK_N] compare
-# (W index kernels on H200: 128 28.7 us, 64 34.0 us)
+BLOCK_N = 256  # (t, k) entries per block (whole tokens: BLOCK_N // K_PAD of them); a token's
+# rank compares its K entries with the block's (W on H200: bf16 169.4 us at 256, 170.3 at 128)
 BLOCK_SCAN = 1024  # blocks per step of the per-expert prefix scan (fixed: no recompile per M)
 BLOCK_ROWS = 1024  # m_indices rows per step of an expert's fill loop
 FILL_SPLIT = 4  # programs per expert filling its m_indices block (one expert may own every row)
@@ -47,15 +48,13 @@ COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps,
 COPY_WARPS = 4
 # DeepGEMM-layout scales copied per destination row block by their own kernel (coalesced stores
 # into the MN-major layout) instead of per source token inside the copy kernel: W prefill fp8
-# 111.9 us vs 129.5 us; below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the extra launch costs more
-# than it saves (256 decode tokens: 22.0 us vs 19.7 us)
+# 102.7 us vs 115.1 us; below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the extra launch costs more
+# than it saves (256 decode tokens: 18.5 us vs 18.4 us)
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
 SCALE_TILE = 4096  # scale values per program of the row-block scale copy
-# place each entry inside the copy kernel (3 launches: count, scan + fill, place + copy) instead of
-# a placement kernel of its own between scan and copy (4 launches)
-PLACE_IN_COPY = True
-TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over
+TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over (W on
+# H200: count kernel 3.8 us with 16 rows, 8.5 us with one)
 
 
 class PermuteResult(NamedTuple):
@@ -67,184 +66,16 @@ class PermuteResult(NamedTuple):
 
 
 # -------------------------------------------------------------------------------------- kernels
-# Deterministic placement without atomics: the flattened (t, k) entries are cut into blocks of
-# BLOCK_N; row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this
-# block). Kernel 1 counts per (expert, block), kernel 2 turns the counts into per-expert exclusive
-# prefixes over blocks (and totals), kernel 3 adds the aligned expert start, the prefix and the
-# in-block rank into inv_perm (its extra programs write m_indices and expert_offsets), kernel 4
-# copies each source row once to all its destinations, and with DeepGEMM-layout scales kernel 5
-# copies the scales per destination row block.
-
-
-@triton.jit
-def _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E):
-    """(expert of flattened entries i as int32: -1 for -1, invalid ids, i >= N; invalid-id mask)"""
-    valid = i < N
-    e = tl.load(ids_ptr + (i // K) * stride_it + (i % K) * stride_ik, mask=valid, other=-1)
-    ok = valid & (e >= 0) & (e < E)
-    bad = valid & ((e < -1) | (e >= E))
-    return tl.where(ok, e, -1).to(tl.int32), bad
-
-
-@triton.jit
-def _count_kernel(
-    ids_ptr, counts_ptr,
-    N, K, stride_it, stride_ik, E, NB,
-    BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    e, bad = _load_ids(ids_ptr, b * BLOCK_N + tl.arange(0, BLOCK_N), N, K, stride_it, stride_ik, E)
-    hist = tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E collects the -1 entries
-    bins = tl.arange(0, NUM_BINS)
-    # row E of counts holds the number of invalid ids, so the scan below also totals them
-    n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    tl.store(counts_ptr + bins * NB + b, tl.where(bins < E, hist, n_bad), mask=bins <= E)
-
-
-@triton.jit
-def _scan_kernel(counts_ptr, totals_ptr, NB, BLOCK: tl.constexpr):
-    e = tl.program_id(0)
-    row = counts_ptr + e.to(tl.int64) * NB
-    carry = tl.zeros([BLOCK], dtype=tl.int32)  # running total, replicated across lanes
-    for b0 in range(0, NB, BLOCK):
-        offs = b0 + tl.arange(0, BLOCK)
-        c = tl.load(row + offs, mask=offs < NB, other=0)
-        tl.store(row + offs, tl.cumsum(c, axis=0) - c + carry, mask=offs < NB)
-        carry += tl.sum(c, axis=0)
-    tl.store(totals_ptr + e + tl.arange(0, BLOCK), carry, mask=tl.arange(0, BLOCK) < 1)
-
-
-@triton.jit
-def _expert_starts(totals_ptr, E, ALIGN, E_PAD: tl.constexpr):
-    """(live rows, aligned block starts, aligned block sizes) per expert `[E_PAD]` (0 past E)."""
-    ex = tl.arange(0, E_PAD)
-    tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
-    aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
-    return tot, tl.cumsum(aligned, axis=0) - aligned, aligned
-
-
-@triton.jit
-def _place_kernel(
-    # tensors
-    ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
-    # sizes
-    N, K, stride_it, stride_ik, E, NB, ALIGN, M_SUM,
-    # meta
-    BLOCK_N: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    WRITE_SRC: tl.constexpr,
-):  # fmt: skip
-    """Programs [0, NB): inv_perm of one block of entries (and the source token of each row).
-    Programs NB + e * SPLIT + j: every SPLIT-th chunk (from j) of expert e's aligned block
-    (e == E: the unused tail): m_indices = e on its first totals[e] rows, -1 on the padding; the
-    first of them also writes expert_offsets and the id check. Every program recomputes the E
-    aligned starts from the totals (a cumsum of E_PAD values)."""
-    pid = tl.program_id(0)
-    tot, start, aligned = _expert_starts(totals_ptr, E, ALIGN, E_PAD)
-    if pid < NB:
-        lanes = tl.arange(0, BLOCK_N)
-        i = pid * BLOCK_N + lanes
-        e, _ = _load_ids(ids_ptr, i, N, K, stride_it, stride_ik, E)
-        live = e >= 0
-        # rank among the entries of the same expert earlier in this block
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        before = tl.load(counts_ptr + e.to(tl.int64) * NB + pid, mask=live, other=0)
-        first = tl.gather(start, tl.where(live, e, 0), 0)
-        row = first + before + rank
-        tl.store(inv_ptr + i, tl.where(live, row, -1), mask=i < N)
-        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-            tl.store(src_ptr + row, (i // K).to(tl.int32), mask=live & (i < N))
-    else:
-        q = pid - NB
-        fe = q // SPLIT  # the expert this program fills (E: the unused tail)
-        j = q % SPLIT
-        ex = tl.arange(0, E_PAD)
-        used = tl.sum(aligned, axis=0)
-        if q == 0:
-            tl.store(offsets_ptr + ex, start, mask=ex < E)
-            tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
-            n_bad = tl.load(totals_ptr + E + ex, mask=ex < 1, other=0)
-            tl.store(ok_ptr + ex, n_bad == 0, mask=ex < 1)
-        # this program's expert as scalars: picked out of the vectors by a masked sum
-        lo = tl.where(fe < E, tl.sum(tl.where(ex == fe, start, 0), axis=0), used)
-        hi = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, aligned, 0), axis=0), M_SUM)
-        live_end = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, tot, 0), axis=0), used)
-        val = tl.where(fe < E, fe, -1)
-        rows = tl.arange(0, BLOCK_ROWS)
-        for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
-            r = r0 + rows
-            tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
-
-
-@triton.jit
-def _copy_rows_kernel(
-    # tensors
-    x_ptr, xs_ptr, inv_ptr, out_ptr, outs_ptr,
-    # sizes
-    H, S,
-    # strides (elements)
-    stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
-    # meta
-    K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    kk = tl.arange(0, K_PAD)
-    rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
-    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read
-    h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
-    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    v = tl.load(x_ptr + t * stride_xm + cols * stride_xh, mask=cols < h_live)
-    for k in tl.static_range(K):
-        r = tl.load(inv_ptr + t * K + k)
-        dst = out_ptr + r.to(tl.int64) * H + cols
-        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0))
-    if HAS_SCALES:
-        if c == 0:
-            so = tl.arange(0, BLOCK_S)
-            s_live = tl.where(h_live > 0, S, 0)
-            sv = tl.load(xs_ptr + t * stride_sm + so * stride_ss, mask=so < s_live)
-            for k in tl.static_range(K):
-                r = tl.load(inv_ptr + t * K + k)
-                s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
-                tl.store(s_dst, sv, mask=so < tl.where(r >= 0, S, 0))
-
-
-@triton.jit
-def _scale_rows_kernel(
-    # tensors
-    xs_ptr, src_ptr, m_idx_ptr, offsets_ptr, outs_ptr,
-    # sizes
-    S, E,
-    # strides (elements)
-    stride_sm, stride_ss, stride_om, stride_os,
-    # meta
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens: the
-    stores are contiguous (down the rows in DeepGEMM's MN-major layout), where a per-source copy
-    would scatter one 4-byte store per (row, group)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    used = tl.load(offsets_ptr + E)
-    mi = tl.load(m_idx_ptr + r, mask=r < used, other=-1)
-    live = mi >= 0
-    src = tl.load(src_ptr + r, mask=live, other=0).to(tl.int64)
-    so = tl.arange(0, BLOCK_S)
-    m = live[:, None] & (so[None, :] < S)
-    v = tl.load(xs_ptr + src[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
-    out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
-    tl.store(out, v, mask=m)
-
-
-# Placement folded into the copy (PLACE_IN_COPY): blocks of TB whole tokens (TB * K entries).
-# Kernel 1 counts per (expert, block) and adds each block's counts into the expert totals
-# (atomics on order-free sums: the row order never depends on them); kernel 2 turns each
-# expert's counts into "row of the block's first entry of e" (aligned start + exclusive prefix
-# over blocks), its extra programs write m_indices, expert_offsets and the id check; kernel 3
-# copies each token's row, computing its K destination rows on the way (rank among the same
-# expert's entries earlier in the block); the programs of a token's first column chunk also
-# write inv_perm. Three dependent launches instead of four, and no placement pass of its own.
+# Deterministic placement: the tokens are cut into blocks of TB whole tokens (TB * K entries);
+# row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this block).
+# Kernel 1 counts per (expert, block) and adds each block's counts into per-expert totals
+# (atomics on order-free sums: the row order never depends on them). Kernel 2 turns each
+# expert's counts into the row of its first entry in every block (aligned start + exclusive
+# prefix over blocks); its extra programs write m_indices, expert_offsets, the id check and (for
+# DeepGEMM-layout scales) -1 as the source of every row no entry lands in. Kernel 3 copies each
+# token's row to its K destinations, computing them on the way (rank among the same expert's
+# entries earlier in the block); its first column chunk also writes inv_perm and each used row's
+# source token. With DeepGEMM-layout scales, kernel 4 copies them per destination row block.
 
 
 @triton.jit
@@ -281,15 +112,15 @@ def _count_tokens_kernel(
 
 @triton.jit
 def _scan_fill_kernel(
-    counts_ptr, totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    counts_ptr, totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr, src_ptr,
     E, NB, ALIGN, M_SUM,
     BLOCK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    COPIES: tl.constexpr,
+    COPIES: tl.constexpr, WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, E): counts[e, b] <- aligned start of e + entries of e in blocks < b.
     Programs E + f * SPLIT + j: every SPLIT-th chunk (from j) of expert f's aligned block (f == E:
-    the unused tail): m_indices = f on its first totals[f] rows, -1 on the padding; the first of
-    them also writes expert_offsets and the id check."""
+    the unused tail): m_indices = f on its first totals[f] rows, -1 on the padding (and src = -1
+    there); the first of them also writes expert_offsets and the id check."""
     pid = tl.program_id(0)
     ex = tl.arange(0, E_PAD)
     cp = tl.arange(0, COPIES)[:, None] * (E + 1)
@@ -322,6 +153,9 @@ def _scan_fill_kernel(
         for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
             r = r0 + rows
             tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
+            if WRITE_SRC:  # rows no entry lands in (the copy kernel writes the others)
+                tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32),
+                         mask=(r >= live_end) & (r < hi))  # fmt: skip
 
 
 @triton.jit
@@ -377,6 +211,30 @@ def _place_copy_kernel(
             tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0))
 
 
+@triton.jit
+def _scale_rows_kernel(
+    # tensors
+    xs_ptr, src_ptr, outs_ptr,
+    # sizes
+    S, M_SUM,
+    # strides (elements)
+    stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1
+    on rows no entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major
+    layout), where a per-source copy would scatter one 4-byte store per (row, group)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
+    live = src >= 0
+    so = tl.arange(0, BLOCK_S)
+    m = live[:, None] & (so[None, :] < S)
+    v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
+    out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
+    tl.store(out, v, mask=m)
+
+
 # ----------------------------------------------------------------------------- host-side launch
 def _at_least(n, lo: int) -> bool:
     """n >= lo. A symbolic n (torch.compile) is guarded on when backed; an unbacked one (exact-size
@@ -384,6 +242,17 @@ def _at_least(n, lo: int) -> bool:
     if isinstance(n, int):
         return n >= lo
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
+
+
+def _by_row(S: int, scale_layout: str, n) -> bool:
+    """DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES
+    entries (an unbacked n under torch.compile takes the per-token path: see _at_least)."""
+    return (
+        S > 0
+        and SCALES_BY_ROW
+        and scale_layout == "deepgemm"
+        and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
+    )
 
 
 def _permute_triton(
@@ -404,9 +273,10 @@ def _permute_triton(
     E, A = num_experts, alignment
     dev = x.device
     m_sum = reference.permuted_rows(M, K, E, A)
-    n = M * K
-    nb = triton.cdiv(n, BLOCK_N)
     S = x_scales.shape[1] if x_scales is not None else 0
+    k_pad = triton.next_power_of_2(K)
+    tb = max(1, BLOCK_N // k_pad)  # whole tokens per block
+    nb = triton.cdiv(M, tb)
 
     x_out = torch.empty((m_sum, H), dtype=x.dtype, device=dev)
     s_out = _q.alloc_scales((m_sum,), S, scale_layout, dev)
@@ -414,85 +284,17 @@ def _permute_triton(
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
-    if PLACE_IN_COPY:
-        return _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_indices,
-                              inv_perm, offsets, ok)  # fmt: skip
-    # counts[e, b]: entries of expert e in block b (row E: invalid ids), then exclusive prefixes
-    # sym_max, and no `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
-    # torch.compile); a launch with an empty grid is a no-op
-    counts = torch.empty((E + 1, torch.sym_max(nb, 1)), dtype=torch.int32, device=dev)
-    totals = torch.empty((E + 1,), dtype=torch.int32, device=dev)
-
-    sit, sik = topk_ids.stride()
-    _q._kernel(_count_kernel)[(nb,)](
-        topk_ids, counts, n, K, sit, sik, E, nb,
-        BLOCK_N=BLOCK_N, NUM_BINS=triton.next_power_of_2(E + 1), num_warps=4,
-    )  # fmt: skip
-    _q._kernel(_scan_kernel)[(E + 1,)](counts, totals, nb, BLOCK=BLOCK_SCAN, num_warps=4)
-    # DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES entries
-    # (an unbacked n under torch.compile takes the per-token path: see _at_least)
-    by_row = (
-        S > 0
-        and SCALES_BY_ROW
-        and scale_layout == "deepgemm"
-        and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
-    )
-    # placeholder when unused: a tensor the kernel only reads (an alias of a buffer the kernel
-    # writes would be a mutated alias to torch.compile's functionalization)
-    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
-    _q._kernel(_place_kernel)[(nb + (E + 1) * FILL_SPLIT,)](
-        topk_ids, counts, totals, inv_perm, src, m_indices, offsets, ok,
-        n, K, sit, sik, E, nb, A, m_sum,
-        BLOCK_N=BLOCK_N, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
-        SPLIT=FILL_SPLIT, WRITE_SRC=by_row, num_warps=4,
-    )  # fmt: skip
-    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
-    xs = x_scales if x_scales is not None else x
-    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-    block_s = triton.next_power_of_2(max(S, 1))
-    _q._kernel(_copy_rows_kernel)[(M, triton.cdiv(H, block_h))](
-        x, xs, inv_perm, x_out, s_out, H, S,
-        x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-        K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-        BLOCK_S=block_s, HAS_SCALES=S > 0 and not by_row, num_warps=COPY_WARPS,
-    )  # fmt: skip
-    if by_row:
-        block_r = max(1, SCALE_TILE // block_s)
-        _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
-            xs, src, m_indices, offsets, s_out, S, E,
-            ssm, sss, s_out.stride(0), s_out.stride(1),
-            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
-        )  # fmt: skip
-    _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
-    return x_out, s_out, m_indices, inv_perm, offsets
-
-
-def _by_row(S: int, scale_layout: str, n) -> bool:
-    """DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES
-    entries (an unbacked n under torch.compile takes the per-token path: see _at_least)."""
-    return (
-        S > 0
-        and SCALES_BY_ROW
-        and scale_layout == "deepgemm"
-        and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
-    )
-
-
-def _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_indices, inv_perm,
-                   offsets, ok):  # fmt: skip
-    """The three-launch path (PLACE_IN_COPY): count -> scan + fill -> place + copy."""
-    M, K = topk_ids.shape
-    H = x.shape[1]
-    dev = x.device
-    m_sum = x_out.shape[0]
-    S = x_scales.shape[1] if x_scales is not None else 0
-    k_pad = triton.next_power_of_2(K)
-    tb = max(1, BLOCK_N // k_pad)  # whole tokens per block
-    nb = triton.cdiv(M, tb)
-    # sym_max, and no `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
+    # counts[e, b]: entries of expert e in block b, then the row of its first one. sym_max, and no
+    # `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
     # torch.compile); a launch with an empty grid is a no-op
     counts = torch.empty((E, torch.sym_max(nb, 1)), dtype=torch.int32, device=dev)
     totals = torch.zeros((TOTAL_COPIES, E + 1), dtype=torch.int32, device=dev)
+    by_row = _by_row(S, scale_layout, M * K)
+    # source token of each row (-1: none) for the row-block scale copy; when unused a placeholder
+    # the kernels never touch (not an alias of a buffer a kernel writes: torch.compile's
+    # functionalization would see a mutated alias)
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
+
     sit, sik = topk_ids.stride()
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, totals, M, K, sit, sik, E, nb,
@@ -500,18 +302,13 @@ def _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_in
         num_warps=4,
     )  # fmt: skip
     _q._kernel(_scan_fill_kernel)[(E + (E + 1) * FILL_SPLIT,)](
-        counts, totals, m_indices, offsets, ok, E, nb, A, m_sum,
+        counts, totals, m_indices, offsets, ok, src, E, nb, A, m_sum,
         BLOCK=BLOCK_SCAN, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
-        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, num_warps=4,
+        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, WRITE_SRC=by_row, num_warps=4,
     )  # fmt: skip
-    by_row = _by_row(S, scale_layout, M * K)
-    # placeholder when unused: a tensor the kernel only reads (an alias of a buffer the kernel
-    # writes would be a mutated alias to torch.compile's functionalization)
-    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
     block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-    block_s = triton.next_power_of_2(max(S, 1))
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = triton.cdiv(S, chunks)  # scales per column chunk
     _q._kernel(_place_copy_kernel)[(M, chunks)](
@@ -521,10 +318,10 @@ def _permute_fused(x, topk_ids, E, A, x_scales, scale_layout, x_out, s_out, m_in
         HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, num_warps=COPY_WARPS,
     )  # fmt: skip
     if by_row:
+        block_s = triton.next_power_of_2(S)
         block_r = max(1, SCALE_TILE // block_s)
         _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
-            xs, src, m_indices, offsets, s_out, S, E,
-            ssm, sss, s_out.stride(0), s_out.stride(1),
+            xs, src, s_out, S, m_sum, ssm, sss, s_out.stride(0), s_out.stride(1),
             BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
         )  # fmt: skip
     _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")

@@ -16,10 +16,9 @@ pytestmark = pytest.mark.interpret
 P = C.permute_mod
 
 
-@pytest.fixture(params=[True, False], ids=["place_in_copy", "place_kernel"])
-def small_blocks(monkeypatch, request):
-    """Tiny blocks so a few dozen entries span several count / scan / copy blocks (both paths)."""
-    monkeypatch.setattr(P, "PLACE_IN_COPY", request.param)
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Tiny blocks so a few dozen entries span several count / scan / copy blocks."""
     monkeypatch.setattr(P, "BLOCK_N", 8)
     monkeypatch.setattr(P, "BLOCK_SCAN", 2)
     monkeypatch.setattr(P, "BLOCK_ROWS", 16)
