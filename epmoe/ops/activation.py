@@ -69,9 +69,6 @@ OFFSETS_PROGRAMS = 8192
 # software-pipelining stages of the row loops (tl.range num_stages; Triton's default is 3). W on
 # H200 (sweep, 2026-12-01): fp8 1: 95.6 us, 2: 100.7, 3: 98.9, 4: 104.3; int8 1: 124.7, 3: 129.2
 ROW_STAGES = 1
-# the fused kernels load the next loop step's rows before working on the current ones (two rows'
-# loads in flight per program: with 112-168 registers a thread, 3-4 programs fit on an SM)
-ROW_PREFETCH = True
 
 
 # --------------------------------------------------------------------------------- jit helpers
@@ -100,35 +97,13 @@ def _next_rows(mi_ptr, t, ids, step, bound, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _load_gu(y_rows, cols, mask, I, stride_yh):
-    """(gate, up) of rows ``y_rows`` `[R, 1]` at columns ``cols``, in y's dtype (0 where masked)."""
-    g = tl.load(y_rows + cols * stride_yh, mask=mask, other=0.0)
-    u = tl.load(y_rows + (cols + I) * stride_yh, mask=mask, other=0.0)
-    return g, u
-
-
-@triton.jit
-def _h(g, u):
-    """silu(g) * u rounded to g's dtype, as float32."""
-    return round_float(_silu_mul(g.to(tl.float32), u.to(tl.float32)), g.dtype).to(tl.float32)
-
-
-@triton.jit
 def _load_h(y_rows, cols, mask, I, stride_yh):
     """silu(gate) * up of rows ``y_rows`` `[R, 1]` at columns ``cols``, rounded to y's dtype, as
     float32."""
-    g, u = _load_gu(y_rows, cols, mask, I, stride_yh)
-    return _h(g, u)
-
-
-@triton.jit
-def _prefetch_rows(y_base, t, ids, bound, stride_yt, cols, col_mask, I, stride_yh):
-    """(gate, up) of rows t `[R]` of the expert at ``y_base`` (ids: their m_indices), loaded a
-    loop step before their use so that their memory latency overlaps the current rows' work;
-    masked off past bound and on padding rows."""
-    live = (t < bound) & (ids >= 0)
-    y_rows = (y_base + t.to(tl.int64) * stride_yt)[:, None]
-    return _load_gu(y_rows, cols, live[:, None] & col_mask, I, stride_yh)
+    g = tl.load(y_rows + cols * stride_yh, mask=mask, other=0.0)
+    u = tl.load(y_rows + (cols + I) * stride_yh, mask=mask, other=0.0)
+    h = _silu_mul(g.to(tl.float32), u.to(tl.float32))
+    return round_float(h, g.dtype).to(tl.float32)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -177,7 +152,6 @@ def _silu_mul_fp8_kernel(
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr, STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
@@ -192,21 +166,11 @@ def _silu_mul_fp8_kernel(
     step = NUM_SLOTS * BLOCK_M
     rows = r // GROUPS_PER_PROG
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
-    y_base = y_ptr + e64 * stride_ye
-    col_mask = gmask[:, None] & (inner[None, :] < GROUP)
-    if PREFETCH:
-        g, u = _prefetch_rows(y_base, slot * BLOCK_M + rows, ids, bound, stride_yt, cols,
-                              col_mask, I, stride_yh)  # fmt: skip
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
         t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
         live = live & gmask
         m = live[:, None] & (inner[None, :] < GROUP)
-        if PREFETCH:  # this step's rows were loaded by the previous one; load the next step's
-            h = _h(g, u)
-            g, u = _prefetch_rows(y_base, t0 + step + rows, ids, bound, stride_yt, cols,
-                                  col_mask, I, stride_yh)  # fmt: skip
-        else:
-            h = _load_h((y_base + t64 * stride_yt)[:, None], cols, m, I, stride_yh)
+        h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols, m, I, stride_yh)
         q, s = _quant_fp8_groups(h)
         tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
         tl.store(s_ptr + e64 * stride_se + t64 * stride_st + groups * stride_sg, s, mask=live)
@@ -222,7 +186,7 @@ def _silu_mul_int8_kernel(
     stride_ye, stride_yt, stride_yh, stride_qe, stride_qt, stride_se, stride_st,
     # meta
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
@@ -232,22 +196,13 @@ def _silu_mul_int8_kernel(
     step = NUM_SLOTS * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
-    y_base = y_ptr + e64 * stride_ye
-    if PREFETCH:  # (single pass only)
-        g, u = _prefetch_rows(y_base, slot * BLOCK_M + rows, ids, bound, stride_yt, offs,
-                              offs < I, I, stride_yh)  # fmt: skip
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
         t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
-        y_rows = (y_base + t64 * stride_yt)[:, None]
+        y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
             m = live[:, None] & (offs < I)
-            if PREFETCH:  # this step's rows were loaded by the previous one; load the next's
-                h = _h(g, u)
-                g, u = _prefetch_rows(y_base, t0 + step + rows, ids, bound, stride_yt, offs,
-                                      offs < I, I, stride_yh)  # fmt: skip
-            else:
-                h = _load_h(y_rows, offs, m, I, stride_yh)
+            h = _load_h(y_rows, offs, m, I, stride_yh)
             s = _int8_scale(tl.max(tl.abs(h), axis=1))
             tl.store(q_rows + offs, _quant_int8(h, s), mask=m)
         else:
@@ -354,7 +309,7 @@ def _silu_and_mul_quant_triton(
             y, q, s, rows.bound, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
             GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
-            PREFETCH=ROW_PREFETCH, num_warps=_q._warps(block_m * gpp * block_g), **flags,
+            num_warps=_q._warps(block_m * gpp * block_g), **flags,
         )  # fmt: skip
     else:
         single = inter <= INT8_SINGLE_PASS_MAX
@@ -365,8 +320,7 @@ def _silu_and_mul_quant_triton(
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
-            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, PREFETCH=ROW_PREFETCH and single,
-            num_warps=warps, **flags,
+            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags,
         )  # fmt: skip
     return q, s
 

@@ -84,10 +84,8 @@ def test_quant_2d(scheme, dtype, layout):
         assert s.stride() == (1, 8)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
-def test_quant_masked_and_m_indices(scheme, prefetch, monkeypatch):
-    monkeypatch.setattr(A, "ROW_PREFETCH", prefetch)  # next step's rows loaded ahead, or not
+def test_quant_masked_and_m_indices(scheme, monkeypatch):
     monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 2)  # masked: programs loop over rows
     monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
     monkeypatch.setattr(A, "FP8_BLOCK_M", 4)  # 7 rows: a partial second block of rows
@@ -144,11 +142,9 @@ def test_bad_m_indices():
         A.silu_and_mul_quant(torch.zeros(2, 256), "fp8", m_indices=torch.zeros(2))
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_expert_offsets_skip_the_tail(scheme, prefetch, monkeypatch):
+def test_expert_offsets_skip_the_tail(scheme, monkeypatch):
     """Rows >= expert_offsets[-1] are never touched (they keep the poison); the rest as usual."""
-    monkeypatch.setattr(A, "ROW_PREFETCH", prefetch)
     monkeypatch.setattr(A, "OFFSETS_PROGRAMS", 2)  # two programs loop over the row blocks
     gen = torch.Generator().manual_seed(9)
     y = torch.randn((12, 256), generator=gen).to(torch.bfloat16)
