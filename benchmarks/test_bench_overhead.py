@@ -88,7 +88,7 @@ def _cases():
             lambda: gemm.grouped_gemm(a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s),
             lambda: ops.grouped_gemm_masked.default(a8, w8, mm, a8s, w8s, 0),
             lambda: _eager.run(gemm._masked_cuda_impl, a8, w8, mm, a8s, w8s, 0),
-            1,  # plus the async count check
+            2,  # the GEMM (which also checks the counts) + the async assert
         ),
         "quantize": (
             lambda: quantize(x, "fp8"),
@@ -100,7 +100,7 @@ def _cases():
             lambda: permute(xq, ids, E, CFG.alignment, xs),
             lambda: ops.permute.default(xq, ids, E, CFG.alignment, xs),
             lambda: _eager.run(_perm._permute_triton, xq, ids, E, CFG.alignment, xs),
-            5,  # count, scan, place, copy + the async id check
+            5,  # memset, count, scan + fill, place + copy, the async id check
         ),
         "unpermute": (
             lambda: unpermute(y, p.inv_perm, w),
