@@ -41,7 +41,13 @@ def enabled() -> bool:
 
 def direct(*tensors) -> bool:
     """True when an op call with these tensor arguments (None allowed) may skip the dispatcher."""
-    if not _ENABLED or torch.compiler.is_compiling():
+    return _ENABLED and plain(*tensors)
+
+
+def plain(*tensors) -> bool:
+    """True when nothing traces or intercepts a call on these tensors (None allowed): a kernel may
+    then be launched directly, and its effect needs no record in any graph."""
+    if torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False

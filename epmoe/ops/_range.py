@@ -7,16 +7,11 @@ small inputs these checks see on the decode path; large inputs (prefill ids) kee
 expression, whose kernels use the whole GPU.
 """
 
-import importlib
-
 import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks
-
-# epmoe.ops re-exports a function named ``quantize``: import the module itself.
-_q = importlib.import_module("epmoe.ops.quantize")
+from epmoe import _eager
 
 BLOCK = 1024
 MAX_ELEMENTS = 8 * BLOCK  # one program loops over at most 8 blocks
@@ -34,10 +29,17 @@ def _range_kernel(x_ptr, ok_ptr, n, lo, hi, BLOCK: tl.constexpr):
 
 
 def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """0-d bool tensor on x's device: every element of x (any shape, integer) lies in [lo, hi)."""
-    if x.device.type != "cuda" or x.numel() > MAX_ELEMENTS or _checks._tracing(x):
+    """0-d bool tensor on x's device: every element of x (any shape, integer) lies in [lo, hi).
+
+    The kernel runs only on plain CUDA tensors with nothing tracing (``_eager.plain``) and is
+    launched directly: these checks run inside op implementations, where ``wrap_triton`` would
+    route the launch through its higher-order op (~100 µs of host time). Anything else (CPU, fake
+    or traced tensors, large inputs) takes the torch expression, which every tracer records.
+    """
+    if x.numel() > MAX_ELEMENTS or not _eager.plain(x):
         return ((x >= lo) & (x < hi)).all()
     ok = torch.empty((), dtype=torch.bool, device=x.device)
     flat = x.reshape(-1)
-    _q._kernel(_range_kernel)[(1,)](flat, ok, flat.numel(), lo, hi, BLOCK=BLOCK, num_warps=4)
+    with _eager.on_device(x):
+        _range_kernel[(1,)](flat, ok, flat.numel(), lo, hi, BLOCK=BLOCK, num_warps=4)
     return ok
