@@ -83,7 +83,17 @@ def _cases():
     a8, a8s = reference.quantize(y3[..., :H], "int8")
     w8, w8s = reference.quantize_weights(torch.randn((E, H, H), generator=gen), "int8")
     w8, w8s = w8.cuda(), w8s.cuda()
+    # bf16 masked grouped GEMM (deep_gemm when installed, else bmm): its counts are checked by the
+    # one-program range kernel (epmoe/ops/_range.py) before the GEMM
+    ab = y3[..., :H].contiguous()
+    wb = torch.randn((E, H, H), generator=gen).to(torch.bfloat16).cuda()
     return {
+        "grouped_gemm_masked_bf16": (
+            lambda: gemm.grouped_gemm(ab, wb, masked_m=mm),
+            lambda: ops.grouped_gemm_masked.default(ab, wb, mm, None, None, 0),
+            lambda: _eager.run(gemm._masked_cuda_impl, ab, wb, mm, None, None, 0),
+            3,  # range check, GEMM, the async assert
+        ),
         "grouped_gemm_masked_int8": (
             lambda: gemm.grouped_gemm(a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s),
             lambda: ops.grouped_gemm_masked.default(a8, w8, mm, a8s, w8s, 0),
@@ -132,6 +142,7 @@ STAGES = (
     "silu_and_mul",
     "silu_and_mul_quant",
     "grouped_gemm_masked_int8",
+    "grouped_gemm_masked_bf16",
 )
 
 
