@@ -36,7 +36,8 @@ def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     route the launch through its higher-order op (~100 µs of host time). Anything else (CPU, fake
     or traced tensors, large inputs) takes the torch expression, which every tracer records.
     """
-    if x.numel() > MAX_ELEMENTS or not _eager.plain(x):
+    # plain() first: under tracing numel() may be an unbacked size that must not be guarded on
+    if not _eager.plain(x) or x.numel() > MAX_ELEMENTS:
         return ((x >= lo) & (x < hi)).all()
     ok = torch.empty((), dtype=torch.bool, device=x.device)
     flat = x.reshape(-1)
