@@ -3,10 +3,14 @@
 The interpreter (TRITON_INTERPRET=1, what CI runs the kernels with) does not type-check the way
 the compiler does, so a kernel can pass every CPU test and still fail to compile on the GPU. This
 script runs each stage's real host-side launch code on CPU tensors with the launches recorded
-instead of run, then compiles each recorded launch (its argument types, constexprs and num_warps)
-to a cubin for sm90 with the local Triton and its bundled ptxas. Exit code 1 on any failure.
+instead of run, then compiles each recorded launch (its argument types, constexprs, num_warps and
+the launcher's specialization: ints equal to 1 as constants, divisibility-by-16 hints) to a cubin
+for sm90 with the local Triton and its bundled ptxas. Exit code 1 on any failure.
 
-  python scripts/compile_kernels.py        (do not set TRITON_INTERPRET)
+With --resources it also prints each kernel's registers per thread, spills and shared memory
+(``cuobjdump -res-usage`` of the cubin), e.g. to see how many programs fit on an SM.
+
+  python scripts/compile_kernels.py [--resources]       (do not set TRITON_INTERPRET)
 """
 
 import importlib
@@ -74,7 +78,7 @@ def _arg_type(v) -> str:
     raise TypeError(f"unsupported kernel argument {type(v).__name__}")
 
 
-def compile_launch(fn, args: tuple, kwargs: dict) -> None:
+def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
@@ -84,16 +88,28 @@ def compile_launch(fn, args: tuple, kwargs: dict) -> None:
     names = fn.arg_names
     sig: Dict[str, str] = {}
     constexprs = {}
+    attrs = {}
     values = dict(zip(names, args, strict=False))  # trailing constexprs may come as kwargs
     values.update(kwargs)
+    # the launcher's own specialization (what the GPU compiles): ints equal to 1 become constants,
+    # tensors and ints divisible by 16 get the divisibility hint that lets loads and stores
+    # vectorize; not for do_not_specialize arguments
+    keep = {names[d] if isinstance(d, int) else d for d in fn.do_not_specialize}
     for i, name in enumerate(names):
+        v = values[name]
+        is_int = isinstance(v, int) and not isinstance(v, bool)
         if i in fn.constexprs:
             sig[name] = "constexpr"
-            constexprs[(i,)] = values[name]
+            constexprs[(i,)] = v
+        elif is_int and v == 1 and name not in keep:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = 1
         else:
-            sig[name] = _arg_type(values[name])
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
-                   options=options)  # fmt: skip
+            sig[name] = _arg_type(v)
+            if name not in keep and (isinstance(v, torch.Tensor) or (is_int and v % 16 == 0)):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def cases() -> Dict[str, Callable[[], object]]:
@@ -158,7 +174,22 @@ def cases() -> Dict[str, Callable[[], object]]:
     }
 
 
+def resources(compiled) -> str:
+    """REG / STACK / SHARED / LOCAL of a compiled kernel, from cuobjdump -res-usage."""
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.knobs.nvidia.ptxas.path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip().startswith("REG:")]
+    return " ".join(lines[0].split()[:4]) if lines else "(no resource usage)"
+
+
 def main() -> int:
+    show = "--resources" in sys.argv[1:]
     P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scales too
     failed = 0
     for name, launch in cases().items():
@@ -172,8 +203,9 @@ def main() -> int:
                 continue
             seen.add(key)
             try:
-                compile_launch(fn, args, kwargs)
-                print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}", flush=True)
+                compiled = compile_launch(fn, args, kwargs)
+                extra = f"  [{resources(compiled)}]" if show else ""
+                print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every kernel that fails
                 failed += 1
                 msg = str(e).strip().splitlines()
