@@ -55,14 +55,17 @@ class _Recorder:
 def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
-    saved = (Q._kernel, _checks.check_values, G._int8_masked_kernel)
+    saved = (Q._kernel, _checks.check_values, G._int8_masked_kernel, G._int8_contiguous_kernel)
     Q._kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through Q._kernel
     _checks.check_values = lambda *a, **k: None
-    G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)  # (launched directly)
+    # the INT8 GEMM kernels are launched directly (with an explicit config: no autotuner)
+    G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)
+    G._int8_contiguous_kernel = _Recorder(G._int8_contiguous_kernel, calls)
     try:
         launch()
     finally:
-        Q._kernel, _checks.check_values, G._int8_masked_kernel = saved
+        Q._kernel, _checks.check_values = saved[:2]
+        G._int8_masked_kernel, G._int8_contiguous_kernel = saved[2:]
     return calls
 
 
@@ -161,6 +164,16 @@ def cases() -> Dict[str, Callable[[], object]]:
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
+        "int8 contiguous GEMM": lambda: G._int8_contiguous_triton(
+            torch.zeros((256, 512), dtype=torch.int8),
+            torch.zeros((4, 256, 512), dtype=torch.int8),
+            torch.zeros(256, dtype=torch.int32),
+            torch.rand((256, 1)),
+            torch.rand((4, 256)),
+            config=dict(
+                BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4
+            ),
+        ),  # fmt: skip
         "int8 masked GEMM with its count check": lambda: G._int8_masked_triton(
             qi.view(4, 16, 512),
             torch.zeros((4, 64, 512), dtype=torch.int8),

@@ -315,6 +315,29 @@ def _even_k(args) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
+@triton.jit
+def _int8_dot_k(
+    a_ptrs, w_ptrs, offs_k, K, stride_ak, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """int32 `[BLOCK_M, BLOCK_N]` sum over K of a `[BLOCK_M, BLOCK_K]` tiles x w `[BLOCK_K,
+    BLOCK_N]` tiles, starting at ``a_ptrs`` / ``w_ptrs`` and stepping BLOCK_K along K (the K tail
+    masked to 0 unless EVEN_K)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _int8_contiguous_kernel(
@@ -357,18 +380,8 @@ def _int8_contiguous_kernel(
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_left = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+    acc = _int8_dot_k(a_ptrs, w_ptrs, offs_k, K, stride_ak, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K)  # fmt: skip
 
     a_s = tl.load(a_scale_ptr + rows * stride_asm)
     w_s = tl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)
@@ -422,19 +435,8 @@ def _int8_masked_kernel(
         # rows >= count are never read: clamp onto the last live row, never store them
         rows = tl.minimum(offs_t, count - 1).to(tl.int64)
         a_ptrs = a_base + rows[:, None] * stride_at + offs_k[None, :] * stride_ak
-        w_ptrs = w_base
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                k_left = K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-                b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
-            acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
+        acc = _int8_dot_k(a_ptrs, w_base, offs_k, K, stride_ak, stride_wk, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EVEN_K)  # fmt: skip
         a_s = tl.load(a_scale_ptr + e64 * stride_ase + rows * stride_ast)
         y = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
         o_ptrs = (
