@@ -33,6 +33,7 @@ from epmoe import _checks, _eager, reference
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
 from epmoe.ops.quantize import (  # noqa: F401 - _row_bound etc. are used inside the kernels
+    _fp8_tile,
     _int8_scale,
     _quant_fp8_groups,
     _quant_int8,
@@ -155,16 +156,11 @@ def _silu_mul_fp8_kernel(
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
-    # BLOCK_M x GROUPS_PER_PROG (row, group) pairs, each a row of the [R, BLOCK_G] tile
-    r = tl.arange(0, BLOCK_M * GROUPS_PER_PROG)
-    groups = tl.program_id(2) * GROUPS_PER_PROG + r % GROUPS_PER_PROG
-    inner = tl.arange(0, BLOCK_G)
-    cols = groups[:, None] * GROUP + inner[None, :]
+    rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
     gmask = groups < NUM_GROUPS
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
     step = NUM_SLOTS * BLOCK_M
-    rows = r // GROUPS_PER_PROG
     ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
         t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)

@@ -121,6 +121,20 @@ def _quant_int8(x, s):
 
 
 @triton.jit
+def _fp8_tile(
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The [R, BLOCK_G] tile of an fp8 program: R = BLOCK_M x GROUPS_PER_PROG (row, group) pairs,
+    groups from program_id(2) * GROUPS_PER_PROG. Returns (row in the row block `[R]`, group
+    `[R]`, lane `[BLOCK_G]`, column `[R, BLOCK_G]`)."""
+    r = tl.arange(0, BLOCK_M * GROUPS_PER_PROG)
+    groups = tl.program_id(2) * GROUPS_PER_PROG + r % GROUPS_PER_PROG
+    inner = tl.arange(0, BLOCK_G)
+    return r // GROUPS_PER_PROG, groups, inner, groups[:, None] * GROUP + inner[None, :]
+
+
+@triton.jit
 def _row_bound(mm_ptr, e, T, HAS_MASK: tl.constexpr):
     """Rows of expert e to process: min(masked_m[e], T), or T."""
     if HAS_MASK:
@@ -150,16 +164,12 @@ def _quant_fp8_kernel(
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
-    # R = BLOCK_M x GROUPS_PER_PROG (row, group) pairs, each a row of the [R, BLOCK_G] tile
-    r = tl.arange(0, BLOCK_M * GROUPS_PER_PROG)
-    groups = tl.program_id(2) * GROUPS_PER_PROG + r % GROUPS_PER_PROG
-    inner = tl.arange(0, BLOCK_G)
-    cols = groups[:, None] * GROUP + inner[None, :]
+    rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
     cmask = (groups[:, None] < NUM_GROUPS) & (inner[None, :] < GROUP)
     bound = _row_bound(mm_ptr, e, T, HAS_MASK)
     e64 = e.to(tl.int64)
     for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
-        t = t0 + r // GROUPS_PER_PROG
+        t = t0 + rows
         live = t < bound
         t64 = t.to(tl.int64)
         m = cmask & live[:, None]
