@@ -131,3 +131,16 @@ def test_epmoe_layer_local(benchmark, data, mode):
         out = benchmark(layer, x, ids, w)
     assert out.shape == x.shape
     benchmark.extra_info.update(shape=SHAPE["name"], mode=mode)
+
+
+def test_stage_byte_counts():
+    """The GB/s numerators of the GPU stage benchmarks and scripts/stage_sweep.py (_bytes)."""
+    import _bytes
+
+    # 3 sources, 5 copies of a 100-byte row, 8 int64 ids, 32 permuted rows, 2 experts
+    assert _bytes.permute_bytes(3, 5, 8, 8, 100, 32, 2) == (300 + 64) + (500 + 4 * (32 + 8 + 3))
+    # 5 live rows of H = 4 bf16, 8 entries of (int32 row, float32 weight), 3 output rows
+    assert _bytes.unpermute_bytes(5, 3, 4, 8) == 5 * 8 + 64 + 3 * 8
+    # fp8: 2 rows of 256 outputs from bf16 input, 2 float32 scales a row; int8: one scale a row
+    assert _bytes.quant_bytes(2, 256, 2, "fp8", 128) == 2 * (512 + 256 + 8)
+    assert _bytes.quant_bytes(2, 256, 4, "int8", 128) == 2 * (1024 + 256 + 4)

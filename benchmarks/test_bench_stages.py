@@ -25,6 +25,7 @@ Run on the GPU machine:
 
 import functools
 
+import _bytes
 import _configs
 import _timing
 import pytest
@@ -95,9 +96,7 @@ def _permute_case(benchmark, cfg, tokens: int, scheme: str, shape: str):
     copies, sources = _count(valid), _count(valid.any(dim=1))
     m_sum = reference.permuted_rows(tokens, K, E, A)
     row = H * x.element_size() + 4 * S
-    read = sources * row + ids.numel() * ids.element_size()
-    written = copies * row + 4 * (m_sum + ids.numel() + E + 1)
-    nbytes = read + written
+    nbytes = _bytes.permute_bytes(sources, copies, ids.numel(), ids.element_size(), row, m_sum, E)
     _timing.record(
         benchmark,
         lambda: permute(x, ids, E, A, s, scale_layout=layout),
@@ -131,7 +130,7 @@ def _unpermute_case(benchmark, cfg, tokens: int, shape: str):
     y = torch.randn((m_sum, cfg.hidden), generator=gen, device="cuda").to(torch.bfloat16)
     w = torch.rand(ids.shape, generator=gen, device="cuda")
     copies = _count(inv >= 0)
-    nbytes = (copies * cfg.hidden * 2 + inv.numel() * 8) + tokens * cfg.hidden * 2
+    nbytes = _bytes.unpermute_bytes(copies, tokens, cfg.hidden, inv.numel())
     _timing.record(
         benchmark,
         lambda: unpermute(y, inv, w),
@@ -154,15 +153,10 @@ def test_unpermute_decode(benchmark, cfg):
 
 
 # --------------------------------------------------------------------------------------- quantize
-def _quant_bytes(rows: int, width: int, in_size: int, scheme: str, group: int) -> int:
-    scales = width // group if scheme == "fp8" else 1
-    return rows * (width * in_size + width + 4 * scales)
-
-
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_quantize_prefill(benchmark, cfg, scheme):
     x, _ = _payload(cfg, cfg.prefill_tokens, "bf16")
-    nbytes = _quant_bytes(x.shape[0], cfg.hidden, 2, scheme, cfg.quant_group)
+    nbytes = _bytes.quant_bytes(x.shape[0], cfg.hidden, 2, scheme, cfg.quant_group)
     _timing.record(
         benchmark,
         lambda: quantize(x, scheme, cfg.quant_group),
@@ -183,7 +177,7 @@ def test_quantize_decode(benchmark, cfg, scheme):
     x = torch.randn((E, T, cfg.hidden), generator=gen, device="cuda").to(torch.bfloat16)
     mm = _masked(cfg)
     rows = _count(mm.clamp(max=T))
-    nbytes = _quant_bytes(rows, cfg.hidden, 2, scheme, cfg.quant_group)
+    nbytes = _bytes.quant_bytes(rows, cfg.hidden, 2, scheme, cfg.quant_group)
     layout = "deepgemm" if scheme == "fp8" else "row"
     _timing.record(
         benchmark,
@@ -206,7 +200,9 @@ def test_silu_and_mul_quant_prefill(benchmark, cfg, scheme):
     y = torch.randn((m_idx.numel(), 2 * cfg.intermediate), generator=gen, device="cuda")
     y = y.to(torch.bfloat16)
     rows = _count(m_idx >= 0)
-    nbytes = _quant_bytes(rows, cfg.intermediate, 4, scheme, cfg.quant_group) + 4 * m_idx.numel()
+    nbytes = (
+        _bytes.quant_bytes(rows, cfg.intermediate, 4, scheme, cfg.quant_group) + 4 * m_idx.numel()
+    )
     layout = "deepgemm" if scheme == "fp8" else "row"
     _timing.record(
         benchmark,
@@ -230,7 +226,7 @@ def test_silu_and_mul_quant_decode(benchmark, cfg, scheme):
     y = y.to(torch.bfloat16)
     mm = _masked(cfg)
     rows = _count(mm.clamp(max=T))
-    nbytes = _quant_bytes(rows, cfg.intermediate, 4, scheme, cfg.quant_group)
+    nbytes = _bytes.quant_bytes(rows, cfg.intermediate, 4, scheme, cfg.quant_group)
     layout = "deepgemm" if scheme == "fp8" else "row"
     _timing.record(
         benchmark,

@@ -22,6 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
+import _bytes  # noqa: E402
 import _configs  # noqa: E402
 import _timing  # noqa: E402
 
@@ -71,14 +72,15 @@ def cases():
     copies = count(d["ids"] >= 0)
     fp8 = reference.quantize(d["x"], "fp8")
     i8 = reference.quantize(d["x"], "int8")
-    qb = {"fp8": lambda r, w: r * (2 * w + w + 4 * w // 128), "int8": lambda r, w: r * (3 * w + 4)}
+    qb = functools.partial(_bytes.quant_bytes, in_size=2, group=128)  # quantize of bf16
+    sb = functools.partial(_bytes.quant_bytes, width=I, in_size=4, group=128)  # gate and up
     out = []
     for scheme in ("fp8", "int8"):
         out.append(
             (
                 f"quantize_prefill_{scheme}",
                 Q,
-                qb[scheme](M, H),
+                qb(M, H, scheme=scheme),
                 lambda s=scheme: Q._quantize_triton(
                     d["x"], s, 128, None, "deepgemm" if s == "fp8" else "row"
                 ),
@@ -88,18 +90,17 @@ def cases():
             (
                 f"quantize_decode_{scheme}",
                 Q,
-                qb[scheme](dec, H),
+                qb(dec, H, scheme=scheme),
                 lambda s=scheme: Q._quantize_triton(
                     d["x3"], s, 128, d["mm"], "deepgemm" if s == "fp8" else "row"
                 ),
             )
         )
-        sb = {"fp8": lambda r: r * (4 * I + I + 4 * I // 128), "int8": lambda r: r * (5 * I + 4)}
         out.append(
             (
                 f"silu_quant_prefill_{scheme}",
                 A,
-                sb[scheme](live) + 4 * d["m_idx"].numel(),
+                sb(live, scheme=scheme) + 4 * d["m_idx"].numel(),
                 lambda s=scheme: A._silu_and_mul_quant_triton(
                     d["y"],
                     s,
@@ -115,7 +116,7 @@ def cases():
             (
                 f"silu_quant_decode_{scheme}",
                 A,
-                sb[scheme](dec),
+                sb(dec, scheme=scheme),
                 lambda s=scheme: A._silu_and_mul_quant_triton(
                     d["y3"], s, d["mm"], 128, None, "deepgemm" if s == "fp8" else "row"
                 ),
@@ -129,7 +130,8 @@ def cases():
         S = 0 if ss is None else ss.shape[1]
         row = H * xx.element_size() + 4 * S
         m_sum = d["m_idx"].numel()
-        nbytes = srcs * row + copies * row + 8 * d["ids"].numel() + 4 * (m_sum + d["ids"].numel())
+        ids = d["ids"]
+        nbytes = _bytes.permute_bytes(srcs, copies, ids.numel(), ids.element_size(), row, m_sum, E)
         out.append(
             (
                 f"permute_prefill_{name}",
@@ -143,13 +145,13 @@ def cases():
     yl = d["y"][:live]
     hl = torch.empty((live, I), dtype=torch.bfloat16, device="cuda")
     out += [
-        ("diag_silu_quant_all_rows", A, sb["fp8"](d["m_idx"].numel()),
+        ("diag_silu_quant_all_rows", A, sb(d["m_idx"].numel(), scheme="fp8"),
          lambda: A._silu_and_mul_quant_triton(d["y"], "fp8", None, 128, None, "deepgemm")),
-        ("diag_silu_quant_packed", A, sb["fp8"](live),
+        ("diag_silu_quant_packed", A, sb(live, scheme="fp8"),
          lambda: A._silu_and_mul_quant_triton(yl, "fp8", None, 128, None, "deepgemm")),
         ("diag_silu_only_m_idx", A, live * 6 * I + 4 * d["m_idx"].numel(),
          lambda: A._silu_and_mul_triton(d["y"], None, d["m_idx"])),
-        ("diag_quantize_h", Q, qb["fp8"](live, I),
+        ("diag_quantize_h", Q, qb(live, I, scheme="fp8"),
          lambda: Q._quantize_triton(hl, "fp8", 128, None, "deepgemm")),
     ]  # fmt: skip
     dec_ids = d["ids"][:256]
@@ -158,7 +160,7 @@ def cases():
     m_dec = reference.permuted_rows(256, CFG.top_k, E, 128)
     out.append((
         "permute_decode_fp8", P,
-        (dsrc + dcop) * row8 + 12 * dec_ids.numel() + 4 * m_dec,
+        _bytes.permute_bytes(dsrc, dcop, dec_ids.numel(), dec_ids.element_size(), row8, m_dec, E),
         lambda: P._permute_triton(fp8[0][:256], dec_ids, E, 128, fp8[1][:256], "deepgemm"),
     ))  # fmt: skip
     tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
@@ -167,7 +169,7 @@ def cases():
         (
             "unpermute_prefill",
             U,
-            copies * H * 2 + d["ids"].numel() * 8 + M * H * 2,
+            _bytes.unpermute_bytes(copies, M, H, d["ids"].numel()),
             lambda: U._unpermute_triton(d["yo"], d["inv"], d["w"]),
         )
     )
