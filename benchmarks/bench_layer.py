@@ -1,6 +1,5 @@
 """End-to-end EPMoE layer on 2 GPUs (deepep backend): eager vs compiled vs CUDA graph, against the
-sum
-of its best stages measured in the same run, plus the eager op-dispatch overhead of every stage.
+sum of its best stages measured in the same run, plus the eager op-dispatch overhead of every stage.
 
     python benchmarks/bench_layer.py --out layer.json [--config W] [--quant fp8]
 

@@ -1,8 +1,7 @@
 """epmoe: every stage of an expert-parallel Mixture-of-Experts layer as a first-class PyTorch op.
 
 ``import epmoe`` registers the ``torch.ops.epmoe.*`` ops; it imports neither deep_ep nor deep_gemm
-and
-does not initialize CUDA.
+and does not initialize CUDA.
 """
 
 __version__ = "0.1.0"

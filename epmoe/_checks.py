@@ -1,15 +1,11 @@
 """Shared input validation.
 
 Metadata checks (dtype, rank, shape, device, static ints) raise ``ValueError("op: arg expected X,
-got Y")``
-and are safe to call from fake implementations. Value checks (ids in range, capacity) never become
-Python
-control flow on traced or CUDA tensors: on real CPU tensors they raise ``ValueError`` (no cost: CPU
-is
-synchronous), on CUDA they raise ``ValueError`` only in debug mode (``EPMOE_DEBUG=1`` or
-:func:`set_debug`), otherwise they enqueue a device-side assert (no host sync, CUDA-graph safe), and
-while
-tracing they become a functional assert in the graph.
+got Y")`` and are safe to call from fake implementations. Value checks (ids in range, capacity)
+never become Python control flow on traced or CUDA tensors: on real CPU tensors they raise
+``ValueError`` (no cost: CPU is synchronous), on CUDA they raise ``ValueError`` only in debug mode
+(``EPMOE_DEBUG=1`` or :func:`set_debug`), otherwise they enqueue a device-side assert (no host sync,
+CUDA-graph safe), and while tracing they become a functional assert in the graph.
 """
 
 import os

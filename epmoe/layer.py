@@ -6,10 +6,8 @@ LL (decode): ll_dispatch -> [quantize] -> masked grouped_gemm -> silu_and_mul(_q
 grouped_gemm -> ll_combine.
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
-K]`
--> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
-each
-rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
+K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
+each rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
 """
 
 from typing import Optional
@@ -236,8 +234,8 @@ class EPMoE(nn.Module):
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
         """Compile every GEMM kernel this layer launches (deep_gemm JIT, Triton autotune) for the
-        given
-        per-rank token counts, so nothing compiles later inside CUDA-graph capture. No-op on CPU.
+        given per-rank token counts, so nothing compiles later inside CUDA-graph capture. No-op on
+        CPU.
 
         Args:
             token_counts: per-rank batch sizes that will run (default: max_tokens_per_rank).

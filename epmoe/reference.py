@@ -2,10 +2,8 @@
 
 Everything here is sync-free with static output shapes (it also runs on CUDA and traces under
 torch.compile), written for clarity rather than speed. Shape legend: ``T`` tokens (``M`` received
-rows),
-``K`` top-k, ``H`` hidden, ``E`` local experts, ``A`` alignment, ``N``/``Kd`` GEMM output/reduction
-dims,
-``S`` scale groups per row.
+rows), ``K`` top-k, ``H`` hidden, ``E`` local experts, ``A`` alignment, ``N``/``Kd`` GEMM
+output/reduction dims, ``S`` scale groups per row.
 """
 
 from typing import Optional, Tuple
@@ -285,8 +283,7 @@ def quantized_moe(
     """Quant-aware reference: what an exact ``scheme`` layer computes, in float32 `[T, H]`.
 
     x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights
-    with
-    :func:`quantize_weights`; everything is dequantized and multiplied in float32.
+    with :func:`quantize_weights`; everything is dequantized and multiplied in float32.
     """
     if scheme == "bf16":
         xs = x.to(torch.bfloat16).float()

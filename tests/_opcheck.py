@@ -10,8 +10,8 @@ NO_VALUE_COMPARE = ALL[:3]
 
 def opcheck(op, args, kwargs=None, utils=ALL):
     """Run every opcheck utility; test_schema is skipped for float8 inputs because its mutation
-    check
-    multiplies the inputs, which float8 does not implement ("mul_cpu_reduced_float", "mul_cuda")."""
+    check multiplies the inputs, which float8 does not implement ("mul_cpu_reduced_float",
+    "mul_cuda")."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [
         t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)

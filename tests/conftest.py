@@ -4,8 +4,8 @@ import sys
 import torch
 
 # Without a GPU, Triton kernels are tested on CPU tensors through the interpreter. The variable must
-# be
-# set before triton is first imported (torch does not import it), so one `pytest` runs everything.
+# be set before triton is first imported (torch does not import it), so one `pytest` runs
+# everything.
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -50,8 +50,7 @@ def triton_interpret():
 
 def pytest_runtest_logreport(report):
     """With EPMOE_FAILLOG=path, append each failure as it happens (a run cut off by a time limit on
-    the
-    GPU machine still leaves its tracebacks)."""
+    the GPU machine still leaves its tracebacks)."""
     path = os.environ.get("EPMOE_FAILLOG")
     if path and report.failed:
         with open(path, "a") as f:

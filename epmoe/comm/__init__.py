@@ -1,9 +1,8 @@
 """Communication backends for dispatch/combine: local (one rank), torch.distributed, deep_ep.
 
 ``create(backend, group, ...)`` builds a communicator, registers it and returns it (``comm.key`` is
-the
-int the ops take). ``backend="auto"`` picks local for a group of one, else deep_ep on CUDA when it
-imports, else torch.
+the int the ops take). ``backend="auto"`` picks local for a group of one, else deep_ep on CUDA when
+it imports, else torch.
 """
 
 import torch

@@ -1,17 +1,15 @@
 """The communicator interface every dispatch/combine backend implements.
 
 Shape legend: ``T`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``S`` scale columns, ``P`` world
-size,
-``E`` local experts, ``Et`` global experts (P*E), ``N`` received rows, ``C`` = P *
+size, ``E`` local experts, ``Et`` global experts (P*E), ``N`` received rows, ``C`` = P *
 max_tokens_per_rank.
 
 HT dispatch (N = world * ht_capacity(T) in the worst case) returns the list [recv_x `[N, H]`,
 recv_scales `[N, S]` (S = 0 without scales),
 recv_topk_ids int64 `[N, K]` (local ids, -1 for experts elsewhere and on padding rows),
-recv_topk_weights
-float32 `[N, K]`, expert_counts int32 `[E]`, *handle]; the handle is tensors only and handle[0] is
-is_token_in_rank bool `[T, P]` (its shape gives T to combine's fake). HT combine sums rows home,
-unweighted.
+recv_topk_weights float32 `[N, K]`, expert_counts int32 `[E]`, *handle]; the handle is tensors only
+and handle[0] is is_token_in_rank bool `[T, P]` (its shape gives T to combine's fake). HT combine
+sums rows home, unweighted.
 
 LL dispatch returns [recv_x `[E, C, H]`, recv_scales `[E, C, H/128]` (`[E, C, 0]` unless fp8),
 masked_m int32 `[E]`, *handle]; LL combine applies topk_weights at the source and returns `[T, H]`.
@@ -59,8 +57,8 @@ class Communicator:
         """Slots each rank reserves per peer in worst-case HT dispatch (N = world * capacity).
 
         max_tokens_per_rank when set (ranks may then hold different T <= it), else T itself, in
-        which
-        case every rank must pass the same T (the static-shape contract of a captured prefill)."""
+        which case every rank must pass the same T (the static-shape contract of a captured
+        prefill)."""
         if self.max_tokens_per_rank:
             if isinstance(num_tokens, int) and num_tokens > self.max_tokens_per_rank:
                 raise _checks.fail(

@@ -50,10 +50,9 @@ LL dispatch (``low_latency_dispatch``) and combine (``low_latency_combine``)
     ``use_fp8`` for fp8 layers, with float32 scales (``round_scale=False, use_ue8m0=False``: the
     sm90 layout): recv_x `[E, C, H]`; recv_scales float32 `[E, C, H/128]` stored column-major
     (strides ``(C * H/128, 1, C)``, the TMA layout deep_gemm reads; the fake declares the same
-    strides);
-    masked_m int32 `[E]`; handle ``[src_info int32 [E, C], layout_range int64 [E, P]]`` (the static
-    ints of deep_ep's handle come from the communicator). Combine is weighted; ``out=`` is honoured
-    in place (``ll_combine_out``).
+    strides); masked_m int32 `[E]`; handle ``[src_info int32 [E, C], layout_range int64 [E, P]]``
+    (the static ints of deep_ep's handle come from the communicator). Combine is weighted;
+    ``out=`` is honoured in place (``ll_combine_out``).
 
     deep_ep's LL kernels alternate between two internal buffers: every dispatch and every combine
     flips a host-side index and cleans the other buffer for the next call. A captured CUDA graph

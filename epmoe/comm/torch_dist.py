@@ -2,15 +2,13 @@
 
 With no process group (or a group of one) no collective runs: this is also the ``"local"`` backend.
 Every row travels as raw bytes (payload, scales, ids, weights packed into one uint8 row), so any
-payload
-dtype (bf16, fp8, int8) works on any backend and each dispatch is one collective.
+payload dtype (bf16, fp8, int8) works on any backend and each dispatch is one collective.
 
 Worst-case HT dispatch sends T slots to every peer (static: N = P*T, unused slots have ids -1);
-exact HT
-dispatch exchanges counts first (one host sync) and sends only rows that have an expert on the peer.
-LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout locally; LL combine
-returns
-each (token, k) row to its source with one all-to-all and applies the weights there.
+exact HT dispatch exchanges counts first (one host sync) and sends only rows that have an expert on
+the peer. LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout locally; LL
+combine returns each (token, k) row to its source with one all-to-all and applies the weights
+there.
 """
 
 import torch

@@ -5,13 +5,11 @@ nowhere) and zero weights; the output's first T rows are returned. Everything th
 (deep_gemm JIT, Triton autotune, torch.compile) runs in warm-up, outside capture.
 
 Every rank of the group must capture the same sizes in the same order and replay the same size at
-each
-step (collectives inside the graphs pair up across ranks): pick the size from a batch size that all
-ranks agree on (e.g. the max over ranks, which engines already know for decode).
+each step (collectives inside the graphs pair up across ranks): pick the size from a batch size that
+all ranks agree on (e.g. the max over ranks, which engines already know for decode).
 
 DeepEP LL alternates two internal buffers on every dispatch and combine call; a captured graph holds
-one
-dispatch + combine pair, so the parity is the same at every replay and between replays and eager
+one dispatch + combine pair, so the parity is the same at every replay and between replays and eager
 calls.
 """
 

@@ -5,15 +5,12 @@ worst_case=False)``
 - x: bf16/fp8/int8 `[T, H]`; topk_ids: int64 `[T, K]` global expert id or -1; topk_weights: float32
   `[T, K]`; x_scales: float32 `[T, S]` or None.
 - d.x `[N, H]`, d.x_scales `[N, S]` | None, d.topk_ids int64 `[N, K]` LOCAL ids (-1 for experts on
-other
-  ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`,
-  d.handle
-  (tuple of tensors for :func:`epmoe.ops.combine.ht_combine`).
+  other ranks and for padding rows), d.topk_weights float32 `[N, K]`, d.expert_counts int32 `[E]`,
+  d.handle (tuple of tensors for :func:`epmoe.ops.combine.ht_combine`).
 - worst_case=True: N = world * (max_tokens_per_rank of the communicator, or T when unset, in which
-case
-  every rank must pass the same T) - static, no host sync, CUDA-graph safe; unused rows have ids -1.
-  worst_case=False: N is exact and data-dependent (host sync; the fake declares a dynamic size; not
-  CUDA-graph safe, tagged ``cudagraph_unsafe``).
+  case every rank must pass the same T) - static, no host sync, CUDA-graph safe; unused rows have
+  ids -1. worst_case=False: N is exact and data-dependent (host sync; the fake declares a dynamic
+  size; not CUDA-graph safe, tagged ``cudagraph_unsafe``).
 
 Contract (LL): ``d = ll_dispatch(x, topk_ids, comm_key, use_fp8=False)``
 - x: bf16 `[T, H]` with T <= max_tokens_per_rank; topk_ids int64 `[T, K]` global ids or -1.

@@ -1,9 +1,8 @@
 """Run a test function on N ranks (one process each) and surface every rank's failure in pytest.
 
 ``run_ranks(fn, world_size, backend, *args)`` spawns ``world_size`` processes, initializes the
-default
-process group (gloo on CPU, nccl with one GPU per rank) and calls ``fn(rank, world_size, *args)``.
-``fn`` must be importable (module level). Exceptions travel back as formatted tracebacks.
+default process group (gloo on CPU, nccl with one GPU per rank) and calls ``fn(rank, world_size,
+*args)``. ``fn`` must be importable (module level). Exceptions travel back as formatted tracebacks.
 """
 
 import os

@@ -95,8 +95,8 @@ def _routing_rank(rank, world):
             assert d.x.shape[0] == len(want)
         counts = torch.bincount(d.topk_ids[d.topk_ids >= 0], minlength=E_local)
         assert torch.equal(d.expert_counts, counts.int())
-        # combine returns each row home and sums (unweighted): sending ones gives per-token rank
-        # counts
+        # combine returns each row home and sums (unweighted): sending ones gives per-token
+        # rank counts
         y = torch.ones((d.x.shape[0], SMALL["hidden_size"]), dtype=torch.bfloat16)
         back = ops.ht_combine(y, d.handle, layer.comm_key)
         nranks = torch.stack([((ids // E_local) == r).any(1) for r in range(world)], 1).sum(1)
