@@ -91,6 +91,17 @@ def check_multiple(op: str, arg: str, v: int, of: int, why: str = "") -> None:
         raise fail(op, arg, f"a multiple of {of}{' ' + why if why else ''}", v)
 
 
+def check_masked_m(op: str, masked_m: Optional[torch.Tensor], x: torch.Tensor, x_name: str) -> None:
+    """masked_m (None, or int32/int64 `[E]` on x's device) of a masked `[E, T, *]` ``x``."""
+    if masked_m is None:
+        return
+    if x.dim() != 3:
+        raise fail(op, "masked_m", f"None for a 2-D {x_name}", "a tensor")
+    check_dtype(op, "masked_m", masked_m, (torch.int32, torch.int64))
+    check_shape(op, "masked_m", masked_m, (x.shape[0],))
+    check_device(op, "masked_m", masked_m, x)
+
+
 def _tracing(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 

@@ -326,12 +326,7 @@ def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None
     _checks.check_dtype(op, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(op, "y", y, (2, 3))
     _checks.check_multiple(op, "y.shape[-1]", y.shape[-1], 2, "(gate and up halves)")
-    if masked_m is not None:
-        if y.dim() != 3:
-            raise _checks.fail(op, "masked_m", "None for a 2-D y", "a tensor")
-        _checks.check_dtype(op, "masked_m", masked_m, (torch.int32, torch.int64))
-        _checks.check_shape(op, "masked_m", masked_m, (y.shape[0],))
-        _checks.check_device(op, "masked_m", masked_m, y)
+    _checks.check_masked_m(op, masked_m, y, "y")
     for name, t in (("m_indices", m_indices), ("expert_offsets", expert_offsets)):
         if t is None:
             continue

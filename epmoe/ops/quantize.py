@@ -365,12 +365,7 @@ def _validate(x, scheme, group_size, masked_m, scale_layout="row") -> None:
     _checks.check_choice(OP, "scale_layout", scale_layout, SCALE_LAYOUTS)
     if scheme == "fp8":
         _checks.check_multiple(OP, "x.shape[-1]", x.shape[-1], group_size, "(fp8 group_size)")
-    if masked_m is not None:
-        if x.dim() != 3:
-            raise _checks.fail(OP, "masked_m", "None for a 2-D x", "a tensor")
-        _checks.check_dtype(OP, "masked_m", masked_m, (torch.int32, torch.int64))
-        _checks.check_shape(OP, "masked_m", masked_m, (x.shape[0],))
-        _checks.check_device(OP, "masked_m", masked_m, x)
+    _checks.check_masked_m(OP, masked_m, x, "x")
 
 
 def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
