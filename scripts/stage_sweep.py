@@ -189,7 +189,7 @@ SWEEPS = {
     "permute_prefill_fp8": grid(COPY_BYTES=[4096, 8192], SCALE_TILE=[2048, 4096, 8192]),
     "permute_prefill_int8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
     "permute_index_only": [{}],
-    "permute_decode_fp8": grid(SCALES_BY_ROW=[True, False], COPY_BYTES=[4096, 8192]),
+    "permute_decode_fp8": grid(SMALL_ENTRIES=[0, 4096], SMALL_CHUNK=[1024, 2048]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
