@@ -176,24 +176,30 @@ def cases():
     return out
 
 
+_HINTS = grid(STORE_CACHE=["", ".cs"], LOAD_POLICY=["", "evict_first"])
 SWEEPS = {
     "quantize_prefill_fp8": [{}],
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
     "quantize_decode_fp8": [{}],
     "quantize_decode_int8": [{}],
-    "silu_quant_prefill_fp8": grid(ROW_STAGES=[1, 3]),
-    "silu_quant_prefill_int8": grid(INT8_WARPS=[1, 2, 4], INT8_ROW_TILE=[2048, 4096]),
-    "silu_quant_decode_fp8": [{}],
-    "silu_quant_decode_int8": [{}],
-    "permute_prefill_bf16": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
-    "permute_prefill_fp8": grid(COPY_BYTES=[4096, 8192], SCALE_TILE=[2048, 4096, 8192]),
-    "permute_prefill_int8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "silu_quant_prefill_fp8": grid(FAST_MATH=[True, False], ROW_STAGES=[1, 2]),
+    "silu_quant_prefill_int8": grid(
+        FAST_MATH=[True, False], ROW_STAGES=[1, 2], INT8_ROW_TILE=[2048, 4096]
+    ),
+    "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
+    "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
+    "permute_prefill_bf16": _HINTS,
+    # DeepGEMM-layout scales by destination row block (default) or per source token in the copy
+    # kernel, with the payload streamed past L2 and the scale stores kept there
+    "permute_prefill_fp8": _HINTS
+    + grid(SCALES_BY_ROW=[False], STORE_CACHE=["", ".cs"], SCALE_POLICY=["", "evict_last"]),
+    "permute_prefill_int8": _HINTS,
     "permute_index_only": [{}],
     "permute_decode_fp8": grid(SMALL_ENTRIES=[0, 4096], SMALL_CHUNK=[1024, 2048]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
-    "diag_silu_only_m_idx": [{}],
+    "diag_silu_only_m_idx": grid(FAST_MATH=[True, False]),
     "diag_quantize_h": [{}],
 }
 # constants that live in epmoe.ops.quantize but steer every stage's kernels

@@ -57,6 +57,12 @@ SCALE_TILE = 4096  # scale values per program of the row-block scale copy
 # histogram of all entries itself, SMALL_CHUNK at a time) instead of a memset and two launches
 SMALL_ENTRIES = 4096
 SMALL_CHUNK = 1024
+# cache hints of the payload copy ("": none): each source row is read once, each destination
+# row written once and next read by the GEMM (after the L2 has turned over at prefill sizes)
+LOAD_POLICY = ""  # tl.load eviction_policy of the source rows ("evict_first")
+STORE_CACHE = ""  # tl.store cache_modifier of the destination rows (".cs": streaming)
+SCALE_POLICY = ""  # tl.store eviction_policy of per-token scale stores ("evict_last": DeepGEMM's
+# layout scatters them 4 bytes at a time; kept in L2 until their sectors are whole)
 TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over (W on
 # H200: count kernel 3.8 us with 16 rows, 8.5 us with one)
 
@@ -81,7 +87,6 @@ class PermuteResult(NamedTuple):
 # entries earlier in the block); its first column chunk also writes inv_perm and each used row's
 # source token. With DeepGEMM-layout scales, kernel 4 copies them per destination row block.
 # Up to SMALL_ENTRIES entries one launch does the work of kernels 1 and 2 (no totals, no memset).
-# Up to SMALL_ENTRIES entries one launch does the work of kernels 1 and 2 (and needs no totals).
 
 
 @triton.jit
@@ -231,6 +236,7 @@ def _place_copy_kernel(
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     c = tl.program_id(1)
@@ -253,14 +259,17 @@ def _place_copy_kernel(
         tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
         if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
             tl.store(src_ptr + rows, t + kk * 0, mask=live)
-    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read
-    h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
+    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read.
+    # The mask depends on the ids alone, so the row's load is issued before the counts' load
+    # (the rows) returns
+    h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live)
+    v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
+                eviction_policy=LOAD_POLICY)  # fmt: skip
     for k in tl.static_range(K):
         r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
         dst = out_ptr + r.to(tl.int64) * H + cols
-        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0))
+        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
     if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
         so = c * SPC + tl.arange(0, BLOCK_S)
         s_hi = tl.minimum(c * SPC + SPC, S)
@@ -270,7 +279,7 @@ def _place_copy_kernel(
         for k in tl.static_range(K):
             r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
             s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
-            tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0))
+            tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0), eviction_policy=SCALE_POLICY)
 
 
 @triton.jit
@@ -395,7 +404,8 @@ def _permute_triton(
         x, xs, topk_ids, counts, inv_perm, src, x_out, s_out, M, H, S, spc, E, nb,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
-        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, num_warps=COPY_WARPS,
+        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, LOAD_POLICY=LOAD_POLICY,
+        STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS,
     )  # fmt: skip
     if by_row:
         block_s = triton.next_power_of_2(S)

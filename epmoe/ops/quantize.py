@@ -115,9 +115,12 @@ def _quant_int8(x, s):
     """round-half-away(x * (1 / s)) clamped to +-127, as int8 (x float32 `[BLOCK_M, N]`, s
     float32 `[BLOCK_M]`)."""
     v = x * tl.math.div_rn(1.0, s)[:, None]
-    r = tl.floor(tl.abs(v) + 0.5)
-    r = tl.where(v < 0, -r, r)
-    return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
+    # v + copysign(0.5, v) is sign(v) * (|v| + 0.5) with the same float32 rounding, and the cast
+    # truncates toward zero: sign(v) * floor(|v| + 0.5) in three instructions instead of six
+    # (the clamp bounds are integers, so clamping before the truncation gives the same result)
+    half = ((v.to(tl.int32, bitcast=True) & -2147483648) | 0x3F000000).to(tl.float32, bitcast=True)
+    r = tl.minimum(tl.maximum(v + half, -_INT8_MAX), _INT8_MAX)
+    return r.to(tl.int8)
 
 
 @triton.jit
