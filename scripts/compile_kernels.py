@@ -115,14 +115,6 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     return triton.compile(src, target=TARGET, options=options)
 
 
-def _no_small(fn):
-    saved, P.SMALL_ENTRIES = P.SMALL_ENTRIES, 0
-    try:
-        return fn()
-    finally:
-        P.SMALL_ENTRIES = saved
-
-
 def cases() -> Dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(0)
     bf = torch.randn((64, 512), generator=g).to(torch.bfloat16)
@@ -167,9 +159,6 @@ def cases() -> Dict[str, Callable[[], object]]:
             p(bf, ids, 8, 128),
             p(q8, ids, 8, 128, s8, "deepgemm"),
             p(qi, ids, 8, 128, si, "row"),
-        ),
-        "permute count + scan path (more than SMALL_ENTRIES entries)": lambda: _no_small(
-            lambda: (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"))
         ),
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](

@@ -182,10 +182,9 @@ SWEEPS = {
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
     "quantize_decode_fp8": [{}],
     "quantize_decode_int8": [{}],
-    "silu_quant_prefill_fp8": grid(FAST_MATH=[True, False], ROW_STAGES=[1, 2]),
-    "silu_quant_prefill_int8": grid(
-        FAST_MATH=[True, False], ROW_STAGES=[1, 2], INT8_ROW_TILE=[2048, 4096]
-    ),
+    "silu_quant_prefill_fp8": grid(FAST_MATH=[True, False]),
+    "silu_quant_prefill_int8": grid(FAST_MATH=[True], INT8_WARPS=[2, 4, 8])
+    + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
     "permute_prefill_bf16": _HINTS,
@@ -195,7 +194,7 @@ SWEEPS = {
     + grid(SCALES_BY_ROW=[False], STORE_CACHE=["", ".cs"], SCALE_POLICY=["", "evict_last"]),
     "permute_prefill_int8": _HINTS,
     "permute_index_only": [{}],
-    "permute_decode_fp8": grid(SMALL_ENTRIES=[0, 4096], SMALL_CHUNK=[1024, 2048]),
+    "permute_decode_fp8": grid(SCALES_BY_ROW=[True, False], SCALE_POLICY=["", "evict_last"]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],

@@ -16,14 +16,9 @@ pytestmark = pytest.mark.interpret
 P = C.permute_mod
 
 
-@pytest.fixture(params=["one_launch_index", "count_scan_index"])
-def small_blocks(monkeypatch, request):
-    """Tiny blocks so a few dozen entries span several count / scan / copy blocks; both index
-    paths (few entries: one launch whose programs each take the histogram of all entries, SMALL_
-    CHUNK at a time; otherwise count + scan)."""
-    small = request.param == "one_launch_index"
-    monkeypatch.setattr(P, "SMALL_ENTRIES", 10**9 if small else 0)
-    monkeypatch.setattr(P, "SMALL_CHUNK", 8)
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Tiny blocks so a few dozen entries span several count / scan / copy blocks."""
     monkeypatch.setattr(P, "BLOCK_N", 8)
     monkeypatch.setattr(P, "BLOCK_SCAN", 2)
     monkeypatch.setattr(P, "BLOCK_ROWS", 16)
