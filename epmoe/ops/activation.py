@@ -59,7 +59,11 @@ INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows reco
 INT8_CHUNK = 4096
 INT8_ROW_TILE = 2048  # unmasked int8: rows shorter than this are batched (W: 2048 248 us,
 # 4096 249 us, 8192 330 us)
-INT8_WARPS = None  # unmasked int8 warps (None: by elements per program)
+INT8_WARPS = None  # unmasked int8 warps (None: INT8_THREAD_ELEMS elements a thread)
+# elements a thread of the unmasked int8 kernel: the row's amax is a reduction over the whole
+# program, so fewer warps per row wait on each other (W, I = 2048, with FAST_MATH: 2 warps
+# 99.9 us, 4 warps 102.2, 8 warps 119.4)
+INT8_THREAD_ELEMS = 32
 # m_indices without expert_offsets: programs per column chunk looping over the row blocks, the
 # next block's m_indices prefetched (W fp8 on H200: 8192 looping 180 us, one block each 197 us)
 ROW_PROGRAMS = 8192
@@ -339,7 +343,12 @@ def _silu_and_mul_quant_triton(
         block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
         block_m = 1 if rows.masked else max(1, INT8_ROW_TILE // block)
         slots = _slots(rows, block_m, m_indices)
-        warps = INT8_WARPS if INT8_WARPS and not rows.masked else _q._warps(block * block_m)
+        if rows.masked:
+            warps = _q._warps(block * block_m)
+        else:
+            warps = INT8_WARPS or min(
+                _q.MAX_WARPS, max(1, block * block_m // (32 * INT8_THREAD_ELEMS))
+            )
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,

@@ -144,6 +144,8 @@ def test_permute_opcheck(seed):
         (dict(alignment=2.5), "permute: alignment expected a positive int"),
         (dict(x_scales=torch.zeros(4, 1, dtype=torch.float16)), "permute: x_scales expected dtype"),
         (dict(x=torch.zeros(4)), "permute: x expected a 2-D tensor"),
+        (dict(x=torch.zeros(())), "permute: x expected a 2-D tensor"),
+        (dict(topk_ids=torch.zeros((), dtype=torch.long)), "permute: topk_ids expected shape"),
     ],
 )
 def test_permute_bad_input(kwargs, match):
