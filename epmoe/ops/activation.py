@@ -346,15 +346,23 @@ def _silu_and_mul_quant_triton(
         if rows.masked:
             warps = _q._warps(block * block_m)
         else:
-            warps = INT8_WARPS or min(
-                _q.MAX_WARPS, max(1, block * block_m // (32 * INT8_THREAD_ELEMS))
-            )
+            warps = INT8_WARPS or _int8_warps(block * block_m)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
             BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags,
         )  # fmt: skip
     return q, s
+
+
+def _int8_warps(elements) -> int:
+    """Warps of an unmasked int8 program: INT8_THREAD_ELEMS elements a thread, a power of two up
+    to MAX_WARPS. A plain int also when ``elements`` is symbolic (opcheck's dynamic shapes): the
+    comparisons guard, where arithmetic would hand the launcher an unhashable SymInt."""
+    warps = 1
+    while warps < _q.MAX_WARPS and elements > warps * 32 * INT8_THREAD_ELEMS:
+        warps *= 2
+    return warps
 
 
 # ------------------------------------------------------------------------------------------ ops
