@@ -133,3 +133,58 @@ def test_fast_path_equals_registered_op():
     flat = torch.utils._pytree.tree_leaves
     for a, b in zip(flat(fast), flat(slow), strict=True):
         C.assert_equal(a, b, "fast vs registered op")
+
+
+def _bad_calls():
+    """(name, call) pairs, each with one thing wrong; tensors on CUDA (the validation fast paths,
+    `_valid`, only accept CUDA tensors: anything off must fall through to the full checks)."""
+    d = "cuda"
+    x = torch.randn(4, 256, device=d).bfloat16()
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=d)
+    w = torch.rand(4, 2, device=d)
+    y2 = torch.randn(8, 256, device=d).bfloat16()
+    y3 = torch.randn(2, 4, 256, device=d).bfloat16()
+    mm = torch.tensor([1, 2], dtype=torch.int32, device=d)
+    mi = torch.zeros(8, dtype=torch.int32, device=d)
+    offs = torch.zeros(3, dtype=torch.int32, device=d)
+    g = importlib.import_module("epmoe.ops.gemm")
+    a8 = torch.zeros(2, 4, 128, dtype=torch.int8, device=d)
+    w8 = torch.zeros(2, 128, 128, dtype=torch.int8, device=d)
+    s8 = torch.ones(2, 4, 1, device=d)
+    ws8 = torch.ones(2, 128, device=d)
+    return [
+        ("permute ids dtype", lambda: permute(x, ids.float(), 3, 4)),
+        ("permute ids rows", lambda: permute(x, ids[:3], 3, 4)),
+        ("permute ids device", lambda: permute(x, ids.cpu(), 3, 4)),
+        ("permute scales rows", lambda: permute(x, ids, 3, 4, torch.ones(3, 2, device=d))),
+        ("permute scales dtype", lambda: permute(x, ids, 3, 4, torch.ones(4, 2, device=d).half())),
+        ("unpermute weights shape", lambda: unpermute(y2, ids, w[:, :1])),
+        ("unpermute inv_perm dtype", lambda: unpermute(y2, ids.float(), w)),
+        ("unpermute y 3-D", lambda: unpermute(y3, ids, w)),
+        ("unpermute weights device", lambda: unpermute(y2, ids, w.cpu())),
+        ("silu odd columns", lambda: silu_and_mul(y2[:, :255])),
+        ("silu masked_m with 2-D y", lambda: silu_and_mul(y2, mm)),
+        ("silu masked_m length", lambda: silu_and_mul(y3, mm[:1])),
+        ("silu m_indices length", lambda: silu_and_mul(y2, None, mi[:7])),
+        ("silu m_indices dtype", lambda: silu_and_mul(y2, None, mi.long())),
+        ("silu offsets empty", lambda: silu_and_mul(y2, None, mi, offs[:0])),
+        ("silu offsets with 3-D y", lambda: silu_and_mul(y3, None, None, offs)),
+        ("quant scheme", lambda: silu_and_mul_quant(y2, "int4")),
+        ("quant group_size", lambda: silu_and_mul_quant(y2, "fp8", group_size=0)),
+        ("quant fp8 group multiple", lambda: silu_and_mul_quant(y2, "fp8", group_size=96)),
+        ("quant layout", lambda: silu_and_mul_quant(y2, "fp8", scale_layout="col")),
+        ("gemm masked_m length", lambda: g.grouped_gemm(a8, w8, None, mm[:1], s8, ws8)),
+        ("gemm masked_m device", lambda: g.grouped_gemm(a8, w8, None, mm.cpu(), s8, ws8)),
+        ("gemm scales missing", lambda: g.grouped_gemm(a8, w8, None, mm, None, ws8)),
+        ("gemm w scales shape", lambda: g.grouped_gemm(a8, w8, None, mm, s8, ws8[:, :64])),
+        ("gemm a scales dtype", lambda: g.grouped_gemm(a8, w8, None, mm, s8.half(), ws8)),
+    ]
+
+
+@pytest.mark.gpu
+@cuda
+def test_fast_path_bad_cuda_inputs_raise_value_error():
+    for name, call in _bad_calls():
+        with pytest.raises(ValueError):
+            call()
+        print("ok", name)

@@ -366,7 +366,47 @@ def _int8_warps(elements) -> int:
 
 
 # ------------------------------------------------------------------------------------------ ops
+def _valid(y, masked_m, m_indices, expert_offsets) -> bool:
+    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once
+    (every eager call pays for validation; see epmoe.ops.permute._valid). Any False falls through
+    to the full checks, which say what is wrong."""
+    try:
+        ys = y.shape
+        nd = len(ys)
+        if not (y.is_cuda and y.dtype in _checks.FLOAT_DTYPES and nd in (2, 3) and ys[-1] % 2 == 0):
+            return False
+        dev = y.get_device()
+        if masked_m is not None and not (
+            nd == 3
+            and masked_m.dtype in (torch.int32, torch.int64)
+            and masked_m.shape == ys[:1]
+            and masked_m.get_device() == dev
+        ):
+            return False
+        if m_indices is not None and not (
+            nd == 2
+            and m_indices.dtype is torch.int32
+            and m_indices.shape == ys[:1]
+            and m_indices.get_device() == dev
+        ):
+            return False
+        if expert_offsets is None:
+            return True
+        es = expert_offsets.shape
+        return (
+            nd == 2
+            and expert_offsets.dtype is torch.int32
+            and len(es) == 1
+            and es[0] >= 1
+            and expert_offsets.get_device() == dev
+        )
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
 def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None:
+    if _valid(y, masked_m, m_indices, expert_offsets):
+        return
     _checks.check_dtype(op, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(op, "y", y, (2, 3))
     _checks.check_multiple(op, "y.shape[-1]", y.shape[-1], 2, "(gate and up halves)")
@@ -389,6 +429,13 @@ def _validate_quant(
     y, scheme, masked_m, group_size, m_indices=None, scale_layout="row", expert_offsets=None
 ) -> None:
     _validate(OPQ, y, masked_m, m_indices, expert_offsets)
+    if (
+        type(group_size) is int
+        and group_size > 0
+        and scale_layout in _q.SCALE_LAYOUTS
+        and (scheme == "int8" or (scheme == "fp8" and (y.shape[-1] // 2) % group_size == 0))
+    ):
+        return
     _checks.check_choice(OPQ, "scheme", scheme, ("fp8", "int8"))
     _checks.check_positive_int(OPQ, "group_size", group_size)
     _checks.check_choice(OPQ, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)

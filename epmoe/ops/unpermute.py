@@ -87,7 +87,30 @@ def _unpermute_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
+def _valid(y, inv_perm, topk_weights) -> bool:
+    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once (see
+    epmoe.ops.permute._valid); any False falls through to the full checks."""
+    try:
+        ps = inv_perm.shape
+        dev = y.get_device()
+        return (
+            y.is_cuda
+            and y.dtype in _checks.FLOAT_DTYPES
+            and y.dim() == 2
+            and inv_perm.dtype in (torch.int32, torch.int64)
+            and len(ps) == 2
+            and topk_weights.dtype in _checks.FLOAT_DTYPES
+            and topk_weights.shape == ps
+            and inv_perm.get_device() == dev
+            and topk_weights.get_device() == dev
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
 def _validate(y, inv_perm, topk_weights) -> None:
+    if _valid(y, inv_perm, topk_weights):
+        return
     _checks.check_dtype(OP, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(OP, "y", y, (2,))
     _checks.check_dtype(OP, "inv_perm", inv_perm, (torch.int32, torch.int64))
