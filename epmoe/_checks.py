@@ -6,10 +6,19 @@ never become Python control flow on traced or CUDA tensors: on real CPU tensors 
 ``ValueError`` (no cost: CPU is synchronous), on CUDA they raise ``ValueError`` only in debug mode
 (``EPMOE_DEBUG=1`` or :func:`set_debug`), otherwise they enqueue a device-side assert (no host sync,
 CUDA-graph safe), and while tracing they become a functional assert in the graph.
+
+While a CUDA graph is being captured, an op can put its value check on a side stream
+(:func:`branch`, :func:`on_branch`, :func:`join`): the check's kernels become a parallel branch of
+the graph instead of nodes between the op's own kernels (the check still runs on every replay,
+and the op's result still waits for it). Only for ops whose kernels stay in bounds whatever the
+values (permute, unpermute: they skip bad ids): the kernels then run before the assert does. The
+grouped GEMMs keep their checks in front, because a bad count or id would send deep_gemm out of
+bounds before the assert could stop it.
 """
 
+import contextlib
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
@@ -120,6 +129,40 @@ def check_values(
             raise fail(op, arg, expected, got or "values outside it")
         return
     torch._assert_async(ok, f"{op}: {arg} expected {expected}")
+
+
+_BRANCHES: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def branch(t: torch.Tensor) -> Optional["torch.cuda.Stream"]:
+    """A side stream for a value check while a CUDA graph is being captured on t's device, forked
+    from the current stream (it sees every kernel launched so far); None otherwise.
+
+    Only under capture: in a replay the branch costs nothing, while in eager calls a stream switch
+    and two event waits would cost more host time than the check's few µs of device time saves.
+    Never while tracing (torch.compile records the check in the graph) or in debug mode (the check
+    syncs to raise a ValueError). Pair with :func:`on_branch` and :func:`join`.
+    """
+    if _DEBUG or not t.is_cuda or not torch.cuda.is_current_stream_capturing() or _tracing(t):
+        return None
+    side = _BRANCHES.get(t.device)
+    if side is None:
+        side = _BRANCHES[t.device] = torch.cuda.Stream(t.device)
+    side.wait_stream(torch.cuda.current_stream(t.device))
+    return side
+
+
+def on_branch(side: Optional["torch.cuda.Stream"]):
+    """Context that launches on ``side`` (from :func:`branch`), or on the current stream."""
+    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+
+def join(side: Optional["torch.cuda.Stream"]) -> None:
+    """Make the current stream wait for ``side`` (None: nothing to join). Call before the op
+    returns: a capture must join every stream it forked, and the op's outputs then carry the
+    check."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:

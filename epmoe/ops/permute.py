@@ -20,7 +20,7 @@ shapes, no host sync; the only atomics add up per-expert totals (order-free sums
 order is deterministic. Each source row is read once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
-in debug mode).
+in debug mode; in a captured graph the assert is a branch beside the copy).
 """
 
 import importlib
@@ -319,6 +319,11 @@ def _permute_triton(
         BLOCK=BLOCK_SCAN, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
         SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, WRITE_SRC=by_row, num_warps=4,
     )  # fmt: skip
+    # the id check's assert needs only the scan's flag: in a captured graph it runs beside the copy
+    side = _checks.branch(ok)
+    if side is not None:
+        with _checks.on_branch(side):
+            _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
@@ -338,7 +343,9 @@ def _permute_triton(
             xs, src, s_out, S, m_sum, ssm, sss, s_out.stride(0), s_out.stride(1),
             BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
         )  # fmt: skip
-    _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+    if side is None:
+        _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+    _checks.join(side)
     return x_out, s_out, m_indices, inv_perm, offsets
 
 

@@ -72,7 +72,15 @@ def _unpermute_triton(
     M, K = inv_perm.shape
     H = y.shape[1]
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
-    ok = torch.ones((), dtype=torch.bool, device=y.device)  # cleared by programs seeing a bad row
+    # In a captured graph a branch beside the kernel checks the rows (see _checks.branch), and the
+    # kernel's flag is scratch; otherwise the kernel clears the flag on a bad row
+    side = _checks.branch(inv_perm)
+    if side is None:
+        ok = torch.ones((), dtype=torch.bool, device=y.device)
+    else:
+        ok = torch.empty((), dtype=torch.bool, device=y.device)
+        with _checks.on_branch(side):
+            _checks.check_ids(inv_perm, y.shape[0], OP, "inv_perm")
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
     block = min(triton.next_power_of_2(max(H, 1)), max(16, BLOCK_BYTES // y.element_size()))
@@ -82,7 +90,9 @@ def _unpermute_triton(
         topk_weights.stride(0), topk_weights.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, num_warps=UNPERMUTE_WARPS,
     )  # fmt: skip
-    _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
+    if side is None:
+        _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
+    _checks.join(side)
     return out
 
 
