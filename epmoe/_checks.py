@@ -134,7 +134,7 @@ def check_values(
 _BRANCHES: Dict[torch.device, "torch.cuda.Stream"] = {}
 
 
-def branch(t: torch.Tensor) -> Optional["torch.cuda.Stream"]:
+def branch(t: torch.Tensor, max_numel: Optional[int] = None) -> Optional["torch.cuda.Stream"]:
     """A side stream for a value check while a CUDA graph is being captured on t's device, forked
     from the current stream (it sees every kernel launched so far); None otherwise.
 
@@ -142,8 +142,14 @@ def branch(t: torch.Tensor) -> Optional["torch.cuda.Stream"]:
     and two event waits would cost more host time than the check's few µs of device time saves.
     Never while tracing (torch.compile records the check in the graph) or in debug mode (the check
     syncs to raise a ValueError). Pair with :func:`on_branch` and :func:`join`.
+
+    ``max_numel``: no branch when t is larger. A branch of several kernels beside a long kernel
+    ends up after it (the long kernel holds every SM), so it only pays for small checks (W
+    unpermute on H200: decode 14.5 -> 10.9 µs with the branch, prefill 151.6 -> 161.0).
     """
     if _DEBUG or not t.is_cuda or not torch.cuda.is_current_stream_capturing() or _tracing(t):
+        return None
+    if max_numel is not None and t.numel() > max_numel:
         return None
     side = _BRANCHES.get(t.device)
     if side is None:

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _eager, reference
+from epmoe.ops import _range
 from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
@@ -74,7 +75,7 @@ def _unpermute_triton(
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
     # In a captured graph a branch beside the kernel checks the rows (see _checks.branch), and the
     # kernel's flag is scratch; otherwise the kernel clears the flag on a bad row
-    side = _checks.branch(inv_perm)
+    side = _checks.branch(inv_perm, max_numel=_range.MAX_ELEMENTS)  # (one-program check only)
     if side is None:
         ok = torch.ones((), dtype=torch.bool, device=y.device)
     else:
