@@ -8,9 +8,11 @@ the launcher's specialization: ints equal to 1 as constants, divisibility-by-16 
 for sm90 with the local Triton and its bundled ptxas. Exit code 1 on any failure.
 
 With --resources it also prints each kernel's registers per thread, spills and shared memory
-(``cuobjdump -res-usage`` of the cubin), e.g. to see how many programs fit on an SM.
+(``cuobjdump -res-usage`` of the cubin), e.g. to see how many programs fit on an SM. With --sass
+it prints each kernel's SASS instruction count and its most frequent opcodes (``nvdisasm``): the
+fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
 
-  python scripts/compile_kernels.py [--resources]       (do not set TRITON_INTERPRET)
+  python scripts/compile_kernels.py [--resources] [--sass]    (do not set TRITON_INTERPRET)
 """
 
 import importlib
@@ -201,8 +203,31 @@ def resources(compiled) -> str:
     return " ".join(lines[0].split()[:4]) if lines else "(no resource usage)"
 
 
+def sass_summary(compiled, top: int = 8) -> str:
+    """SASS instruction count and the ``top`` most frequent opcodes (predicates dropped)."""
+    import collections
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.knobs.nvidia.ptxas.path), "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in out.splitlines():
+        if "*/" not in line or not line.strip().startswith("/*"):
+            continue
+        words = [w for w in line.split("*/", 1)[1].split() if not w.startswith("@")]
+        if words:
+            ops[words[0].rstrip(";")] += 1
+    common = " ".join(f"{op}:{n}" for op, n in ops.most_common(top))
+    return f"{sum(ops.values())} instructions ({common})"
+
+
 def main() -> int:
     show = "--resources" in sys.argv[1:]
+    sass = "--sass" in sys.argv[1:]
     P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scales too
     failed = 0
     for name, launch in cases().items():
@@ -218,6 +243,7 @@ def main() -> int:
             try:
                 compiled = compile_launch(fn, args, kwargs)
                 extra = f"  [{resources(compiled)}]" if show else ""
+                extra += f"  [{sass_summary(compiled)}]" if sass else ""
                 print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every kernel that fails
                 failed += 1
