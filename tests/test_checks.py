@@ -1,0 +1,40 @@
+"""epmoe._checks on CPU: value checks raise ValueError on CPU tensors, become a functional assert
+while tracing, and never take the capture-only side branch outside a CUDA graph capture."""
+
+import pytest
+import torch
+
+from epmoe import _checks
+
+
+def test_check_values_cpu_raises_with_the_op_and_arg():
+    _checks.check_values(torch.tensor(True), "permute", "topk_ids", "ids in [0, 4) or -1")
+    with pytest.raises(ValueError, match=r"permute: topk_ids expected ids in \[0, 4\) or -1"):
+        _checks.check_values(torch.tensor(False), "permute", "topk_ids", "ids in [0, 4) or -1")
+
+
+def test_check_ids_cpu():
+    _checks.check_ids(torch.tensor([[-1, 0], [3, 2]]), 4, "unpermute", "inv_perm")
+    for bad in ([[4, 0]], [[-2, 0]]):
+        with pytest.raises(ValueError, match="unpermute: inv_perm expected ids in"):
+            _checks.check_ids(torch.tensor(bad), 4, "unpermute", "inv_perm")
+
+
+def test_branch_is_none_off_capture_and_join_none_is_a_no_op():
+    t = torch.zeros(3, dtype=torch.int32)
+    assert _checks.branch(t) is None
+    assert _checks.branch(t, max_numel=1) is None
+    with _checks.on_branch(None):
+        pass
+    _checks.join(None)
+
+
+def test_check_values_under_compile_is_a_graph_assert():
+    def f(ok, x):
+        _checks.check_values(ok, "op", "arg", "something")
+        return x + 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.tensor(True), torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError):
+        compiled(torch.tensor(False), torch.ones(2))
