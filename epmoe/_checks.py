@@ -25,6 +25,7 @@ import torch
 _DEBUG = os.environ.get("EPMOE_DEBUG", "0") not in ("", "0")
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)  # ids, rows and counts an op accepts in either width
 
 
 def set_debug(enabled: bool) -> None:
@@ -106,7 +107,7 @@ def check_masked_m(op: str, masked_m: Optional[torch.Tensor], x: torch.Tensor, x
         return
     if x.dim() != 3:
         raise fail(op, "masked_m", f"None for a 2-D {x_name}", "a tensor")
-    check_dtype(op, "masked_m", masked_m, (torch.int32, torch.int64))
+    check_dtype(op, "masked_m", masked_m, INDEX_DTYPES)
     check_shape(op, "masked_m", masked_m, (x.shape[0],))
     check_device(op, "masked_m", masked_m, x)
 

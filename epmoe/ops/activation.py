@@ -378,7 +378,7 @@ def _valid(y, masked_m, m_indices, expert_offsets) -> bool:
         dev = y.get_device()
         if masked_m is not None and not (
             nd == 3
-            and masked_m.dtype in (torch.int32, torch.int64)
+            and masked_m.dtype in _checks.INDEX_DTYPES
             and masked_m.shape == ys[:1]
             and masked_m.get_device() == dev
         ):

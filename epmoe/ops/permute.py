@@ -350,9 +350,6 @@ def _permute_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
 def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
     """The common all-good case (CUDA tensors) in one expression: every eager call pays for
     validation, and each tensor attribute read costs ~0.2 µs of host time, so devices are compared
@@ -371,7 +368,7 @@ def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
             and len(xs) == 2
             and len(ids) == 2
             and ids[0] == xs[0]
-            and topk_ids.dtype in _ID_DTYPES
+            and topk_ids.dtype in _checks.INDEX_DTYPES
             and topk_ids.get_device() == dev
             and (
                 x_scales is None
@@ -392,7 +389,7 @@ def _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout="row")
         return
     _checks.check_ndim(OP, "x", x, (2,))
     _checks.check_choice(OP, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
-    _checks.check_dtype(OP, "topk_ids", topk_ids, _ID_DTYPES)
+    _checks.check_dtype(OP, "topk_ids", topk_ids, _checks.INDEX_DTYPES)
     _checks.check_shape(OP, "topk_ids", topk_ids, (x.shape[0], None))
     _checks.check_device(OP, "topk_ids", topk_ids, x)
     _checks.check_positive_int(OP, "num_experts", num_experts)

@@ -108,7 +108,7 @@ def _valid(y, inv_perm, topk_weights) -> bool:
             y.is_cuda
             and y.dtype in _checks.FLOAT_DTYPES
             and y.dim() == 2
-            and inv_perm.dtype in (torch.int32, torch.int64)
+            and inv_perm.dtype in _checks.INDEX_DTYPES
             and len(ps) == 2
             and topk_weights.dtype in _checks.FLOAT_DTYPES
             and topk_weights.shape == ps
@@ -124,7 +124,7 @@ def _validate(y, inv_perm, topk_weights) -> None:
         return
     _checks.check_dtype(OP, "y", y, _checks.FLOAT_DTYPES)
     _checks.check_ndim(OP, "y", y, (2,))
-    _checks.check_dtype(OP, "inv_perm", inv_perm, (torch.int32, torch.int64))
+    _checks.check_dtype(OP, "inv_perm", inv_perm, _checks.INDEX_DTYPES)
     _checks.check_ndim(OP, "inv_perm", inv_perm, (2,))
     _checks.check_dtype(OP, "topk_weights", topk_weights, _checks.FLOAT_DTYPES)
     _checks.check_shape(OP, "topk_weights", topk_weights, tuple(inv_perm.shape))
