@@ -85,7 +85,7 @@ def _arg_type(v) -> str:
 
 def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
         values = dict(zip(fn.arg_names, args, strict=False), **kwargs)
         kwargs.update({k: h(values) for k, h in fn.values.items()})
@@ -232,6 +232,12 @@ def main() -> int:
     failed = 0
     for name, launch in cases().items():
         calls = record(launch)
+        # kernels with a PDL switch also compile with it on (the recorded CPU launches have it off)
+        calls += [
+            (fn, args, dict(kwargs, PDL=True, launch_pdl=True))
+            for fn, args, kwargs in calls
+            if kwargs.get("PDL") is False
+        ]
         seen = set()
         for fn, args, kwargs in calls:
             kname = getattr(fn, "__name__", None) or fn.fn.__name__  # (a Heuristics wraps it)

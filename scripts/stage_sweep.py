@@ -176,7 +176,6 @@ def cases():
     return out
 
 
-_HINTS = grid(STORE_CACHE=["", ".cs"], LOAD_POLICY=["", "evict_first"])
 SWEEPS = {
     "quantize_prefill_fp8": [{}],
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
@@ -187,15 +186,13 @@ SWEEPS = {
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
-    "permute_prefill_bf16": _HINTS,
+    "permute_prefill_bf16": grid(PDL=[True, False]),
     # DeepGEMM-layout scales by destination row block (default) or per source token in the copy
     # kernel, with the payload streamed past L2 and the scale stores kept there
-    "permute_prefill_fp8": _HINTS
-    + grid(SCALES_BY_ROW=[False], STORE_CACHE=["", ".cs"], SCALE_POLICY=["", "evict_last"]),
-    "permute_prefill_int8": _HINTS,
-    "permute_index_only": [{}],
-    # (256 tokens are below SCALES_BY_ROW_MIN_ENTRIES: the scales always go per token here)
-    "permute_decode_fp8": grid(SCALE_POLICY=["", "evict_last"]),
+    "permute_prefill_fp8": grid(PDL=[True, False], SCALES_BY_ROW=[True, False]),
+    "permute_prefill_int8": grid(PDL=[True, False]),
+    "permute_index_only": grid(PDL=[True, False]),
+    "permute_decode_fp8": grid(PDL=[True, False]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from epmoe import _checks, _eager, reference
 
@@ -63,6 +64,12 @@ STORE_CACHE = ".cs"  # tl.store cache_modifier of the destination rows (streamin
 # at a time, and kept in L2 their sectors fill up before they are written back (W fp8 with
 # per-token scales: 115.6 us without, 105.6 with; the row-block copy takes 102.3)
 SCALE_POLICY = "evict_last"
+# Programmatic dependent launch (sm90+) of the index and copy chain: each kernel lets the next one
+# launch at its start (gdc_launch_dependents), and the next one waits (gdc_wait) only before it
+# reads what the previous one wrote. The copy's loads of ids and payload rows then overlap the scan
+# instead of waiting for it. Not on CPU (the interpreter runs no PTX) or while tracing. NOT YET
+# MEASURED: branch permute-pdl, sweep PDL in scripts/stage_sweep.py.
+PDL = True
 TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over (W on
 # H200: count kernel 3.8 us with 16 rows, 8.5 us with one)
 
@@ -103,7 +110,10 @@ def _count_tokens_kernel(
     ids_ptr, counts_ptr, totals_ptr,
     M, K, stride_it, stride_ik, E, NB,
     TB: tl.constexpr, K_PAD: tl.constexpr, NUM_BINS: tl.constexpr, COPIES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     t = (b * TB + tl.arange(0, TB))[:, None]
     e, bad = _load_token_ids(ids_ptr, t, tl.arange(0, K_PAD)[None, :], M, K, stride_it,
@@ -117,6 +127,8 @@ def _count_tokens_kernel(
     n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
     add = tl.where(bins < E, hist, n_bad)
     row = totals_ptr + (b % COPIES) * (E + 1)
+    if PDL:  # the totals' zero fill is the kernel before this one
+        gdc_wait()
     tl.atomic_add(row + bins, add, mask=(bins <= E) & (add > 0))
 
 
@@ -125,12 +137,15 @@ def _scan_fill_kernel(
     counts_ptr, totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr, src_ptr,
     E, NB, ALIGN, M_SUM,
     BLOCK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    COPIES: tl.constexpr, WRITE_SRC: tl.constexpr,
+    COPIES: tl.constexpr, WRITE_SRC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, E): counts[e, b] <- aligned start of e + entries of e in blocks < b.
     Programs E + f * SPLIT + j: every SPLIT-th chunk (from j) of expert f's aligned block (f == E:
     the unused tail): m_indices = f on its first totals[f] rows, -1 on the padding (and src = -1
     there); the first of them also writes expert_offsets and the id check."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # counts and totals come from the count kernel
     pid = tl.program_id(0)
     ex = tl.arange(0, E_PAD)
     cp = tl.arange(0, COPIES)[:, None] * (E + 1)
@@ -180,7 +195,10 @@ def _place_copy_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
     t = tl.program_id(0)
     c = tl.program_id(1)
     b = t // TB
@@ -195,30 +213,33 @@ def _place_copy_kernel(
     own = (t - b * TB) * K_PAD + kk
     earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
-    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
-    rows = tl.where(live, first + rank, -1)
     t64 = t.to(tl.int64)
-    if c == 0:
-        tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
-        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-            tl.store(src_ptr + rows, t + kk * 0, mask=live)
     # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read.
-    # The mask depends on the ids alone, so the row's load is issued before the counts' load
-    # (the rows) returns
+    # Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with PDL these
+    # loads overlap the scan; without it the row's load is still issued before the counts' load
     h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
     v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
                 eviction_policy=LOAD_POLICY)  # fmt: skip
-    for k in tl.static_range(K):
-        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-        dst = out_ptr + r.to(tl.int64) * H + cols
-        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
     if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
         so = c * SPC + tl.arange(0, BLOCK_S)
         s_hi = tl.minimum(c * SPC + SPC, S)
         sv = tl.load(
             xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
         )
+    if PDL:
+        gdc_wait()  # counts (scanned), and the fill's writes to src, come from the scan kernel
+    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+    rows = tl.where(live, first + rank, -1)
+    if c == 0:
+        tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+            tl.store(src_ptr + rows, t + kk * 0, mask=live)
+    for k in tl.static_range(K):
+        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+        dst = out_ptr + r.to(tl.int64) * H + cols
+        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
+    if HAS_SCALES:
         for k in tl.static_range(K):
             r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
             s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
@@ -234,11 +255,13 @@ def _scale_rows_kernel(
     # strides (elements)
     stride_sm, stride_ss, stride_om, stride_os,
     # meta
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1
     on rows no entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major
     layout), where a per-source copy would scatter one 4-byte store per (row, group)."""
+    if PDL:
+        gdc_wait()  # src comes from the copy kernel
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
     live = src >= 0
@@ -310,15 +333,19 @@ def _permute_triton(
     src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
 
     sit, sik = topk_ids.stride()
+    # PDL=True kernels launched with launch_pdl; the constexpr alone elsewhere (the interpreter
+    # and torch.compile's kernel wrapper see no launch option)
+    use_pdl = PDL and x.is_cuda and not _checks._tracing(x)
+    pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, totals, M, K, sit, sik, E, nb,
         TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), COPIES=TOTAL_COPIES,
-        num_warps=4,
+        num_warps=4, **pdl,
     )  # fmt: skip
     _q._kernel(_scan_fill_kernel)[(E + (E + 1) * FILL_SPLIT,)](
         counts, totals, m_indices, offsets, ok, src, E, nb, A, m_sum,
         BLOCK=BLOCK_SCAN, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
-        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, WRITE_SRC=by_row, num_warps=4,
+        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, WRITE_SRC=by_row, num_warps=4, **pdl,
     )  # fmt: skip
     # the id check's assert needs only the scan's flag: in a captured graph it runs beside the copy
     side = _checks.branch(ok)
@@ -335,14 +362,14 @@ def _permute_triton(
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
         HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, LOAD_POLICY=LOAD_POLICY,
-        STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS,
+        STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS, **pdl,
     )  # fmt: skip
     if by_row:
         block_s = triton.next_power_of_2(S)
         block_r = max(1, SCALE_TILE // block_s)
         _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
             xs, src, s_out, S, m_sum, ssm, sss, s_out.stride(0), s_out.stride(1),
-            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
+            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4, **pdl,
         )  # fmt: skip
     if side is None:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
