@@ -333,9 +333,14 @@ def _permute_triton(
     src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
 
     sit, sik = topk_ids.stride()
-    # PDL=True kernels launched with launch_pdl; the constexpr alone elsewhere (the interpreter
-    # and torch.compile's kernel wrapper see no launch option)
-    use_pdl = PDL and x.is_cuda and not _checks._tracing(x)
+    # PDL=True kernels launched with launch_pdl, only by direct launches (the interpreter and
+    # wrap_triton's higher-order op see neither the option nor gdc_wait)
+    use_pdl = (
+        PDL
+        and x.is_cuda
+        and not _checks._tracing(x)
+        and not torch._library.triton.is_wrap_triton_enabled()
+    )
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, totals, M, K, sit, sik, E, nb,
