@@ -15,10 +15,9 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: three kernels (four with DeepGEMM-layout scales) after a zero fill of the totals,
-fixed grids from shapes, no host sync; the only atomics add up per-expert totals (order-free
-sums), so the row order is deterministic. Each source row is read once and written to all of its
-local experts.
+CUDA-graph safe: three kernels (four with DeepGEMM-layout scales), fixed grids from shapes, no
+host sync, no atomics (the row order is deterministic) and no zero fill. Each source row is read
+once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
 in debug mode; in a captured graph the assert is a branch beside the copy).
@@ -70,8 +69,6 @@ SCALE_POLICY = "evict_last"
 # instead of waiting for it. Not on CPU (the interpreter runs no PTX) or while tracing. NOT YET
 # MEASURED: branch permute-pdl, sweep PDL in scripts/stage_sweep.py.
 PDL = True
-TOTAL_COPIES = 16  # rows of per-expert totals the count kernel's atomics are spread over (W on
-# H200: count kernel 3.8 us with 16 rows, 8.5 us with one)
 
 
 class PermuteResult(NamedTuple):
@@ -85,14 +82,15 @@ class PermuteResult(NamedTuple):
 # -------------------------------------------------------------------------------------- kernels
 # Deterministic placement: the tokens are cut into blocks of TB whole tokens (TB * K entries);
 # row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this block).
-# Kernel 1 counts per (expert, block) and adds each block's counts into per-expert totals
-# (atomics on order-free sums: the row order never depends on them). Kernel 2 turns each
-# expert's counts into the row of its first entry in every block (aligned start + exclusive
-# prefix over blocks); its extra programs write m_indices, expert_offsets, the id check and (for
-# DeepGEMM-layout scales) -1 as the source of every row no entry lands in. Kernel 3 copies each
-# token's row to its K destinations, computing them on the way (rank among the same expert's
-# entries earlier in the block); its first column chunk also writes inv_perm and each used row's
-# source token. With DeepGEMM-layout scales, kernel 4 copies them per destination row block.
+# Kernel 1 counts per (expert, block), and the invalid ids per block. Kernel 2 turns each
+# expert's counts into an exclusive prefix over blocks and writes its total (one more program
+# adds up the invalid ids into the check's flag). Kernel 3 copies each token's row to its K
+# destinations, computing them on the way (aligned starts from the totals, plus the block's
+# prefix, plus the rank among the same expert's entries earlier in the block); its first column
+# chunk also writes inv_perm and each used row's source token. Its programs past the tokens fill
+# m_indices, expert_offsets and (for DeepGEMM-layout scales) -1 as the source of every row no
+# entry lands in. With DeepGEMM-layout scales, kernel 4 copies them per destination row block.
+# No atomics and no zero fill: every word is written by exactly one program.
 
 
 @triton.jit
@@ -106,13 +104,23 @@ def _load_token_ids(ids_ptr, t, k, M, K, stride_it, stride_ik, E):
 
 
 @triton.jit
+def _aligned_starts(totals_ptr, E, ALIGN, E_PAD: tl.constexpr):
+    """(per-expert totals, their aligned block sizes, aligned block starts), each int32 [E_PAD]
+    (0 past E)"""
+    ex = tl.arange(0, E_PAD)
+    tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
+    aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
+    return tot, aligned, tl.cumsum(aligned, axis=0) - aligned
+
+
+@triton.jit
 def _count_tokens_kernel(
-    ids_ptr, counts_ptr, totals_ptr,
+    ids_ptr, counts_ptr, bad_ptr,
     M, K, stride_it, stride_ik, E, NB,
-    TB: tl.constexpr, K_PAD: tl.constexpr, NUM_BINS: tl.constexpr, COPIES: tl.constexpr,
-    PDL: tl.constexpr,
+    TB: tl.constexpr, K_PAD: tl.constexpr, NUM_BINS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
+    """counts[e, b] <- entries of expert e in token block b; bad[b] <- its invalid ids."""
+    if PDL:  # (this first kernel of the chain is itself launched in stream order)
         gdc_launch_dependents()
     b = tl.program_id(0)
     t = (b * TB + tl.arange(0, TB))[:, None]
@@ -122,128 +130,144 @@ def _count_tokens_kernel(
     hist = tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: the -1 entries (ignored)
     bins = tl.arange(0, NUM_BINS)
     tl.store(counts_ptr + bins * NB + b, hist, mask=bins < E)
-    # totals[b % COPIES, e] += this block's count; column E counts the invalid ids. COPIES rows
-    # spread the atomics (one row: every block adds onto the same E + 1 words, 8.5 us at W)
     n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-    add = tl.where(bins < E, hist, n_bad)
-    row = totals_ptr + (b % COPIES) * (E + 1)
-    if PDL:  # the totals' zero fill is the kernel before this one
-        gdc_wait()
-    tl.atomic_add(row + bins, add, mask=(bins <= E) & (add > 0))
+    tl.store(bad_ptr + b + bins, n_bad + bins * 0, mask=bins < 1)
 
 
 @triton.jit
-def _scan_fill_kernel(
-    counts_ptr, totals_ptr, m_idx_ptr, offsets_ptr, ok_ptr, src_ptr,
-    E, NB, ALIGN, M_SUM,
-    BLOCK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    COPIES: tl.constexpr, WRITE_SRC: tl.constexpr, PDL: tl.constexpr,
+def _scan_kernel(
+    counts_ptr, bad_ptr, totals_ptr, ok_ptr, E, NB,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, E): counts[e, b] <- aligned start of e + entries of e in blocks < b.
-    Programs E + f * SPLIT + j: every SPLIT-th chunk (from j) of expert f's aligned block (f == E:
-    the unused tail): m_indices = f on its first totals[f] rows, -1 on the padding (and src = -1
-    there); the first of them also writes expert_offsets and the id check."""
+    """Programs [0, E): counts[e, b] <- entries of e in blocks < b; totals[e] <- all of them.
+    Program E: ok <- no invalid id in any block."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # counts and totals come from the count kernel
+        gdc_wait()  # counts and bad come from the count kernel
     pid = tl.program_id(0)
-    ex = tl.arange(0, E_PAD)
-    cp = tl.arange(0, COPIES)[:, None] * (E + 1)
-    tot = tl.sum(tl.load(totals_ptr + cp + ex[None, :], mask=ex[None, :] < E, other=0), axis=0)
-    aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
-    start = tl.cumsum(aligned, axis=0) - aligned
+    lane = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)  # (every lane holds the running sum)
     if pid < E:
         row = counts_ptr + pid.to(tl.int64) * NB
-        carry = tl.zeros([BLOCK], dtype=tl.int32) + tl.sum(tl.where(ex == pid, start, 0), axis=0)
         for b0 in range(0, NB, BLOCK):
-            offs = b0 + tl.arange(0, BLOCK)
+            offs = b0 + lane
             c = tl.load(row + offs, mask=offs < NB, other=0)
-            tl.store(row + offs, tl.cumsum(c, axis=0) - c + carry, mask=offs < NB)
-            carry += tl.sum(c, axis=0)
+            tl.store(row + offs, tl.cumsum(c, axis=0) - c + acc, mask=offs < NB)
+            acc += tl.sum(c, axis=0)
+        tl.store(totals_ptr + pid + lane, acc, mask=lane < 1)
     else:
-        q = pid - E
-        fe = q // SPLIT  # the expert this program fills (E: the unused tail)
-        j = q % SPLIT
-        used = tl.sum(aligned, axis=0)
-        if q == 0:
-            tl.store(offsets_ptr + ex, start, mask=ex < E)
-            tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
-            n_bad = tl.sum(tl.load(totals_ptr + cp + E), axis=0)  # [COPIES, 1]
-            tl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
-        lo = tl.where(fe < E, tl.sum(tl.where(ex == fe, start, 0), axis=0), used)
-        hi = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, aligned, 0), axis=0), M_SUM)
-        live_end = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, tot, 0), axis=0), used)
-        val = tl.where(fe < E, fe, -1)
-        rows = tl.arange(0, BLOCK_ROWS)
-        for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
-            r = r0 + rows
-            tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
-            if WRITE_SRC:  # rows no entry lands in (the copy kernel writes the others)
-                tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32),
-                         mask=(r >= live_end) & (r < hi))  # fmt: skip
+        for b0 in range(0, NB, BLOCK):
+            offs = b0 + lane
+            acc += tl.sum(tl.load(bad_ptr + offs, mask=offs < NB, other=0), axis=0)
+        tl.store(ok_ptr + lane, acc == 0, mask=lane < 1)
+
+
+@triton.jit
+def _fill_rows(
+    q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM,
+    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_SRC: tl.constexpr,
+):  # fmt: skip
+    """Every SPLIT-th chunk (from q % SPLIT) of expert q // SPLIT's aligned block (E: the unused
+    tail): m_indices = the expert on its first totals[e] rows, -1 on the padding (and src = -1
+    there); q == 0 also writes expert_offsets."""
+    tot, aligned, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
+    ex = tl.arange(0, E_PAD)
+    fe = q // SPLIT  # the expert this program fills (E: the unused tail)
+    j = q % SPLIT
+    used = tl.sum(aligned, axis=0)
+    if q == 0:
+        tl.store(offsets_ptr + ex, start, mask=ex < E)
+        tl.store(offsets_ptr + E + ex, used + ex * 0, mask=ex < 1)
+    lo = tl.where(fe < E, tl.sum(tl.where(ex == fe, start, 0), axis=0), used)
+    hi = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, aligned, 0), axis=0), M_SUM)
+    live_end = tl.where(fe < E, lo + tl.sum(tl.where(ex == fe, tot, 0), axis=0), used)
+    val = tl.where(fe < E, fe, -1)
+    rows = tl.arange(0, BLOCK_ROWS)
+    for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
+        r = r0 + rows
+        tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
+        if WRITE_SRC:  # rows no entry lands in (the copy programs write the others)
+            tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32),
+                     mask=(r >= live_end) & (r < hi))  # fmt: skip
 
 
 @triton.jit
 def _place_copy_kernel(
     # tensors
-    x_ptr, xs_ptr, ids_ptr, counts_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
+    x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
+    m_idx_ptr, offsets_ptr,
     # sizes
-    M, H, S, SPC, E, NB,
+    M, H, S, SPC, E, NB, ALIGN, M_SUM, CHUNKS,
     # strides (elements)
     stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
+    """Programs (t < M, c): column chunk c of token t's row to its destinations. Programs past
+    M: the m_indices fill (_fill_rows), one chunk of it per program."""
     if PDL:
         gdc_launch_dependents()
     t = tl.program_id(0)
     c = tl.program_id(1)
-    b = t // TB
-    kk = tl.arange(0, K_PAD)
-    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
-    live = e >= 0
-    # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
-    tb = b * TB + tl.arange(0, TB)[:, None]
-    eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
-    eb = tl.reshape(eb, [TB * K_PAD])
-    pos = tl.arange(0, TB * K_PAD)
-    own = (t - b * TB) * K_PAD + kk
-    earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    t64 = t.to(tl.int64)
-    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never read.
-    # Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with PDL these
-    # loads overlap the scan; without it the row's load is still issued before the counts' load
-    h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
-    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
-                eviction_policy=LOAD_POLICY)  # fmt: skip
-    if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
-        so = c * SPC + tl.arange(0, BLOCK_S)
-        s_hi = tl.minimum(c * SPC + SPC, S)
-        sv = tl.load(
-            xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
-        )
-    if PDL:
-        gdc_wait()  # counts (scanned), and the fill's writes to src, come from the scan kernel
-    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
-    rows = tl.where(live, first + rank, -1)
-    if c == 0:
-        tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
-        if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-            tl.store(src_ptr + rows, t + kk * 0, mask=live)
-    for k in tl.static_range(K):
-        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-        dst = out_ptr + r.to(tl.int64) * H + cols
-        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
-    if HAS_SCALES:
+    if t >= M:
+        q = (t - M) * CHUNKS + c
+        if q < (E + 1) * SPLIT:
+            if PDL:
+                gdc_wait()  # totals come from the scan kernel
+            _fill_rows(q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM, E_PAD,
+                       BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
+    else:
+        b = t // TB
+        kk = tl.arange(0, K_PAD)
+        e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+        live = e >= 0
+        # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
+        tb = b * TB + tl.arange(0, TB)[:, None]
+        eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
+        eb = tl.reshape(eb, [TB * K_PAD])
+        pos = tl.arange(0, TB * K_PAD)
+        own = (t - b * TB) * K_PAD + kk
+        earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        t64 = t.to(tl.int64)
+        # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never
+        # read. Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with
+        # PDL these loads overlap the scan; without it the row's load still goes before the
+        # counts' load
+        h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
+                    eviction_policy=LOAD_POLICY)  # fmt: skip
+        if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
+            so = c * SPC + tl.arange(0, BLOCK_S)
+            s_hi = tl.minimum(c * SPC + SPC, S)
+            sv = tl.load(
+                xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
+            )
+        if PDL:
+            gdc_wait()  # counts (scanned) and totals come from the scan kernel
+        _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
+        ex = tl.arange(0, E_PAD)
+        base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
+        first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+        rows = tl.where(live, base + first + rank, -1)
+        if c == 0:
+            tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+            if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+                tl.store(src_ptr + rows, t + kk * 0, mask=live)
         for k in tl.static_range(K):
             r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-            s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
-            tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0), eviction_policy=SCALE_POLICY)
+            dst = out_ptr + r.to(tl.int64) * H + cols
+            tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
+            if HAS_SCALES:
+                s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
+                tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0),
+                         eviction_policy=SCALE_POLICY)  # fmt: skip
 
 
 @triton.jit
@@ -321,20 +345,24 @@ def _permute_triton(
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
-    # counts[e, b]: entries of expert e in block b, then the row of its first one. sym_max, and no
-    # `if` on sizes below: M may be an unbacked size (exact-size HT dispatch under
-    # torch.compile); a launch with an empty grid is a no-op
-    counts = torch.empty((E, torch.sym_max(nb, 1)), dtype=torch.int32, device=dev)
-    totals = torch.zeros((TOTAL_COPIES, E + 1), dtype=torch.int32, device=dev)
+    # counts[e, b]: entries of expert e in block b, then those in blocks < b; bad[b]: invalid ids
+    # of block b; totals[e]. sym_max, and no `if` on sizes below: M may be an unbacked size
+    # (exact-size HT dispatch under torch.compile); a launch with an empty grid is a no-op
+    nb1 = torch.sym_max(nb, 1)
+    counts = torch.empty((E, nb1), dtype=torch.int32, device=dev)
+    bad = torch.empty((nb1,), dtype=torch.int32, device=dev)
+    totals = torch.empty((E,), dtype=torch.int32, device=dev)
     by_row = _by_row(S, scale_layout, M * K)
     # source token of each row (-1: none) for the row-block scale copy; when unused a placeholder
     # the kernels never touch (not an alias of a buffer a kernel writes: torch.compile's
     # functionalization would see a mutated alias)
-    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else totals
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else bad
 
     sit, sik = topk_ids.stride()
-    # PDL=True kernels launched with launch_pdl, only by direct launches (the interpreter and
-    # wrap_triton's higher-order op see neither the option nor gdc_wait)
+    # PDL: the kernels after the first are launched with launch_pdl, only by direct launches (the
+    # interpreter and wrap_triton's higher-order op see neither the option nor gdc_wait). The
+    # first one is launched in stream order: it may not start before the work ahead of permute
+    # (the producer of x and topk_ids, the last user of the memory it is given) is done
     use_pdl = (
         PDL
         and x.is_cuda
@@ -343,14 +371,11 @@ def _permute_triton(
     )
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
-        topk_ids, counts, totals, M, K, sit, sik, E, nb,
-        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), COPIES=TOTAL_COPIES,
-        num_warps=4, **pdl,
+        topk_ids, counts, bad, M, K, sit, sik, E, nb,
+        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
-    _q._kernel(_scan_fill_kernel)[(E + (E + 1) * FILL_SPLIT,)](
-        counts, totals, m_indices, offsets, ok, src, E, nb, A, m_sum,
-        BLOCK=BLOCK_SCAN, E_PAD=triton.next_power_of_2(E), BLOCK_ROWS=BLOCK_ROWS,
-        SPLIT=FILL_SPLIT, COPIES=TOTAL_COPIES, WRITE_SRC=by_row, num_warps=4, **pdl,
+    _q._kernel(_scan_kernel)[(E + 1,)](
+        counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, num_warps=4, **pdl,
     )  # fmt: skip
     # the id check's assert needs only the scan's flag: in a captured graph it runs beside the copy
     side = _checks.branch(ok)
@@ -362,11 +387,14 @@ def _permute_triton(
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = triton.cdiv(S, chunks)  # scales per column chunk
-    _q._kernel(_place_copy_kernel)[(M, chunks)](
-        x, xs, topk_ids, counts, inv_perm, src, x_out, s_out, M, H, S, spc, E, nb,
+    fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks)  # rows of fill programs after the tokens'
+    _q._kernel(_place_copy_kernel)[(M + fills, chunks)](
+        x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
+        M, H, S, spc, E, nb, A, m_sum, chunks,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
-        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, LOAD_POLICY=LOAD_POLICY,
+        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
+        BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, LOAD_POLICY=LOAD_POLICY,
         STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS, **pdl,
     )  # fmt: skip
     if by_row:
