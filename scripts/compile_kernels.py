@@ -85,7 +85,7 @@ def _arg_type(v) -> str:
 
 def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
     if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
         values = dict(zip(fn.arg_names, args, strict=False), **kwargs)
         kwargs.update({k: h(values) for k, h in fn.values.items()})
@@ -132,6 +132,7 @@ def cases() -> Dict[str, Callable[[], object]]:
     y2 = torch.randn((m_sum, 512), generator=g).to(torch.bfloat16)
     inv = torch.zeros((64, 4), dtype=torch.int32)
     w = torch.rand((64, 4), generator=g)
+    ids_w = torch.zeros((8192, 8), dtype=torch.int64)
     return {
         "quantize fp8 2d/3d masked": lambda: (
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
@@ -162,6 +163,15 @@ def cases() -> Dict[str, Callable[[], object]]:
             p(q8, ids, 8, 128, s8, "deepgemm"),
             p(qi, ids, 8, 128, si, "row"),
         ),
+        # workload W's sizes (registers depend on them: K_PAD 8, 128 experts, 4 KiB chunks);
+        # torch.empty: nothing is touched
+        "permute at W: bf16/fp8 (deepgemm scales)/int8": lambda: (
+            p(torch.empty((8192, 7168), dtype=torch.bfloat16), ids_w, 128, 128),
+            p(torch.empty((8192, 7168), dtype=torch.float8_e4m3fn), ids_w, 128, 128,
+              torch.empty((8192, 56)), "deepgemm"),
+            p(torch.empty((8192, 7168), dtype=torch.int8), ids_w, 128, 128,
+              torch.empty((8192, 1)), "row"),
+        ),  # fmt: skip
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4

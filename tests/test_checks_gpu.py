@@ -45,8 +45,8 @@ def test_checks_branch_under_capture_and_replays_equal_eager(monkeypatch):
     taken = []
     real = _checks.branch
 
-    def spy(t):
-        side = real(t)
+    def spy(t, **kw):
+        side = real(t, **kw)
         taken.append(side is not None)
         return side
 
