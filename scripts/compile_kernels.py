@@ -85,7 +85,7 @@ def _arg_type(v) -> str:
 
 def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
         values = dict(zip(fn.arg_names, args, strict=False), **kwargs)
         kwargs.update({k: h(values) for k, h in fn.values.items()})

@@ -187,14 +187,12 @@ SWEEPS = {
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
     "permute_prefill_bf16": grid(PDL=[True, False]),
-    # DeepGEMM-layout scales by destination row (default: programs of the copy kernel that find
-    # their rows' tokens, SCALE_SUB rows at a time, the kernel's registers capped or not) or per
-    # source token by the copies
-    "permute_prefill_fp8": grid(SCALE_SUB=[2, 4], COPY_MAXNREG=[None, 40], SCALE_ROWS=[16, 64])
-    + grid(SCALES_BY_ROW=[False], PDL=[True, False]),
+    # DeepGEMM-layout scales by destination row block (default) or per source token in the copy
+    # kernel, with the payload streamed past L2 and the scale stores kept there
+    "permute_prefill_fp8": grid(PDL=[True, False], SCALES_BY_ROW=[True, False]),
     "permute_prefill_int8": grid(PDL=[True, False]),
     "permute_index_only": grid(PDL=[True, False]),
-    "permute_decode_fp8": grid(SCALES_BY_ROW_MIN_ENTRIES=[0, 8192], PDL=[True, False]),
+    "permute_decode_fp8": grid(PDL=[True, False]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],

@@ -47,16 +47,16 @@ BLOCK_ROWS = 1024  # m_indices rows per step of an expert's fill loop
 FILL_SPLIT = 4  # programs per expert filling its m_indices block (one expert may own every row)
 COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
 COPY_WARPS = 4
-# DeepGEMM-layout scales copied per destination row (coalesced stores down the rows of the MN-major
-# layout) by programs of the copy kernel that find each row's source token themselves, instead
-# of per source token by the copy programs (4-byte scattered stores). Below
-# SCALES_BY_ROW_MIN_ENTRIES (t, k) entries, per source token.
+# DeepGEMM-layout scales copied per destination row block by their own kernel (coalesced stores
+# into the MN-major layout) instead of per source token inside the copy kernel: W prefill fp8
+# 93.4 us vs 97.2 us; below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the extra launch costs more
+# than it saves (256 decode tokens: 18.5 us vs 18.4 us, before PDL). Programs of the copy kernel
+# that find each row's source token from the scanned counts (no dependency on the copy, so they
+# could run beside it) were tried and rejected: 144-196 us at W (a binary search and a block
+# scan per row: latency-bound programs holding the copy's slots, and 55-137 registers)
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
-SCALE_ROWS = 16  # destination rows per scale program
-SCALE_SUB = 4  # rows a scale program handles at a time (its [SUB, BLOCK_N] tiles set the
-# kernel's register count, which the copies share)
-COPY_MAXNREG = None  # register cap of the copy kernel (None: the compiler's choice)
+SCALE_TILE = 4096  # scale values per program of the row-block scale copy
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
 # W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
@@ -69,8 +69,10 @@ SCALE_POLICY = "evict_last"
 # Programmatic dependent launch (sm90+) of the index and copy chain: each kernel lets the next one
 # launch at its start (gdc_launch_dependents), and the next one waits (gdc_wait) only before it
 # reads what the previous one wrote. The copy's loads of ids and payload rows then overlap the scan
-# instead of waiting for it. Not on CPU (the interpreter runs no PTX) or while tracing. NOT YET
-# MEASURED: branch permute-pdl, sweep PDL in scripts/stage_sweep.py.
+# instead of waiting for it. Not on CPU (the interpreter runs no PTX) or while tracing. W on H200,
+# PDL on / off: bf16 162.5 / 163.1 us, fp8 93.4 / 94.6, int8 86.1 / 86.8, decode fp8 12.9 / 14.0
+# (before, with atomics on zero-filled totals: fp8 95.0 / 99.0, int8 87.0 / 90.2, decode 14.2 /
+# 16.8)
 PDL = True
 
 
@@ -167,12 +169,13 @@ def _scan_kernel(
 
 @triton.jit
 def _fill_rows(
-    q, totals_ptr, m_idx_ptr, offsets_ptr, E, ALIGN, M_SUM,
+    q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM,
     E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
     """Every SPLIT-th chunk (from q % SPLIT) of expert q // SPLIT's aligned block (E: the unused
-    tail): m_indices = the expert on its first totals[e] rows, -1 on the padding; q == 0 also
-    writes expert_offsets."""
+    tail): m_indices = the expert on its first totals[e] rows, -1 on the padding (and src = -1
+    there); q == 0 also writes expert_offsets."""
     tot, aligned, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
     ex = tl.arange(0, E_PAD)
     fe = q // SPLIT  # the expert this program fills (E: the unused tail)
@@ -189,173 +192,113 @@ def _fill_rows(
     for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
         r = r0 + rows
         tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
-
-
-@triton.jit
-def _scale_rows(
-    q, xs_ptr, ids_ptr, counts_ptr, totals_ptr, outs_ptr,
-    M, K, S, E, NB, ALIGN,
-    stride_it, stride_ik, stride_sm, stride_ss, stride_om, stride_os,
-    K_PAD: tl.constexpr, TB: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
-    SUB: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """Scales of destination rows [q * ROWS, (q + 1) * ROWS), SUB at a time, each gathered from
-    its source token. The token is found from the scanned counts alone (not from the copy
-    programs' results, so these programs run beside them): the row's expert e and position p
-    among e's entries, the block b holding that entry (the last b with counts[e, b] <= p: binary
-    search), then the entry of e in b with p - counts[e, b] entries of e before it."""
-    tot, aligned, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
-    used = tl.sum(aligned, axis=0)
-    ex = tl.arange(0, E_PAD)
-    pos = tl.arange(0, TB * K_PAD)
-    so = tl.arange(0, BLOCK_S)
-    for r0 in range(q * ROWS, tl.minimum(q * ROWS + ROWS, used), SUB):  # (none past the used rows)
-        r = r0 + tl.arange(0, SUB)
-        own = (start[None, :] <= r[:, None]) & (r[:, None] < start[None, :] + tot[None, :])
-        live = tl.sum(own.to(tl.int32), axis=1) > 0
-        e = tl.sum(tl.where(own, ex[None, :], 0), axis=1)
-        p = r - tl.sum(tl.where(own, start[None, :], 0), axis=1)
-        row = counts_ptr + e.to(tl.int64) * NB
-        lo = tl.zeros([SUB], dtype=tl.int32)  # counts[e, lo] <= p (counts[e, 0] = 0)
-        hi = tl.where(live, NB, 1)  # the block is in [lo, hi)
-        before = tl.zeros([SUB], dtype=tl.int32)  # counts[e, lo]
-        while tl.max(hi - lo, axis=0) > 1:
-            mid = (lo + hi) // 2
-            c = tl.load(row + mid, mask=hi - lo > 1, other=0)
-            go = (hi - lo > 1) & (c <= p)
-            stay = (hi - lo > 1) & (c > p)
-            lo = tl.where(go, mid, lo)
-            before = tl.where(go, c, before)
-            hi = tl.where(stay, mid, hi)
-        # the (p - before)-th entry of e in block lo (entries flattened token-major, K_PAD a token)
-        eb, _ = _load_token_ids(ids_ptr, lo[:, None] * TB + pos[None, :] // K_PAD,
-                                pos[None, :] % K_PAD, M, K, stride_it, stride_ik, E)  # fmt: skip
-        match = (eb == e[:, None]) & live[:, None]
-        hit = match & (tl.cumsum(match.to(tl.int32), axis=1) == (p - before + 1)[:, None])
-        t = lo * TB + tl.sum(tl.where(hit, pos[None, :], 0), axis=1) // K_PAD
-        m = live[:, None] & (so[None, :] < S)
-        v = tl.load(xs_ptr + t.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
-        out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
-        tl.store(out, v, mask=m)
-
-
-@triton.jit
-def _copy_chunk(
-    i, x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, out_ptr, outs_ptr,
-    M, H, S, SPC, E, NB, ALIGN, CHUNKS,
-    stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
-    K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, TOKEN_SCALES: tl.constexpr, E_PAD: tl.constexpr,
-    LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """Copy program i: column chunk i % CHUNKS of token i // CHUNKS's row (and, with
-    TOKEN_SCALES, its share of the scales) to the token's destinations; chunk 0 also writes its
-    inv_perm row."""
-    t = i // CHUNKS
-    c = i % CHUNKS
-    t = i // CHUNKS
-    c = i % CHUNKS
-    b = t // TB
-    kk = tl.arange(0, K_PAD)
-    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
-    live = e >= 0
-    # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
-    tb = b * TB + tl.arange(0, TB)[:, None]
-    eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
-    eb = tl.reshape(eb, [TB * K_PAD])
-    pos = tl.arange(0, TB * K_PAD)
-    own = (t - b * TB) * K_PAD + kk
-    earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    t64 = t.to(tl.int64)
-    # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never
-    # read. Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with
-    # PDL these loads overlap the scan; without it the row's load still goes before the
-    # counts' load
-    h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
-    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
-                eviction_policy=LOAD_POLICY)  # fmt: skip
-    if TOKEN_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
-        so = c * SPC + tl.arange(0, BLOCK_S)
-        s_hi = tl.minimum(c * SPC + SPC, S)
-        sv = tl.load(
-            xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
-        )
-    if PDL:
-        gdc_wait()  # counts (scanned) and totals come from the scan kernel
-    _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
-    ex = tl.arange(0, E_PAD)
-    base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
-    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
-    rows = tl.where(live, base + first + rank, -1)
-    if c == 0:
-        tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
-    for k in tl.static_range(K):
-        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-        dst = out_ptr + r.to(tl.int64) * H + cols
-        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
-        if TOKEN_SCALES:
-            s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
-            tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0),
-                     eviction_policy=SCALE_POLICY)  # fmt: skip
+        if WRITE_SRC:  # rows no entry lands in (the copy programs write the others)
+            tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32),
+                     mask=(r >= live_end) & (r < hi))  # fmt: skip
 
 
 @triton.jit
 def _place_copy_kernel(
     # tensors
-    x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, out_ptr, outs_ptr, m_idx_ptr,
-    offsets_ptr,
+    x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
+    m_idx_ptr, offsets_ptr,
     # sizes
-    M, H, S, SPC, E, NB, ALIGN, M_SUM, CHUNKS, N_SCALE, SCALE_STRIDE,
+    M, H, S, SPC, E, NB, ALIGN, M_SUM, CHUNKS,
     # strides (elements)
     stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, TOKEN_SCALES: tl.constexpr, ROW_SCALES: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_SUB: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """One-dimensional grid of three kinds of programs:
-    - copy: column chunk c of token t's row (and, with TOKEN_SCALES, its share of the scales) to
-      its destinations; c == 0 also writes inv_perm. M * CHUNKS of them, t-major.
-    - scale rows (_scale_rows): N_SCALE of them, every SCALE_STRIDE-th program (from the
-      SCALE_STRIDE - 1-th), so they run spread among the copies;
-    - fill (_fill_rows): after all of those."""
+    """Programs (t < M, c): column chunk c of token t's row to its destinations. Programs past
+    M: the m_indices fill (_fill_rows), one chunk of it per program."""
     if PDL:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    n_copy = M * CHUNKS
-    if pid >= n_copy + N_SCALE:
-        q = pid - n_copy - N_SCALE
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    if t >= M:
+        q = (t - M) * CHUNKS + c
         if q < (E + 1) * SPLIT:
             if PDL:
                 gdc_wait()  # totals come from the scan kernel
-            _fill_rows(q, totals_ptr, m_idx_ptr, offsets_ptr, E, ALIGN, M_SUM, E_PAD, BLOCK_ROWS,
-                       SPLIT)  # fmt: skip
-    elif ROW_SCALES:  # (a constexpr branch: without it the copies keep their few registers)
-        if (pid % SCALE_STRIDE == SCALE_STRIDE - 1) & (pid // SCALE_STRIDE < N_SCALE):
-            if PDL:
-                gdc_wait()  # counts (scanned) and totals come from the scan kernel
-            _scale_rows(pid // SCALE_STRIDE, xs_ptr, ids_ptr, counts_ptr, totals_ptr, outs_ptr,
-                        M, K, S, E, NB, ALIGN, stride_it, stride_ik, stride_sm, stride_ss,
-                        stride_om, stride_os, K_PAD, TB, E_PAD, SCALE_ROWS, SCALE_SUB,
-                        BLOCK_S)  # fmt: skip
-        else:
-            i = pid - tl.minimum((pid + 1) // SCALE_STRIDE, N_SCALE)  # scale programs before
-            _copy_chunk(i, x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, out_ptr,
-                        outs_ptr, M, H, S, SPC, E, NB, ALIGN, CHUNKS, stride_it, stride_ik,
-                        stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os, K, K_PAD,
-                        TB, BLOCK_H, BLOCK_S, TOKEN_SCALES, E_PAD, LOAD_POLICY, STORE_CACHE,
-                        SCALE_POLICY, PDL)  # fmt: skip
+            _fill_rows(q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM, E_PAD,
+                       BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
     else:
-        _copy_chunk(pid, x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, out_ptr,
-                    outs_ptr, M, H, S, SPC, E, NB, ALIGN, CHUNKS, stride_it, stride_ik,
-                    stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os, K, K_PAD,
-                    TB, BLOCK_H, BLOCK_S, TOKEN_SCALES, E_PAD, LOAD_POLICY, STORE_CACHE,
-                    SCALE_POLICY, PDL)  # fmt: skip
+        b = t // TB
+        kk = tl.arange(0, K_PAD)
+        e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+        live = e >= 0
+        # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
+        tb = b * TB + tl.arange(0, TB)[:, None]
+        eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
+        eb = tl.reshape(eb, [TB * K_PAD])
+        pos = tl.arange(0, TB * K_PAD)
+        own = (t - b * TB) * K_PAD + kk
+        earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        t64 = t.to(tl.int64)
+        # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never
+        # read. Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with
+        # PDL these loads overlap the scan; without it the row's load still goes before the
+        # counts' load
+        h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
+                    eviction_policy=LOAD_POLICY)  # fmt: skip
+        if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
+            so = c * SPC + tl.arange(0, BLOCK_S)
+            s_hi = tl.minimum(c * SPC + SPC, S)
+            sv = tl.load(
+                xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
+            )
+        if PDL:
+            gdc_wait()  # counts (scanned) and totals come from the scan kernel
+        _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
+        ex = tl.arange(0, E_PAD)
+        base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
+        first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+        rows = tl.where(live, base + first + rank, -1)
+        if c == 0:
+            tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+            if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
+                tl.store(src_ptr + rows, t + kk * 0, mask=live)
+        for k in tl.static_range(K):
+            r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+            dst = out_ptr + r.to(tl.int64) * H + cols
+            tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
+            if HAS_SCALES:
+                s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
+                tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0),
+                         eviction_policy=SCALE_POLICY)  # fmt: skip
+
+
+@triton.jit
+def _scale_rows_kernel(
+    # tensors
+    xs_ptr, src_ptr, outs_ptr,
+    # sizes
+    S, M_SUM,
+    # strides (elements)
+    stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1
+    on rows no entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major
+    layout), where a per-source copy would scatter one 4-byte store per (row, group)."""
+    if PDL:
+        gdc_wait()  # src comes from the copy kernel
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
+    live = src >= 0
+    so = tl.arange(0, BLOCK_S)
+    m = live[:, None] & (so[None, :] < S)
+    v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
+    out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
+    tl.store(out, v, mask=m)
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -415,6 +358,10 @@ def _permute_triton(
     bad = torch.empty((nb1,), dtype=torch.int32, device=dev)
     totals = torch.empty((E,), dtype=torch.int32, device=dev)
     by_row = _by_row(S, scale_layout, M * K)
+    # source token of each row (-1: none) for the row-block scale copy; when unused a placeholder
+    # the kernels never touch (not an alias of a buffer a kernel writes: torch.compile's
+    # functionalization would see a mutated alias)
+    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else bad
 
     sit, sik = topk_ids.stride()
     # PDL: the kernels after the first are launched with launch_pdl, only by direct launches (the
@@ -444,21 +391,24 @@ def _permute_triton(
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
-    spc = triton.cdiv(S, chunks) if not by_row else S  # scales per column chunk (or per row)
-    n_scale = triton.cdiv(m_sum, SCALE_ROWS) if by_row else 0
-    # every stride-th program copies scale rows (stride * n_scale <= all but the fill programs)
-    stride = (M * chunks + n_scale) // n_scale if n_scale else 1
-    fills = (E + 1) * FILL_SPLIT
-    _q._kernel(_place_copy_kernel)[(M * chunks + n_scale + fills,)](
-        x, xs, topk_ids, counts, totals, inv_perm, x_out, s_out, m_indices, offsets,
-        M, H, S, spc, E, nb, A, m_sum, chunks, n_scale, stride,
+    spc = triton.cdiv(S, chunks)  # scales per column chunk
+    fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks)  # rows of fill programs after the tokens'
+    _q._kernel(_place_copy_kernel)[(M + fills, chunks)](
+        x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
+        M, H, S, spc, E, nb, A, m_sum, chunks,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
-        TOKEN_SCALES=S > 0 and not by_row, ROW_SCALES=by_row, E_PAD=triton.next_power_of_2(E),
-        BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, SCALE_ROWS=SCALE_ROWS, SCALE_SUB=SCALE_SUB,
-        LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY,
-        num_warps=COPY_WARPS, **pdl, **({"maxnreg": COPY_MAXNREG} if COPY_MAXNREG else {}),
+        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
+        BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, LOAD_POLICY=LOAD_POLICY,
+        STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS, **pdl,
     )  # fmt: skip
+    if by_row:
+        block_s = triton.next_power_of_2(S)
+        block_r = max(1, SCALE_TILE // block_s)
+        _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
+            xs, src, s_out, S, m_sum, ssm, sss, s_out.stride(0), s_out.stride(1),
+            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4, **pdl,
+        )  # fmt: skip
     if side is None:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     _checks.join(side)

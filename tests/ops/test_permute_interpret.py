@@ -80,20 +80,18 @@ def test_default_blocks_many_experts():
 
 
 @pytest.mark.parametrize("seed,empty", [(0, False), (1, True), (2, True)])
-def test_scale_rows_find_their_tokens(seed, empty, small_blocks, monkeypatch):
-    """The scale-row programs find each row's source token from the scanned counts alone: many
-    count blocks (2 tokens each), experts with no entries between used ones (empty: only even
-    ids), several rows per program spanning experts and padding."""
+def test_scale_rows_many_blocks(seed, empty, small_blocks, monkeypatch):
+    """Row-block scale copy across many count blocks (2 tokens each), experts with no entries
+    between used ones (empty: only even ids), programs spanning experts and padding."""
     monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)
-    monkeypatch.setattr(P, "SCALE_ROWS", 4)
+    monkeypatch.setattr(P, "SCALE_TILE", 32)  # 4 rows of 8 (padded) scales per program
     gen = torch.Generator().manual_seed(seed)
     m, k, e, a = 37, 3, 7, 4
     ids = C.routing(m, k, e, gen, local=0.7)
     if empty:
         ids = torch.where(ids >= 0, ids // 2 * 2, ids)  # (may repeat an expert within a token)
     x = _payload(m, 24, torch.float8_e4m3fn, gen)
-    scales = torch.rand((m, 5), generator=gen)
-    out = _run(x, ids, e, a, scales, "deepgemm")
+    out = _run(x, ids, e, a, torch.rand((m, 5), generator=gen), "deepgemm")
     assert out[1].stride()[0] == 1
 
 
@@ -102,7 +100,7 @@ def test_deepgemm_scale_layout(by_row, small_blocks, monkeypatch):
     """Both scale copies: per destination row block (default) and per source token."""
     monkeypatch.setattr(P, "SCALES_BY_ROW", by_row)
     monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)  # this small case takes it too
-    monkeypatch.setattr(P, "SCALE_ROWS", 4)  # scale programs of 4 destination rows
+    monkeypatch.setattr(P, "SCALE_TILE", 16)  # 4 rows of 4 (padded) scales per program
     gen = torch.Generator().manual_seed(8)
     m, k, e, a = 9, 3, 4, 8
     x = _payload(m, 16, torch.float8_e4m3fn, gen)
