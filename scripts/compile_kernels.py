@@ -133,6 +133,11 @@ def cases() -> Dict[str, Callable[[], object]]:
     inv = torch.zeros((64, 4), dtype=torch.int32)
     w = torch.rand((64, 4), generator=g)
     ids_w = torch.zeros((8192, 8), dtype=torch.int64)
+    w_payloads = [
+        (torch.bfloat16, None, "row"),
+        (torch.float8_e4m3fn, torch.empty((8192, 56)), "deepgemm"),
+        (torch.int8, torch.empty((8192, 1)), "row"),
+    ]
     return {
         "quantize fp8 2d/3d masked": lambda: (
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
@@ -165,13 +170,10 @@ def cases() -> Dict[str, Callable[[], object]]:
         ),
         # workload W's sizes (registers depend on them: K_PAD 8, 128 experts, 4 KiB chunks);
         # torch.empty: nothing is touched
-        "permute at W: bf16/fp8 (deepgemm scales)/int8": lambda: (
-            p(torch.empty((8192, 7168), dtype=torch.bfloat16), ids_w, 128, 128),
-            p(torch.empty((8192, 7168), dtype=torch.float8_e4m3fn), ids_w, 128, 128,
-              torch.empty((8192, 56)), "deepgemm"),
-            p(torch.empty((8192, 7168), dtype=torch.int8), ids_w, 128, 128,
-              torch.empty((8192, 1)), "row"),
-        ),  # fmt: skip
+        "permute at W: bf16/fp8 (deepgemm scales)/int8": lambda: [
+            p(torch.empty((8192, 7168), dtype=dt), ids_w, 128, 128, sc, layout)
+            for dt, sc, layout in w_payloads
+        ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
