@@ -189,7 +189,13 @@ SWEEPS = {
     "permute_prefill_bf16": grid(PDL=[True, False]),
     # DeepGEMM-layout scales by destination row block (default) or per source token in the copy
     # kernel, with the payload streamed past L2 and the scale stores kept there
-    "permute_prefill_fp8": grid(PDL=[True, False], SCALES_BY_ROW=[True, False]),
+    # the row-block scale copy beside the column chunks past the first (split), its programs
+    # spread among those copies or first, or after the whole copy (not split)
+    "permute_prefill_fp8": grid(
+        SPLIT_CHUNKS=[True], SCALE_SPREAD=[True, False], SCALE_TILE=[1024, 2048, 4096]
+    )
+    + grid(SPLIT_CHUNKS=[False], SCALE_TILE=[4096])
+    + grid(SCALES_BY_ROW=[False]),
     "permute_prefill_int8": grid(PDL=[True, False]),
     "permute_index_only": grid(PDL=[True, False]),
     "permute_decode_fp8": grid(PDL=[True, False]),

@@ -57,6 +57,8 @@ COPY_WARPS = 4
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
 SCALE_TILE = 4096  # scale values per program of the row-block scale copy
+SPLIT_CHUNKS = True  # with row-block scales, column chunks past the first go to the scale kernel
+SCALE_SPREAD = True  # its scale programs spread among its chunk copies (else all first)
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
 # W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
@@ -278,27 +280,56 @@ def _place_copy_kernel(
 @triton.jit
 def _scale_rows_kernel(
     # tensors
-    xs_ptr, src_ptr, outs_ptr,
+    xs_ptr, src_ptr, outs_ptr, x_ptr, ids_ptr, inv_ptr, out_ptr,
     # sizes
-    S, M_SUM,
+    S, M_SUM, M, H, E, N_REST, N_SCALE, STRIDE,
     # strides (elements)
-    stride_sm, stride_ss, stride_om, stride_os,
+    stride_sm, stride_ss, stride_om, stride_os, stride_it, stride_ik, stride_xm, stride_xh,
     # meta
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Scales of BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1
-    on rows no entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major
-    layout), where a per-source copy would scatter one 4-byte store per (row, group)."""
-    if PDL:
-        gdc_wait()  # src comes from the copy kernel
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
-    live = src >= 0
-    so = tl.arange(0, BLOCK_S)
-    m = live[:, None] & (so[None, :] < S)
-    v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
-    out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
-    tl.store(out, v, mask=m)
+    """Two kinds of programs after the copy kernel (which wrote src, inv_perm and chunk 0 of
+    every row when N_REST > 0, all chunks otherwise):
+    - scale rows, N_SCALE of them (every STRIDE-th program, from the STRIDE - 1-th): the scales of
+      BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1 on rows no
+      entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major layout),
+      where a per-source copy would scatter one 4-byte store per (row, group);
+    - the other M * N_REST: column chunk 1 + i % N_REST of token i // N_REST's row to the rows the
+      copy kernel put in inv_perm. They keep the bandwidth up while the scale rows wait on their
+      gathers."""
+    pid = tl.program_id(0)
+    if (pid % STRIDE == STRIDE - 1) & (pid // STRIDE < N_SCALE):
+        if PDL:
+            gdc_wait()  # src comes from the copy kernel
+        r = (pid // STRIDE) * BLOCK_R + tl.arange(0, BLOCK_R)
+        src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
+        live = src >= 0
+        so = tl.arange(0, BLOCK_S)
+        m = live[:, None] & (so[None, :] < S)
+        v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss,
+                    mask=m)  # fmt: skip
+        out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
+        tl.store(out, v, mask=m)
+    else:
+        i = pid - tl.minimum((pid + 1) // STRIDE, N_SCALE)  # scale programs before pid
+        t = i // N_REST
+        c = 1 + i % N_REST
+        kk = tl.arange(0, K_PAD)
+        e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+        t64 = t.to(tl.int64)
+        h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)  # (no local entry: never read)
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        chunk = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
+                        eviction_policy=LOAD_POLICY)  # fmt: skip
+        if PDL:
+            gdc_wait()  # inv_perm comes from the copy kernel
+        rows = tl.load(inv_ptr + t64 * K + kk, mask=kk < K, other=-1)
+        for k in tl.static_range(K):
+            row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+            dst = out_ptr + row.to(tl.int64) * H + cols
+            tl.store(dst, chunk, mask=cols < tl.where(row >= 0, H, 0), cache_modifier=STORE_CACHE)
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -392,10 +423,12 @@ def _permute_triton(
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = triton.cdiv(S, chunks)  # scales per column chunk
-    fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks)  # rows of fill programs after the tokens'
-    _q._kernel(_place_copy_kernel)[(M + fills, chunks)](
+    # with row-block scales split off the column chunks past the first to the scale kernel
+    chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
+    fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'
+    _q._kernel(_place_copy_kernel)[(M + fills, chunks_a)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
-        M, H, S, spc, E, nb, A, m_sum, chunks,
+        M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
         HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
@@ -405,9 +438,16 @@ def _permute_triton(
     if by_row:
         block_s = triton.next_power_of_2(S)
         block_r = max(1, SCALE_TILE // block_s)
-        _q._kernel(_scale_rows_kernel)[(triton.cdiv(m_sum, block_r),)](
-            xs, src, s_out, S, m_sum, ssm, sss, s_out.stride(0), s_out.stride(1),
-            BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4, **pdl,
+        n_scale = triton.cdiv(m_sum, block_r)
+        n_rest = chunks - chunks_a
+        # scale programs spread among the chunk copies (SCALE_SPREAD) or all first
+        stride = (M * n_rest + n_scale) // n_scale if SCALE_SPREAD and n_scale else 1
+        _q._kernel(_scale_rows_kernel)[(M * n_rest + n_scale,)](
+            xs, src, s_out, x, topk_ids, inv_perm, x_out,
+            S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
+            ssm, sss, s_out.stride(0), s_out.stride(1), sit, sik, x.stride(0), x.stride(1),
+            K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=k_pad, BLOCK_H=block_h,
+            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
         )  # fmt: skip
     if side is None:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")

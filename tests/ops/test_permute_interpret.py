@@ -79,18 +79,25 @@ def test_default_blocks_many_experts():
     _run(_payload(m, 16, torch.bfloat16, gen), ids, e, 16, None)
 
 
-@pytest.mark.parametrize("seed,empty", [(0, False), (1, True), (2, True)])
-def test_scale_rows_many_blocks(seed, empty, small_blocks, monkeypatch):
+@pytest.mark.parametrize(
+    "seed,empty,split,spread",
+    [(0, False, True, True), (1, True, True, False), (2, True, False, True)],
+)
+def test_scale_rows_many_blocks(seed, empty, split, spread, small_blocks, monkeypatch):
     """Row-block scale copy across many count blocks (2 tokens each), experts with no entries
-    between used ones (empty: only even ids), programs spanning experts and padding."""
+    between used ones (empty: only even ids), programs spanning experts and padding; with the
+    column chunks past the first copied by the scale kernel (split: 3 chunks of 64 bytes, the
+    last partial), its scale programs spread among those copies or first."""
     monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)
     monkeypatch.setattr(P, "SCALE_TILE", 32)  # 4 rows of 8 (padded) scales per program
+    monkeypatch.setattr(P, "SPLIT_CHUNKS", split)
+    monkeypatch.setattr(P, "SCALE_SPREAD", spread)
     gen = torch.Generator().manual_seed(seed)
     m, k, e, a = 37, 3, 7, 4
     ids = C.routing(m, k, e, gen, local=0.7)
     if empty:
         ids = torch.where(ids >= 0, ids // 2 * 2, ids)  # (may repeat an expert within a token)
-    x = _payload(m, 24, torch.float8_e4m3fn, gen)
+    x = _payload(m, 150, torch.float8_e4m3fn, gen)
     out = _run(x, ids, e, a, torch.rand((m, 5), generator=gen), "deepgemm")
     assert out[1].stride()[0] == 1
 
