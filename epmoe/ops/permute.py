@@ -49,16 +49,23 @@ COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps,
 COPY_WARPS = 4
 # DeepGEMM-layout scales copied per destination row block by their own kernel (coalesced stores
 # into the MN-major layout) instead of per source token inside the copy kernel: W prefill fp8
-# 93.4 us vs 97.2 us; below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the extra launch costs more
-# than it saves (256 decode tokens: 18.5 us vs 18.4 us, before PDL). Programs of the copy kernel
-# that find each row's source token from the scanned counts (no dependency on the copy, so they
-# could run beside it) were tried and rejected: 144-196 us at W (a binary search and a block
-# scan per row: latency-bound programs holding the copy's slots, and 55-137 registers)
+# 93.4 us vs 97.2 us (before SPLIT_CHUNKS); below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the
+# extra launch costs more than it saves (256 decode tokens: 18.5 us vs 18.4 us, before PDL).
+# Programs of the copy kernel that find each row's source token from the scanned counts (no
+# dependency on the copy, so they could run beside it) were tried and rejected: 144-196 us at W
+# (a binary search and a block scan per row: latency-bound programs holding the copy's slots, and
+# 55-137 registers)
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
 SCALE_TILE = 4096  # scale values per program of the row-block scale copy
-SPLIT_CHUNKS = True  # with row-block scales, column chunks past the first go to the scale kernel
-SCALE_SPREAD = True  # its scale programs spread among its chunk copies (else all first)
+# With row-block scales, the column chunks past the first are copied by the scale kernel (from
+# the rows the copy kernel wrote to inv_perm), its scale programs spread among those copies
+# (SCALE_SPREAD; else all first), so the latency-bound scale gathers overlap payload traffic
+# instead of trailing the copy. W fp8 on H200: 91.8 / 92.3 us (two runs) vs 93.5 not split; all
+# first 94.0; 2048-byte chunks 96.0, 8192-byte 94.2. Splitting bf16 / int8 too (no scale copy to
+# hide) is slower: 164.3 vs 162.6 us, 88.6 vs 86.6
+SPLIT_CHUNKS = True
+SCALE_SPREAD = True
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
 # W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
@@ -96,7 +103,8 @@ class PermuteResult(NamedTuple):
 # prefix, plus the rank among the same expert's entries earlier in the block); its first column
 # chunk also writes inv_perm and each used row's source token. Its programs past the tokens fill
 # m_indices, expert_offsets and (for DeepGEMM-layout scales) -1 as the source of every row no
-# entry lands in. With DeepGEMM-layout scales, kernel 4 copies them per destination row block.
+# entry lands in. With DeepGEMM-layout scales, kernel 3 copies only the first column chunk and
+# kernel 4 the other chunks plus the scales, per destination row block.
 # No atomics and no zero fill: every word is written by exactly one program.
 
 
@@ -278,7 +286,7 @@ def _place_copy_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(
+def _rest_scales_kernel(
     # tensors
     xs_ptr, src_ptr, outs_ptr, x_ptr, ids_ptr, inv_ptr, out_ptr,
     # sizes
@@ -442,7 +450,7 @@ def _permute_triton(
         n_rest = chunks - chunks_a
         # scale programs spread among the chunk copies (SCALE_SPREAD) or all first
         stride = (M * n_rest + n_scale) // n_scale if SCALE_SPREAD and n_scale else 1
-        _q._kernel(_scale_rows_kernel)[(M * n_rest + n_scale,)](
+        _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
             xs, src, s_out, x, topk_ids, inv_perm, x_out,
             S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
             ssm, sss, s_out.stride(0), s_out.stride(1), sit, sik, x.stride(0), x.stride(1),
