@@ -35,15 +35,24 @@ def _check(x, ids, e, a, scales=None, layout="row"):
 
 
 @pytest.mark.parametrize(
-    "dtype,s", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 56), (torch.int8, 1)]
+    "dtype,s,layout",
+    [
+        (torch.bfloat16, 0, "row"),
+        (torch.float8_e4m3fn, 56, "row"),
+        (torch.int8, 1, "row"),
+        # 8192 entries: DeepGEMM-layout scales by destination row block, in the second kernel
+        # with the second column chunk (permute.SPLIT_CHUNKS)
+        (torch.float8_e4m3fn, 56, "deepgemm"),
+    ],
 )
-def test_workload_w_like(dtype, s):
+def test_workload_w_like(dtype, s, layout):
     """128 local experts, top-8 with half the choices local, H = 7168, alignment 128."""
     gen = torch.Generator().manual_seed(0)
     m, k, e, a, h = 1024, 8, 128, 128, 7168
     x = _payload(m, h, dtype, gen)
     scales = torch.rand((m, s), generator=gen) if s else None
-    _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales)
+    assert layout == "row" or m * k >= C.permute_mod.SCALES_BY_ROW_MIN_ENTRIES
+    _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)
 
 
 @pytest.mark.parametrize(
@@ -123,24 +132,31 @@ def test_opcheck_cuda():
     opcheck(torch.ops.epmoe.permute.default, (x8, ids, 6, 16, scales, "deepgemm"), utils=_UTILS)
 
 
-def test_cuda_graph_replay():
+@pytest.mark.parametrize(
+    "m,h",
+    [
+        (512, 1024),  # DeepGEMM-layout scales per source token (4096 entries), one column chunk
+        (1024, 7168),  # per destination row block (8192 entries), two chunks: the split kernels
+    ],
+)
+def test_cuda_graph_replay(m, h):
     """Captured once at a static shape; new routings (new counts per expert) replay correctly."""
     gen = torch.Generator().manual_seed(4)
-    m, k, e, a = 512, 8, 16, 128
-    x = _payload(m, 1024, torch.float8_e4m3fn, gen).cuda()
+    k, e, a = 8, 16, 128
+    x = _payload(m, h, torch.float8_e4m3fn, gen).cuda()
     ids = C.routing(m, k, e, gen).cuda()
-    scales = torch.rand((m, 8), generator=gen).cuda()
+    scales = torch.rand((m, h // 128), generator=gen).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        permute(x, ids, e, a, scales)
+    with torch.cuda.stream(stream):  # (compiles the kernels outside the capture)
+        permute(x, ids, e, a, scales, scale_layout="deepgemm")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         p = permute(x, ids, e, a, scales, scale_layout="deepgemm")
     for local in (0.3, 0.95):
         ids.copy_(C.routing(m, k, e, gen, local=local))
-        x.copy_(_payload(m, 1024, torch.float8_e4m3fn, gen))
+        x.copy_(_payload(m, h, torch.float8_e4m3fn, gen))
         graph.replay()
         torch.cuda.synchronize()
         ref = C.reference_permute(x, ids, e, a, scales)
