@@ -75,8 +75,8 @@ def host_us(**fns) -> dict:
             times[name].append((clock() - t0) * 1e6)
     torch.cuda.synchronize()
     out = {f"{name}_us": statistics.median(t) for name, t in times.items()}
-    for name in ("public", "dispatcher"):  # (x + x is for scale only: no difference of its own)
-        if name in times and "raw" in times:
+    for name in names:  # (x + x is for scale only: no difference of its own)
+        if name not in ("raw", "x_plus_x") and "raw" in times:
             diffs = [a - b for a, b in zip(times[name], times["raw"], strict=True)]
             out[f"{name}_minus_raw_us"] = statistics.median(diffs)
     return out

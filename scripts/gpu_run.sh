@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session on the 2xH200 machine: environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
-# steps: tests bench cli_bench sweep deepep_bench layer_bench demo (EPMOE_CAP_<step> caps one step's seconds)
+# steps: tests bench host cli_bench sweep deepep_bench layer_bench demo (EPMOE_CAP_<step> caps one step's seconds)
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
@@ -45,6 +45,9 @@ for step in "$@"; do
       timeout $((t - 10)) python3 scripts/stage_sweep.py --out "$OUT/sweep.jsonl" \
         --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} ${EPMOE_SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
       echo "sweep rc=$?" >> "$OUT/summary.txt" ;;
+    host)
+      timeout $((t - 10)) python3 scripts/host_breakdown.py --out "$OUT/host.json" > "$OUT/host.log" 2>&1
+      echo "host rc=$?" >> "$OUT/summary.txt" ;;
     cli_bench)
       timeout $((t - 10)) python3 -m epmoe bench --out-dir "$OUT/cli_bench" \
         ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} > "$OUT/cli_bench.log" 2>&1

@@ -68,6 +68,11 @@ SCALE_TILE = 4096  # scale values per program of the row-block scale copy
 # hide) is slower: 164.3 vs 162.6 us, 88.6 vs 86.6
 SPLIT_CHUNKS = True
 SCALE_SPREAD = True
+# Rejected: the split's two kernels as one, the scale programs (from the 0th / 1024th / 2048th /
+# 4096th chunk program on) spinning on a counter that the chunk-0 programs raise with release
+# semantics instead of waiting on the kernel boundary: W fp8 91.9 / 91.9 / 91.9 / 91.6 us vs 92.0
+# split (same run): the boundary costs nothing measurable, and the spin needs blocks dispatched in
+# id order. The copy itself is what is slow: 85.0 of the fused kernel's ~92 us
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
 # W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
@@ -210,6 +215,76 @@ def _fill_rows(
 
 
 @triton.jit
+def _token_rank(ids_ptr, t, b, M, K, stride_it, stride_ik, E, K_PAD: tl.constexpr,
+                TB: tl.constexpr):  # fmt: skip
+    """(experts of token t's entries, -1 for none; each entry's rank among the entries of the
+    same expert earlier in t's block b), int32 [K_PAD] each. Reads the ids only."""
+    kk = tl.arange(0, K_PAD)
+    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+    # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
+    tb = b * TB + tl.arange(0, TB)[:, None]
+    eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
+    eb = tl.reshape(eb, [TB * K_PAD])
+    pos = tl.arange(0, TB * K_PAD)
+    own = (t - b * TB) * K_PAD + kk
+    earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+    return e, tl.sum(earlier.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD: tl.constexpr):
+    """Destination rows of a token's entries (from _token_rank), -1 for none, int32 [K_PAD]:
+    aligned expert start + entries of the expert in earlier blocks + rank. Reads the scan's
+    output (with PDL, call after gdc_wait)."""
+    live = e >= 0
+    _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
+    ex = tl.arange(0, E_PAD)
+    base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
+    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+    return tl.where(live, base + first + rank, -1)
+
+
+@triton.jit
+def _store_rows(out_ptr, rows, v, cols, H, K: tl.constexpr, K_PAD: tl.constexpr,
+                STORE_CACHE: tl.constexpr):  # fmt: skip
+    """v (one column chunk of a source row, at cols) to each destination row in rows (-1: none)."""
+    kk = tl.arange(0, K_PAD)
+    for k in tl.static_range(K):
+        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+        dst = out_ptr + r.to(tl.int64) * H + cols
+        tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
+
+
+@triton.jit
+def _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H: tl.constexpr,
+                LOAD_POLICY: tl.constexpr):  # fmt: skip
+    """(column chunk c of token t's row, its columns, the row's live width): tokens without a
+    local entry (routed only to other ranks, padding rows of a worst-case dispatch) are never
+    read (live width 0)."""
+    h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    v = tl.load(x_ptr + t.to(tl.int64) * stride_xm + cols * stride_xh, mask=cols < h_live,
+                eviction_policy=LOAD_POLICY)  # fmt: skip
+    return v, cols, h_live
+
+
+@triton.jit
+def _scale_rows(xs_ptr, src_ptr, outs_ptr, blk, S, M_SUM, stride_sm, stride_ss, stride_om,
+                stride_os, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """Scales of destination rows [blk * BLOCK_R, + BLOCK_R), gathered from their source tokens
+    (src: -1 on rows no entry lands in, which stay unwritten). The stores are contiguous (down the
+    rows in DeepGEMM's MN-major layout), where a per-source copy scatters one 4-byte store per
+    (row, group)."""
+    r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
+    live = src >= 0
+    so = tl.arange(0, BLOCK_S)
+    m = live[:, None] & (so[None, :] < S)
+    v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
+    tl.store(outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os, v, mask=m)
+
+
+@triton.jit
 def _place_copy_kernel(
     # tensors
     x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
@@ -241,25 +316,12 @@ def _place_copy_kernel(
     else:
         b = t // TB
         kk = tl.arange(0, K_PAD)
-        e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
-        live = e >= 0
-        # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
-        tb = b * TB + tl.arange(0, TB)[:, None]
-        eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
-        eb = tl.reshape(eb, [TB * K_PAD])
-        pos = tl.arange(0, TB * K_PAD)
-        own = (t - b * TB) * K_PAD + kk
-        earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        e, rank = _token_rank(ids_ptr, t, b, M, K, stride_it, stride_ik, E, K_PAD, TB)
+        # everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with PDL
+        # these loads overlap the scan; without it the row's load still goes before the counts'
+        v, cols, h_live = _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H,
+                                      LOAD_POLICY)  # fmt: skip
         t64 = t.to(tl.int64)
-        # tokens routed only to other ranks (or padding rows of a worst-case dispatch) are never
-        # read. Everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with
-        # PDL these loads overlap the scan; without it the row's load still goes before the
-        # counts' load
-        h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
-        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        v = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
-                    eviction_policy=LOAD_POLICY)  # fmt: skip
         if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
             so = c * SPC + tl.arange(0, BLOCK_S)
             s_hi = tl.minimum(c * SPC + SPC, S)
@@ -268,20 +330,15 @@ def _place_copy_kernel(
             )
         if PDL:
             gdc_wait()  # counts (scanned) and totals come from the scan kernel
-        _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
-        ex = tl.arange(0, E_PAD)
-        base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
-        first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
-        rows = tl.where(live, base + first + rank, -1)
+        rows = _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD)
         if c == 0:
             tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
             if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-                tl.store(src_ptr + rows, t + kk * 0, mask=live)
-        for k in tl.static_range(K):
-            r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-            dst = out_ptr + r.to(tl.int64) * H + cols
-            tl.store(dst, v, mask=cols < tl.where(r >= 0, H, 0), cache_modifier=STORE_CACHE)
-            if HAS_SCALES:
+                tl.store(src_ptr + rows, t + kk * 0, mask=rows >= 0)
+        _store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
+        if HAS_SCALES:
+            for k in tl.static_range(K):
+                r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
                 s_dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
                 tl.store(s_dst, sv, mask=so < tl.where(r >= 0, s_hi, 0),
                          eviction_policy=SCALE_POLICY)  # fmt: skip
@@ -302,10 +359,8 @@ def _rest_scales_kernel(
 ):  # fmt: skip
     """Two kinds of programs after the copy kernel (which wrote src, inv_perm and chunk 0 of
     every row when N_REST > 0, all chunks otherwise):
-    - scale rows, N_SCALE of them (every STRIDE-th program, from the STRIDE - 1-th): the scales of
-      BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1 on rows no
-      entry lands in): the stores are contiguous (down the rows in DeepGEMM's MN-major layout),
-      where a per-source copy would scatter one 4-byte store per (row, group);
+    - scale rows, N_SCALE of them (every STRIDE-th program, from the STRIDE - 1-th): _scale_rows
+      of BLOCK_R consecutive destination rows;
     - the other M * N_REST: column chunk 1 + i % N_REST of token i // N_REST's row to the rows the
       copy kernel put in inv_perm. They keep the bandwidth up while the scale rows wait on their
       gathers."""
@@ -313,33 +368,19 @@ def _rest_scales_kernel(
     if (pid % STRIDE == STRIDE - 1) & (pid // STRIDE < N_SCALE):
         if PDL:
             gdc_wait()  # src comes from the copy kernel
-        r = (pid // STRIDE) * BLOCK_R + tl.arange(0, BLOCK_R)
-        src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
-        live = src >= 0
-        so = tl.arange(0, BLOCK_S)
-        m = live[:, None] & (so[None, :] < S)
-        v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss,
-                    mask=m)  # fmt: skip
-        out = outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os
-        tl.store(out, v, mask=m)
+        _scale_rows(xs_ptr, src_ptr, outs_ptr, pid // STRIDE, S, M_SUM, stride_sm, stride_ss,
+                    stride_om, stride_os, BLOCK_R, BLOCK_S)  # fmt: skip
     else:
         i = pid - tl.minimum((pid + 1) // STRIDE, N_SCALE)  # scale programs before pid
         t = i // N_REST
-        c = 1 + i % N_REST
         kk = tl.arange(0, K_PAD)
         e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
-        t64 = t.to(tl.int64)
-        h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)  # (no local entry: never read)
-        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        chunk = tl.load(x_ptr + t64 * stride_xm + cols * stride_xh, mask=cols < h_live,
-                        eviction_policy=LOAD_POLICY)  # fmt: skip
+        chunk, cols, _ = _load_chunk(x_ptr, t, e, 1 + i % N_REST, H, stride_xm, stride_xh,
+                                     BLOCK_H, LOAD_POLICY)  # fmt: skip
         if PDL:
             gdc_wait()  # inv_perm comes from the copy kernel
-        rows = tl.load(inv_ptr + t64 * K + kk, mask=kk < K, other=-1)
-        for k in tl.static_range(K):
-            row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
-            dst = out_ptr + row.to(tl.int64) * H + cols
-            tl.store(dst, chunk, mask=cols < tl.where(row >= 0, H, 0), cache_modifier=STORE_CACHE)
+        rows = tl.load(inv_ptr + t.to(tl.int64) * K + kk, mask=kk < K, other=-1)
+        _store_rows(out_ptr, rows, chunk, cols, H, K, K_PAD, STORE_CACHE)
 
 
 # ----------------------------------------------------------------------------- host-side launch
