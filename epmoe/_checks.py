@@ -113,9 +113,21 @@ def check_masked_m(op: str, masked_m: Optional[torch.Tensor], x: torch.Tensor, x
 
 
 def _tracing(t: torch.Tensor) -> bool:
+    """Under torch.compile, or t is a fake tensor (itself or inside a functional / functorch
+    wrapper, which look like plain tensors). Every eager call asks, so a plain tensor is answered
+    without torch's is_fake (and its import)."""
+    if _is_compiling():
+        return True
+    if type(t) is torch.Tensor and not _is_functional(t) and not _is_functorch_wrapped(t):
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
-    return torch.compiler.is_compiling() or is_fake(t)
+    return is_fake(t)
+
+
+_is_compiling = torch.compiler.is_compiling
+_is_functional = torch._is_functional_tensor
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def check_values(

@@ -39,6 +39,16 @@ def enabled() -> bool:
     return _ENABLED
 
 
+# the global-state queries of plain(), bound once (each module attribute lookup costs host time
+# on every eager call)
+_is_compiling = torch.compiler.is_compiling
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_profiling = torch.autograd._profiler_enabled
+_functorch = torch._C._are_functorch_transforms_active
+_Tensor = torch.Tensor
+
+
 def direct(*tensors) -> bool:
     """True when an op call with these tensor arguments (None allowed) may skip the dispatcher."""
     return _ENABLED and plain(*tensors)
@@ -47,15 +57,11 @@ def direct(*tensors) -> bool:
 def plain(*tensors) -> bool:
     """True when nothing traces or intercepts a call on these tensors (None allowed): a kernel may
     then be launched directly, and its effect needs no record in any graph."""
-    if torch.compiler.is_compiling():
-        return False
-    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-        return False
     # functorch transforms (vmap, grad, functionalize) wrap tensors that look like plain ones
-    if torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active():
+    if _is_compiling() or _function_modes() or _dispatch_modes() or _profiling() or _functorch():
         return False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda or t.requires_grad):
+        if t is not None and (type(t) is not _Tensor or not t.is_cuda or t.requires_grad):
             return False
     return True
 
@@ -74,6 +80,11 @@ def run(fn, *args):
 def on_device(t: torch.Tensor):
     """torch.cuda.device(t.device), or a no-op context when it already is the current device (the
     usual case; entering the device context costs two device exchanges per call)."""
-    if t.device.index is None or t.device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+    # (a CUDA tensor means CUDA is initialized: the current device needs no lazy-init check)
+    d = t.get_device()
+    if d < 0 or d == torch._C._cuda_getDevice():
+        return _NULL
     return torch.cuda.device(t.device)
+
+
+_NULL = contextlib.nullcontext()  # (reusable: entering and leaving it does nothing)

@@ -152,7 +152,16 @@ def _bad_calls():
     w8 = torch.zeros(2, 128, 128, dtype=torch.int8, device=d)
     s8 = torch.ones(2, 4, 1, device=d)
     ws8 = torch.ones(2, 128, device=d)
+    a8c, s8c = a8.view(8, 128), s8.view(8, 1)  # contiguous layout, 8 rows
     return [
+        ("quantize scheme", lambda: quantize(x, "int4")),
+        ("quantize group multiple", lambda: quantize(x, "fp8", group_size=96)),
+        ("quantize group_size bool", lambda: quantize(x, "fp8", group_size=True)),
+        ("quantize x dtype", lambda: quantize(ids, "int8")),
+        ("quantize masked_m with 2-D x", lambda: quantize(x, "fp8", masked_m=mm)),
+        ("quantize masked_m length", lambda: quantize(y3, "fp8", masked_m=mm[:1])),
+        ("quantize masked_m dtype", lambda: quantize(y3, "fp8", masked_m=mm.float())),
+        ("quantize layout", lambda: quantize(x, "fp8", scale_layout="col")),
         ("permute ids dtype", lambda: permute(x, ids.float(), 3, 4)),
         ("permute ids rows", lambda: permute(x, ids[:3], 3, 4)),
         ("permute ids device", lambda: permute(x, ids.cpu(), 3, 4)),
@@ -178,6 +187,18 @@ def _bad_calls():
         ("gemm scales missing", lambda: g.grouped_gemm(a8, w8, None, mm, None, ws8)),
         ("gemm w scales shape", lambda: g.grouped_gemm(a8, w8, None, mm, s8, ws8[:, :64])),
         ("gemm a scales dtype", lambda: g.grouped_gemm(a8, w8, None, mm, s8.half(), ws8)),
+        ("gemm masked_m dtype", lambda: g.grouped_gemm(a8, w8, None, mm.long(), s8, ws8)),
+        ("gemm m_indices length", lambda: g.grouped_gemm(a8c, w8, mi[:7], None, s8c, ws8)),
+        ("gemm m_indices dtype", lambda: g.grouped_gemm(a8c, w8, mi.long(), None, s8c, ws8)),
+        ("gemm m_indices device", lambda: g.grouped_gemm(a8c, w8, mi.cpu(), None, s8c, ws8)),
+        (
+            "gemm offsets length",
+            lambda: g.grouped_gemm(a8c, w8, mi, None, s8c, ws8, expert_offsets=offs[:2]),
+        ),
+        (
+            "gemm offsets dtype",
+            lambda: g.grouped_gemm(a8c, w8, mi, None, s8c, ws8, expert_offsets=offs.long()),
+        ),
     ]
 
 

@@ -360,7 +360,39 @@ def _quantize_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
+def _valid(x, scheme, group_size, masked_m, scale_layout) -> bool:
+    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once
+    (every eager call pays for validation; see epmoe.ops.permute._valid). Any False falls through
+    to the full checks, which say what is wrong."""
+    try:
+        xs = x.shape
+        nd = len(xs)
+        return (
+            x.is_cuda
+            and (scheme == "fp8" or scheme == "int8")
+            and type(group_size) is int
+            and group_size > 0
+            and scale_layout in SCALE_LAYOUTS
+            and x.dtype in _checks.FLOAT_DTYPES
+            and (nd == 2 or nd == 3)
+            and (scheme == "int8" or xs[-1] % group_size == 0)
+            and (
+                masked_m is None
+                or (
+                    nd == 3
+                    and masked_m.dtype in _checks.INDEX_DTYPES
+                    and masked_m.shape == xs[:1]
+                    and masked_m.get_device() == x.get_device()
+                )
+            )
+        )
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
 def _validate(x, scheme, group_size, masked_m, scale_layout="row") -> None:
+    if _valid(x, scheme, group_size, masked_m, scale_layout):
+        return
     _checks.check_choice(OP, "scheme", scheme, ("fp8", "int8"))
     _checks.check_dtype(OP, "x", x, _checks.FLOAT_DTYPES)
     _checks.check_ndim(OP, "x", x, (2, 3))
