@@ -54,6 +54,15 @@ def direct(*tensors) -> bool:
     return _ENABLED and plain(*tensors)
 
 
+def calm() -> bool:
+    """The global half of direct(): the fast path is on and nothing traces or intercepts calls.
+    An op's one-pass validation then checks the tensors' half (plain ``torch.Tensor``, CUDA, no
+    grad) while it reads them anyway."""
+    return _ENABLED and not (
+        _is_compiling() or _function_modes() or _dispatch_modes() or _profiling() or _functorch()
+    )
+
+
 def plain(*tensors) -> bool:
     """True when nothing traces or intercepts a call on these tensors (None allowed): a kernel may
     then be launched directly, and its effect needs no record in any graph."""

@@ -214,6 +214,14 @@ def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> b
         dt = a.dtype
         if dt not in A_DTYPES or w.dtype is not dt or not a.is_cuda:
             return False
+        # plain tensors without grad (see _eager.calm; a Parameter w takes the registered op)
+        if (
+            type(a) is not torch.Tensor
+            or type(w) is not torch.Tensor
+            or a.requires_grad
+            or w.requires_grad
+        ):
+            return False
         dev = a.get_device()
         ash, wsh = a.shape, w.shape
         if len(ash) != (3 if masked else 2) or len(wsh) != 3 or w.get_device() != dev:
@@ -223,6 +231,7 @@ def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> b
             return False
         if rows is not None and (
             type(rows) is not torch.Tensor
+            or rows.requires_grad
             or rows.dtype is not torch.int32
             or rows.get_device() != dev
             or rows.shape != ((e,) if masked else (ash[0],))
@@ -230,6 +239,7 @@ def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> b
             return False
         if offsets is not None and (
             type(offsets) is not torch.Tensor
+            or offsets.requires_grad
             or offsets.dtype is not torch.int32
             or offsets.get_device() != dev
             or offsets.shape != (e + 1,)
@@ -238,7 +248,11 @@ def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> b
         if dt is torch.bfloat16:
             return a_scales is None and w_scales is None
         if (
-            a_scales.dtype is not torch.float32
+            type(a_scales) is not torch.Tensor
+            or type(w_scales) is not torch.Tensor
+            or a_scales.requires_grad
+            or w_scales.requires_grad
+            or a_scales.dtype is not torch.float32
             or w_scales.dtype is not torch.float32
             or a_scales.get_device() != dev
             or w_scales.get_device() != dev
@@ -814,8 +828,12 @@ def grouped_gemm(
         direct = _eager.direct(a, w, m_indices, a_scales, w_scales, expert_offsets)
         run = _contiguous_cuda if direct else _contiguous_op
         return run(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    em = int(expected_m or 0)
+    if _eager.calm() and _valid(a, w, a_scales, w_scales, True, masked_m):
+        with _eager.on_device(a):  # the usual eager call, validated in one pass
+            return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em)
     run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
-    return run(a, w, masked_m, a_scales, w_scales, int(expected_m or 0))
+    return run(a, w, masked_m, a_scales, w_scales, em)
 
 
 # ------------------------------------------------------------------------------- weights / warmup

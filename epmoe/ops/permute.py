@@ -516,7 +516,10 @@ def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
         xs, ids = x.shape, topk_ids.shape
         dev = x.get_device()
         return (
-            type(num_experts) is int
+            type(x) is torch.Tensor  # (plain tensors without grad: see _eager.calm)
+            and type(topk_ids) is torch.Tensor
+            and not x.requires_grad
+            and type(num_experts) is int
             and num_experts > 0
             and type(alignment) is int
             and alignment > 0
@@ -530,7 +533,9 @@ def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
             and (
                 x_scales is None
                 or (
-                    x_scales.dtype is torch.float32
+                    type(x_scales) is torch.Tensor
+                    and not x_scales.requires_grad
+                    and x_scales.dtype is torch.float32
                     and x_scales.dim() == 2
                     and x_scales.shape[0] == xs[0]
                     and x_scales.get_device() == dev
@@ -608,7 +613,9 @@ def permute(
         inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
     """
     args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    if _eager.direct(x, topk_ids, x_scales):
+    if _eager.calm() and _valid(*args):  # the usual eager call, validated in one pass
+        xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_triton, *args)
+    elif _eager.direct(x, topk_ids, x_scales):  # (the full checks say what is wrong)
         xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_impl, *args)
     else:
         # the schema would reject a non-int before our message could say what was expected
