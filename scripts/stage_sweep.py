@@ -20,6 +20,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, "benchmarks")
 import _bytes  # noqa: E402
@@ -57,6 +59,32 @@ def data():
     yo = torch.randn((m_idx.numel(), H), generator=gen).to(torch.bfloat16).cuda()
     w = torch.rand(ids.shape, generator=gen).cuda()
     return dict(ids=ids, x=x, m_idx=m_idx, inv=inv, offs=offs, y=y, x3=x3, y3=y3, mm=mm, yo=yo, w=w)
+
+
+@triton.jit
+def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
+                         BLOCK_H: tl.constexpr):  # fmt: skip
+    """Column chunk program_id(1) of row program_id(0) of x to its rows in inv_perm (-1: none)."""
+    t = tl.program_id(0)
+    kk = tl.arange(0, K_PAD)
+    rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
+    v = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=cols < h_live,
+                eviction_policy=P.LOAD_POLICY)  # fmt: skip
+    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, P.STORE_CACHE)
+
+
+def scatter_rows(x, inv, out):
+    """x `[M, H]` (contiguous) rows to out's rows inv `[M, K]` (int32, -1: none), with permute's
+    copy launch constants."""
+    M, H = x.shape
+    K = inv.shape[1]
+    block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x.element_size()))
+    grid = (M, triton.cdiv(H, block_h))
+    _scatter_rows_kernel[grid](x, inv, out, H, K=K, K_PAD=triton.next_power_of_2(K),
+                               BLOCK_H=block_h, num_warps=P.COPY_WARPS)  # fmt: skip
+    return out
 
 
 def count(t):
@@ -163,6 +191,14 @@ def cases():
         _bytes.permute_bytes(dsrc, dcop, dec_ids.numel(), dec_ids.element_size(), row8, m_dec, E),
         lambda: P._permute_triton(fp8[0][:256], dec_ids, E, 128, fp8[1][:256], "deepgemm"),
     ))  # fmt: skip
+    # permute's payload scatter alone, its rows given (inv_perm): the floor of the copy kernel
+    # for this mix of traffic (each source row read once, written to ~4 rows)
+    x8 = fp8[0]
+    out.append((
+        "diag_permute_scatter_fp8", P, srcs * H + copies * H + 4 * d["inv"].numel(),
+        lambda: scatter_rows(x8, d["inv"], torch.empty((d["m_idx"].numel(), H), dtype=x8.dtype,
+                                                       device="cuda")),
+    ))  # fmt: skip
     tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
     out.append(("permute_index_only", P, 1, lambda: P._permute_triton(tiny, d["ids"], E, 128)))
     out.append(
@@ -198,6 +234,7 @@ SWEEPS = {
     + grid(SCALES_BY_ROW=[False]),
     "permute_prefill_int8": grid(PDL=[True, False]),
     "permute_index_only": grid(PDL=[True, False]),
+    "diag_permute_scatter_fp8": [{}],
     "permute_decode_fp8": grid(PDL=[True, False]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
