@@ -54,8 +54,9 @@ def host_us(**fns) -> dict:
     every function once (order reversed on odd iterations), the GPU drained every SYNC_EVERY
     iterations outside the timed calls. ``<name>_us`` is the median over the calls.
 
-    ``public_minus_raw_us`` / ``dispatcher_minus_raw_us`` are the medians of the per-iteration
-    differences against ``raw``: the two calls of an iteration run microseconds apart, so a slow
+    ``<name>_minus_raw_us`` (every variant but ``raw`` and ``x_plus_x``, which is for scale only)
+    is the median of the per-iteration differences against ``raw``: the two calls of an iteration
+    run microseconds apart, so a slow
     phase of the host (the shared GPU host's medians of the same code moved by up to 3x between
     sessions, and a whole-loop timing of raw and public could come out in either order) hits both
     alike and cancels."""

@@ -26,6 +26,7 @@ _DEBUG = os.environ.get("EPMOE_DEBUG", "0") not in ("", "0")
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)  # ids, rows and counts an op accepts in either width
+INT32 = (torch.int32,)  # rows, counts and offsets an op takes in this width only
 
 
 def set_debug(enabled: bool) -> None:
@@ -110,6 +111,19 @@ def check_masked_m(op: str, masked_m: Optional[torch.Tensor], x: torch.Tensor, x
     check_dtype(op, "masked_m", masked_m, INDEX_DTYPES)
     check_shape(op, "masked_m", masked_m, (x.shape[0],))
     check_device(op, "masked_m", masked_m, x)
+
+
+def plain_on(t: object, dtypes: Sequence[torch.dtype], dev: int, shape: Sequence[int]) -> bool:
+    """Fast-path check (ops' one-pass ``_valid``): t is a plain ``torch.Tensor`` without grad, of
+    one of ``dtypes``, on device index ``dev`` (``get_device()``), of exactly this shape. False
+    sends the call to the full checks, which say what is wrong."""
+    return (
+        type(t) is torch.Tensor
+        and not t.requires_grad
+        and t.dtype in dtypes
+        and t.get_device() == dev
+        and t.shape == shape
+    )
 
 
 def _tracing(t: torch.Tensor) -> bool:

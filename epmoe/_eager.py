@@ -54,20 +54,25 @@ def direct(*tensors) -> bool:
     return _ENABLED and plain(*tensors)
 
 
+def _untraced() -> bool:
+    """No compile, torch function / dispatch mode, profiler or functorch transform is active
+    (functorch transforms, vmap / grad / functionalize, wrap tensors that look like plain ones)."""
+    return not (
+        _is_compiling() or _function_modes() or _dispatch_modes() or _profiling() or _functorch()
+    )
+
+
 def calm() -> bool:
     """The global half of direct(): the fast path is on and nothing traces or intercepts calls.
     An op's one-pass validation then checks the tensors' half (plain ``torch.Tensor``, CUDA, no
-    grad) while it reads them anyway."""
-    return _ENABLED and not (
-        _is_compiling() or _function_modes() or _dispatch_modes() or _profiling() or _functorch()
-    )
+    grad) while it reads them anyway (e.g. with :func:`epmoe._checks.plain_on`)."""
+    return _ENABLED and _untraced()
 
 
 def plain(*tensors) -> bool:
     """True when nothing traces or intercepts a call on these tensors (None allowed): a kernel may
     then be launched directly, and its effect needs no record in any graph."""
-    # functorch transforms (vmap, grad, functionalize) wrap tensors that look like plain ones
-    if _is_compiling() or _function_modes() or _dispatch_modes() or _profiling() or _functorch():
+    if not _untraced():
         return False
     for t in tensors:
         if t is not None and (type(t) is not _Tensor or not t.is_cuda or t.requires_grad):

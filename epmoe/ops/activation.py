@@ -377,17 +377,11 @@ def _valid(y, masked_m, m_indices, expert_offsets) -> bool:
             return False
         dev = y.get_device()
         if masked_m is not None and not (
-            nd == 3
-            and masked_m.dtype in _checks.INDEX_DTYPES
-            and masked_m.shape == ys[:1]
-            and masked_m.get_device() == dev
+            nd == 3 and _checks.plain_on(masked_m, _checks.INDEX_DTYPES, dev, ys[:1])
         ):
             return False
         if m_indices is not None and not (
-            nd == 2
-            and m_indices.dtype is torch.int32
-            and m_indices.shape == ys[:1]
-            and m_indices.get_device() == dev
+            nd == 2 and _checks.plain_on(m_indices, _checks.INT32, dev, ys[:1])
         ):
             return False
         if expert_offsets is None:

@@ -204,17 +204,6 @@ def empty_fp8_act_scales(lead: Sequence[int], groups: int, device) -> torch.Tens
 
 
 # ------------------------------------------------------------------------------------- validation
-def _int32_on(t, dev: int, shape: tuple) -> bool:
-    """t is a plain int32 tensor without grad, on CUDA device dev, of this shape."""
-    return (
-        type(t) is torch.Tensor
-        and not t.requires_grad
-        and t.dtype is torch.int32
-        and t.get_device() == dev
-        and t.shape == shape
-    )
-
-
 def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> bool:
     """The common all-good case (CUDA operands) in one pass: every eager call pays for validation
     (the full checks below cost ~9 µs of host time). Each tensor attribute read costs ~0.2 µs, so
@@ -240,9 +229,11 @@ def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> b
         kd, e, n = ash[-1], wsh[0], wsh[1]
         if wsh[2] != kd or (masked and ash[0] != e):
             return False
-        if rows is not None and not _int32_on(rows, dev, (e,) if masked else (ash[0],)):
+        if rows is not None and not _checks.plain_on(
+            rows, _checks.INT32, dev, (e,) if masked else ash[:1]
+        ):
             return False
-        if offsets is not None and not _int32_on(offsets, dev, (e + 1,)):
+        if offsets is not None and not _checks.plain_on(offsets, _checks.INT32, dev, (e + 1,)):
             return False
         if dt is torch.bfloat16:
             return a_scales is None and w_scales is None

@@ -380,9 +380,7 @@ def _valid(x, scheme, group_size, masked_m, scale_layout) -> bool:
                 masked_m is None
                 or (
                     nd == 3
-                    and masked_m.dtype in _checks.INDEX_DTYPES
-                    and masked_m.shape == xs[:1]
-                    and masked_m.get_device() == x.get_device()
+                    and _checks.plain_on(masked_m, _checks.INDEX_DTYPES, x.get_device(), xs[:1])
                 )
             )
         )

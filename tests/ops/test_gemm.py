@@ -70,17 +70,3 @@ def test_gemm_bad_input(seed):
         )
     with pytest.raises(ValueError, match="grouped_gemm: a_scales expected shape"):
         ops.grouped_gemm(a, w, m_indices=m_idx, a_scales=as_[:, :0], w_scales=ws)
-
-
-def test_int32_on_fast_check():
-    """The fast validation's count / index check (gemm._int32_on; CPU tensors: device -1)."""
-    import importlib
-
-    g = importlib.import_module("epmoe.ops.gemm")
-    t = torch.zeros(4, dtype=torch.int32)
-    assert g._int32_on(t, -1, (4,))
-    assert not g._int32_on(t, 0, (4,))  # other device
-    assert not g._int32_on(t, -1, (3,))  # other shape
-    assert not g._int32_on(t.long(), -1, (4,))  # other dtype
-    assert not g._int32_on(torch.nn.Parameter(t, requires_grad=False), -1, (4,))  # subclass
-    assert not g._int32_on(t.view(2, 2), -1, (4,))
