@@ -13,6 +13,10 @@ it prints each kernel's SASS instruction count and its most frequent opcodes (``
 fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
 
   python scripts/compile_kernels.py [--resources] [--sass]    (do not set TRITON_INTERPRET)
+
+Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
+newer one accepts code that 3.6 rejects (a module-level string passed from one jit function to
+another compiled under 3.9 and failed on the GPU).
 """
 
 import importlib

@@ -28,7 +28,7 @@ import _bytes  # noqa: E402
 import _configs  # noqa: E402
 import _timing  # noqa: E402
 
-from epmoe import _eager, reference  # noqa: E402
+from epmoe import _checks, _eager, reference  # noqa: E402
 
 Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
@@ -63,7 +63,8 @@ def data():
 
 @triton.jit
 def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
-                         BLOCK_H: tl.constexpr):  # fmt: skip
+                         BLOCK_H: tl.constexpr, LOAD_POLICY: tl.constexpr,
+                         STORE_CACHE: tl.constexpr):  # fmt: skip
     """Column chunk program_id(1) of row program_id(0) of x to its rows in inv_perm (-1: none)."""
     t = tl.program_id(0)
     kk = tl.arange(0, K_PAD)
@@ -71,20 +72,48 @@ def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
     v = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=cols < h_live,
-                eviction_policy=P.LOAD_POLICY)  # fmt: skip
-    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, P.STORE_CACHE)
+                eviction_policy=LOAD_POLICY)  # fmt: skip
+    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
 
 
-def scatter_rows(x, inv, out):
+@triton.jit
+def _write_rows_kernel(inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
+                       BLOCK_H: tl.constexpr, STORE_CACHE: tl.constexpr):  # fmt: skip
+    """_scatter_rows_kernel's stores alone (zeros, nothing read but inv_perm)."""
+    t = tl.program_id(0)
+    kk = tl.arange(0, K_PAD)
+    rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    v = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
+    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
+
+
+def scatter_rows(x, inv, out, write_only=False):
     """x `[M, H]` (contiguous) rows to out's rows inv `[M, K]` (int32, -1: none), with permute's
     copy launch constants."""
     M, H = x.shape
     K = inv.shape[1]
     block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x.element_size()))
     grid = (M, triton.cdiv(H, block_h))
-    _scatter_rows_kernel[grid](x, inv, out, H, K=K, K_PAD=triton.next_power_of_2(K),
-                               BLOCK_H=block_h, num_warps=P.COPY_WARPS)  # fmt: skip
+    meta = dict(
+        K=K,
+        K_PAD=triton.next_power_of_2(K),
+        BLOCK_H=block_h,
+        num_warps=P.COPY_WARPS,
+        STORE_CACHE=P.STORE_CACHE,
+    )
+    if write_only:
+        _write_rows_kernel[grid](inv, out, H, **meta)
+    else:
+        _scatter_rows_kernel[grid](x, inv, out, H, LOAD_POLICY=P.LOAD_POLICY, **meta)
     return out
+
+
+def contiguous_rows(inv):
+    """inv_perm's live entries renumbered in (t, k) order: the same copies to consecutive rows."""
+    live = inv >= 0
+    rows = torch.cumsum(live.flatten().to(torch.int32), 0).view(inv.shape) - 1
+    return torch.where(live, rows, -1).to(torch.int32)
 
 
 def count(t):
@@ -199,6 +228,17 @@ def cases():
         lambda: scatter_rows(x8, d["inv"], torch.empty((d["m_idx"].numel(), H), dtype=x8.dtype,
                                                        device="cuda")),
     ))  # fmt: skip
+    # the same destinations written with nothing read (HBM write bandwidth at this pattern), and
+    # the same copies to consecutive rows (the scatter's cost over a streaming 1:4 broadcast)
+    out8 = torch.empty((d["m_idx"].numel(), H), dtype=x8.dtype, device="cuda")
+    inv_c = contiguous_rows(d["inv"])
+    out += [
+        ("diag_permute_write_only_fp8", P, copies * H + 4 * d["inv"].numel(),
+         lambda: scatter_rows(x8, d["inv"], out8, write_only=True)),
+        ("diag_permute_broadcast_fp8", P, srcs * H + copies * H + 4 * d["inv"].numel(),
+         lambda: scatter_rows(x8, inv_c, out8)),
+        ("diag_fill_fp8", P, copies * H, lambda: out8[: copies].fill_(0)),
+    ]  # fmt: skip
     tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
     out.append(("permute_index_only", P, 1, lambda: P._permute_triton(tiny, d["ids"], E, 128)))
     out.append(
@@ -222,26 +262,39 @@ SWEEPS = {
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
-    "permute_prefill_bf16": grid(PDL=[True, False]),
-    # DeepGEMM-layout scales by destination row block (default) or per source token in the copy
-    # kernel, with the payload streamed past L2 and the scale stores kept there
-    # the row-block scale copy beside the column chunks past the first (split), its programs
-    # spread among those copies or first, or after the whole copy (not split)
-    "permute_prefill_fp8": grid(
-        SPLIT_CHUNKS=[True], SCALE_SPREAD=[True, False], SCALE_TILE=[1024, 2048, 4096]
-    )
-    + grid(SPLIT_CHUNKS=[False], SCALE_TILE=[4096])
-    + grid(SCALES_BY_ROW=[False]),
-    "permute_prefill_int8": grid(PDL=[True, False]),
+    "permute_prefill_bf16": [{}],
+    # where the id check runs (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen
+    # in sessions 4-6: benchmarks/results/*/RESULTS.md)
+    "permute_prefill_fp8": grid(CHECK=["branch", "end", "none"]),
+    "permute_prefill_int8": grid(CHECK=["branch", "none"]),
     "permute_index_only": grid(PDL=[True, False]),
-    "diag_permute_scatter_fp8": [{}],
-    "permute_decode_fp8": grid(PDL=[True, False]),
+    "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
+    + grid(COPY_BYTES=[4096], COPY_WARPS=[4], STORE_CACHE=["", ".wt"]),
+    "diag_permute_write_only_fp8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "diag_permute_broadcast_fp8": [{}],
+    "diag_fill_fp8": [{}],
+    "permute_decode_fp8": grid(CHECK=["branch", "end", "none"]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
     "diag_silu_only_m_idx": grid(FAST_MATH=[True, False]),
     "diag_quantize_h": [{}],
 }
+
+
+def _check_mode(mode: str):
+    """CHECK: where a stage's value check runs in the timed graph: "branch" (the default: on a side
+    stream forked under capture), "end" (on the main stream after the kernels), "none" (skipped:
+    what the check costs)."""
+    if mode == "branch":
+        return []
+    out = [(_checks, "branch", lambda *a, **k: None)]
+    if mode == "none":
+        out.append((_checks, "check_values", lambda *a, **k: None))
+    return out
+
+
+PATCHES = {"CHECK": _check_mode}  # sweep keys that patch something other than one constant
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
 
@@ -296,9 +349,10 @@ def main() -> None:
                     return
                 saved = {}
                 for k, v in params.items():
-                    m = Q if k in SHARED else mod
-                    saved[(m, k)] = getattr(m, k)
-                    setattr(m, k, v)
+                    for m, attr, val in PATCHES[k](v) if k in PATCHES else [(
+                            Q if k in SHARED else mod, k, v)]:  # fmt: skip
+                        saved.setdefault((m, attr), getattr(m, attr))
+                        setattr(m, attr, val)
                 try:
                     # launched as the public functions do (wrap_triton off, no HOP per launch)
                     t = _timing.time_cuda(lambda fn=fn: _eager.run(fn))

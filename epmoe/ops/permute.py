@@ -72,7 +72,10 @@ SCALE_SPREAD = True
 # 4096th chunk program on) spinning on a counter that the chunk-0 programs raise with release
 # semantics instead of waiting on the kernel boundary: W fp8 91.9 / 91.9 / 91.9 / 91.6 us vs 92.0
 # split (same run): the boundary costs nothing measurable, and the spin needs blocks dispatched in
-# id order. The copy itself is what is slow: 85.0 of the fused kernel's ~92 us
+# id order. The copy itself is what is slow: 85.0 of the fused kernel's ~92 us. Its floor at W
+# (scripts/stage_sweep.py diag_*, session 7): the fp8 payload scatter alone with its rows given
+# takes 80.4 us (85.8% of the copy ceiling), the same stores with nothing read 59.2 us (93%), the
+# same copies to consecutive rows 79.2 us: the 1-read / ~4-write mix, not the scatter, costs it
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
 # W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
@@ -90,6 +93,13 @@ SCALE_POLICY = "evict_last"
 # (before, with atomics on zero-filled totals: fp8 95.0 / 99.0, int8 87.0 / 90.2, decode 14.2 /
 # 16.8)
 PDL = True
+# The copy kernel's grid is 1-D with a token's column chunks in neighbouring programs; a 2-D grid
+# (token, chunk), every token's chunk 0 before any chunk 1, was 1-2% slower (W on H200, three
+# sweeps: bf16 162.4 / 162.4 vs 160.1 / 161.1 us, int8 87.0 / 86.3 / 85.8 vs 85.3 / 85.4 / 85.1)
+# Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
+# src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
+# gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
+# in, its in-block rank needs 117 registers; spilling at 64 entries per compare step: 261 us)
 
 
 class PermuteResult(NamedTuple):
@@ -300,12 +310,13 @@ def _place_copy_kernel(
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Programs (t < M, c): column chunk c of token t's row to its destinations. Programs past
-    M: the m_indices fill (_fill_rows), one chunk of it per program."""
+    """Programs t * CHUNKS + c (t < M): column chunk c of token t's row to its destinations (a
+    token's chunks in neighbouring programs). Programs past M * CHUNKS: the m_indices fill
+    (_fill_rows), one chunk of it per program."""
     if PDL:
         gdc_launch_dependents()
-    t = tl.program_id(0)
-    c = tl.program_id(1)
+    t = tl.program_id(0) // CHUNKS
+    c = tl.program_id(0) % CHUNKS
     if t >= M:
         q = (t - M) * CHUNKS + c
         if q < (E + 1) * SPLIT:
@@ -477,7 +488,7 @@ def _permute_triton(
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
     fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'
-    _q._kernel(_place_copy_kernel)[(M + fills, chunks_a)](
+    _q._kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
         M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
