@@ -75,6 +75,18 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     return calls
 
 
+def _patched(mod, **attrs):
+    """Yields once with mod's attributes set to attrs (restored after)."""
+    saved = {k: getattr(mod, k) for k in attrs}
+    try:
+        for k, v in attrs.items():
+            setattr(mod, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(mod, k, v)
+
+
 def _arg_type(v) -> str:
     if isinstance(v, torch.Tensor):
         return "*" + _DTYPES[v.dtype]
@@ -89,7 +101,8 @@ def _arg_type(v) -> str:
 
 def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    opts = ("num_warps", "num_stages", "launch_pdl", "debug", "sanitize_overflow")
+    options = {k: kwargs.pop(k) for k in opts if k in kwargs}
     if isinstance(fn, triton.runtime.Heuristics):  # its meta-parameters come from the arguments
         values = dict(zip(fn.arg_names, args, strict=False), **kwargs)
         kwargs.update({k: h(values) for k, h in fn.values.items()})
@@ -167,11 +180,27 @@ def cases() -> Dict[str, Callable[[], object]]:
                 (y2, None, None, None, "row"),
             )
         ],  # fmt: skip
-        "permute bf16/fp8 (deepgemm scales)/int8": lambda: (
-            p(bf, ids, 8, 128),
-            p(q8, ids, 8, 128, s8, "deepgemm"),
-            p(qi, ids, 8, 128, si, "row"),
-        ),
+        "permute bf16/fp8 (deepgemm scales)/int8, one kernel and chain": lambda: [
+            (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"), p(qi, ids, 8, 128, si, "row"))
+            for small in (P.SMALL_ENTRIES, 0)
+            for _ in _patched(P, SMALL_ENTRIES=small)
+        ],
+        # the one kernel as a CUDA launch makes it: the id check asserted inside (debug build)
+        "permute one kernel at W decode, asserting": lambda: [
+            p(
+                torch.empty((256, 7168), dtype=torch.float8_e4m3fn),
+                ids_w[:256],
+                128,
+                128,
+                torch.empty((256, 56)),
+                "deepgemm",
+            )
+            for _ in _patched(
+                P,
+                _assert_in_kernel=lambda direct: True,
+                SCALES_BY_ROW_MIN_ENTRIES=8192,  # (as on the GPU: main() sets it to 0)
+            )
+        ],  # fmt: skip
         # workload W's sizes (registers depend on them: K_PAD 8, 128 experts, 4 KiB chunks);
         # torch.empty: nothing is touched
         "permute at W: bf16/fp8 (deepgemm scales)/int8": lambda: [

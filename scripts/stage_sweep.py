@@ -273,7 +273,8 @@ SWEEPS = {
     "diag_permute_write_only_fp8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
     "diag_permute_broadcast_fp8": [{}],
     "diag_fill_fp8": [{}],
-    "permute_decode_fp8": grid(CHECK=["branch", "end", "none"]),
+    "permute_decode_fp8": grid(SMALL_COPY_BYTES=[4096, 8192], SMALL_WARPS=[4, 8])
+    + grid(SMALL_ENTRIES=[0]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],

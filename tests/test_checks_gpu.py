@@ -1,7 +1,8 @@
 """Value checks as a side branch of a captured CUDA graph (epmoe._checks.branch), on the GPU.
 
-While a graph is captured, permute's id check and unpermute's row check run on a side stream: the
-graph gets them as a parallel branch instead of nodes between the op's kernels. Checked here: the
+While a graph is captured, permute's id check (on its count / scan / copy chain; its one kernel for
+few entries asserts inside itself) and unpermute's row check run on a side stream: the graph gets
+them as a parallel branch instead of nodes between the op's kernels. Checked here: the
 branch is taken under capture (and only then), replays equal eager results, and a bad value
 copied into a captured graph's input still trips the device assert (in a subprocess: a device
 assert leaves the CUDA context unusable).
@@ -41,7 +42,12 @@ def _step(d):
     return [p.x.view(torch.uint8), p.m_indices, p.inv_perm, p.expert_offsets, out]
 
 
-def test_checks_branch_under_capture_and_replays_equal_eager(monkeypatch):
+@pytest.mark.parametrize("path", ["chain", "one_kernel"])
+def test_checks_branch_under_capture_and_replays_equal_eager(path, monkeypatch):
+    """permute's count / scan / copy chain branches for its check; its one kernel (few entries,
+    permute.SMALL_ENTRIES) checks the ids itself and does not."""
+    monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0 if path == "chain" else 2048)
+    branches = 2 if path == "chain" else 1
     taken = []
     real = _checks.branch
 
@@ -54,12 +60,12 @@ def test_checks_branch_under_capture_and_replays_equal_eager(monkeypatch):
     static = _inputs(0)
     _step(static)  # compiles the kernels
     torch.cuda.synchronize()
-    assert len(taken) == 2 and not any(taken), taken  # eager: no branch
+    assert len(taken) == branches and not any(taken), taken  # eager: no branch
     taken.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = _step(static)
-    assert taken == [True, True], taken  # permute and unpermute each branched
+    assert taken == [True] * branches, taken  # (permute and) unpermute branched
     for seed in (1, 2, 3):
         fresh = _inputs(seed)
         for k, v in fresh.items():
@@ -75,9 +81,11 @@ def test_checks_branch_under_capture_and_replays_equal_eager(monkeypatch):
 
 
 _BAD_REPLAY = """
+import importlib
 import torch
 from epmoe.ops import permute, unpermute
 op = {op!r}
+importlib.import_module("epmoe.ops.permute").SMALL_ENTRIES = {small}
 x = torch.randn(64, 256, device="cuda").bfloat16()
 ids = torch.randint(0, 4, (64, 2), device="cuda", dtype=torch.int32)
 w = torch.rand(64, 2, device="cuda")
@@ -102,10 +110,13 @@ print("bad replay passed", flush=True)
 """
 
 
-@pytest.mark.parametrize("op", ["permute", "unpermute"])
-def test_bad_value_in_a_replay_trips_the_branch_assert(op):
+@pytest.mark.parametrize(
+    "op,small", [("permute", 0), ("permute", 2048), ("unpermute", 2048)], ids=["chain", "one", "un"]
+)
+def test_bad_value_in_a_replay_trips_the_assert(op, small):
+    """The chain's branch assert, and the one kernel's own (small: permute.SMALL_ENTRIES)."""
     res = subprocess.run(
-        [sys.executable, "-c", _BAD_REPLAY.format(op=op)],
+        [sys.executable, "-c", _BAD_REPLAY.format(op=op, small=small)],
         capture_output=True,
         text=True,
         timeout=600,

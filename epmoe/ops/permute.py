@@ -15,14 +15,14 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: three kernels (four with DeepGEMM-layout scales from SCALES_BY_ROW_MIN_ENTRIES
-entries), fixed grids from shapes, no host sync, no atomics (the row order is deterministic) and
-no zero fill; on sm90 each kernel after the first starts early (programmatic dependent launch)
-and waits only before it reads its predecessor's output. Each source row is read once and written
-to all of its local experts.
+CUDA-graph safe: one kernel up to SMALL_ENTRIES entries (it asserts the ids itself), else three
+(four with DeepGEMM-layout scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes,
+no host sync, no atomics (the row order is deterministic) and no zero fill; on sm90 each kernel
+after the first starts early (programmatic dependent launch) and waits only before it reads its
+predecessor's output. Each source row is read once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
-in debug mode; in a captured graph the assert is a branch beside the copy).
+in debug mode; in a captured graph the chain's assert is a branch beside the copy).
 """
 
 import importlib
@@ -57,6 +57,15 @@ COPY_WARPS = 4
 # dependency on the copy, so they could run beside it) were tried and rejected: 144-196 us at W
 # (a binary search and a block scan per row: latency-bound programs holding the copy's slots, and
 # 55-137 registers)
+# Up to SMALL_ENTRIES (t, k) entries (K padded to a power of 2) one kernel does everything, each
+# program counting every entry itself (_small_permute_kernel): one launch instead of four (with
+# the check's), no kernel waits on another, the id check inside it. W decode fp8 (256 tokens) on
+# H200, CUDA graph: 12.6 us vs 13.0 for the chain (the kernel alone 9.1); its programs need 162
+# registers, so whole rows a program (fewer programs than slots): 4 KiB programs 16.8 us, 8 warps
+# 14.3
+SMALL_ENTRIES = 2048
+SMALL_COPY_BYTES = 8192  # payload bytes per program of the one kernel (fp8 at H 7168: a whole row)
+SMALL_WARPS = 4
 SCALES_BY_ROW = True
 SCALES_BY_ROW_MIN_ENTRIES = 8192
 SCALE_TILE = 4096  # scale values per program of the row-block scale copy
@@ -140,7 +149,12 @@ def _aligned_starts(totals_ptr, E, ALIGN, E_PAD: tl.constexpr):
     """(per-expert totals, their aligned block sizes, aligned block starts), each int32 [E_PAD]
     (0 past E)"""
     ex = tl.arange(0, E_PAD)
-    tot = tl.load(totals_ptr + ex, mask=ex < E, other=0)
+    return _aligned_from(tl.load(totals_ptr + ex, mask=ex < E, other=0), ALIGN)
+
+
+@triton.jit
+def _aligned_from(tot, ALIGN):
+    """(tot, aligned block sizes, aligned block starts) of per-expert totals tot (0 past E)."""
     aligned = (tot + ALIGN - 1) // ALIGN * ALIGN
     return tot, aligned, tl.cumsum(aligned, axis=0) - aligned
 
@@ -204,6 +218,17 @@ def _fill_rows(
     tail): m_indices = the expert on its first totals[e] rows, -1 on the padding (and src = -1
     there); q == 0 also writes expert_offsets."""
     tot, aligned, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
+    _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM, E_PAD,
+               BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
+
+
+@triton.jit
+def _fill_from(
+    q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM,
+    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_SRC: tl.constexpr,
+):  # fmt: skip
+    """_fill_rows with the totals, aligned sizes and starts given ([E_PAD], 0 past E)."""
     ex = tl.arange(0, E_PAD)
     fe = q // SPLIT  # the expert this program fills (E: the unused tail)
     j = q % SPLIT
@@ -394,6 +419,74 @@ def _rest_scales_kernel(
         _store_rows(out_ptr, rows, chunk, cols, H, K, K_PAD, STORE_CACHE)
 
 
+@triton.jit
+def _small_permute_kernel(
+    # tensors
+    x_ptr, xs_ptr, ids_ptr, inv_ptr, out_ptr, outs_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    # sizes
+    M, H, S, SPC, E, ALIGN, M_SUM, CHUNKS,
+    # strides (elements)
+    stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, NUM_BINS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr,
+    SCALE_POLICY: tl.constexpr, ASSERT: tl.constexpr,
+):  # fmt: skip
+    """The whole permute in one kernel, for few entries (M * K_PAD <= N_PAD): every program
+    counts all of them itself (a few KiB of ids, read from L2), so nothing waits on another
+    program or kernel. Programs t * CHUNKS + c (t < M): column chunk c of token t's row (and its
+    scales) to its rows, whose place is the aligned start of the expert, plus the expert's
+    entries in earlier tokens, plus those earlier in the token; chunk 0 also writes inv_perm.
+    Programs past M * CHUNKS: one expert's block of m_indices each (E: the unused tail); the
+    first also writes expert_offsets and the id check's flag, and with ASSERT (a launch with
+    debug=True, which compiles device asserts in) asserts it: no separate check kernel after this
+    one."""
+    pid = tl.program_id(0)
+    t = pid // CHUNKS
+    c = pid % CHUNKS
+    kk = tl.arange(0, K_PAD)
+    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+    # the row's load goes first: it needs the token's own ids only (nothing read past M)
+    v, cols, h_live = _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H, LOAD_POLICY)
+    pos = tl.arange(0, N_PAD)
+    ea, bad = _load_token_ids(ids_ptr, pos // K_PAD, pos % K_PAD, M, K, stride_it, stride_ik, E)
+    binned = tl.where(ea >= 0, ea, E)  # bin E: -1, invalid ids and padding (ignored)
+    bins = tl.arange(0, NUM_BINS)
+    tot = tl.where(bins < E, tl.histogram(binned, NUM_BINS), 0)
+    tot, aligned, start = _aligned_from(tot, ALIGN)
+    if t >= M:
+        q = pid - M * CHUNKS
+        if q <= E:
+            _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, offsets_ptr, E, M_SUM,
+                       NUM_BINS, BLOCK_ROWS, 1, False)  # fmt: skip
+        if q == 0:
+            n_bad = tl.sum(bad.to(tl.int32), axis=0)
+            tl.store(ok_ptr + bins, n_bad + bins * 0 == 0, mask=bins < 1)
+            if ASSERT:
+                tl.device_assert(n_bad == 0, "permute: topk_ids expected ids in [0, E) or -1")
+    else:
+        before = tl.histogram(tl.where(pos < t * K_PAD, binned, E), NUM_BINS)
+        live = e >= 0
+        ei = tl.where(live, e, 0)
+        same = (e[None, :] == e[:, None]) & (kk[None, :] < kk[:, None])
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        rows = tl.gather(start, ei, axis=0) + tl.gather(before, ei, axis=0) + rank
+        rows = tl.where(live, rows, -1)
+        t64 = t.to(tl.int64)
+        if c == 0:
+            tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+        _store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
+        if HAS_SCALES:  # SPC scales of the row per column chunk, to each of its rows
+            so = c * SPC + tl.arange(0, BLOCK_S)
+            s_hi = tl.where(h_live > 0, tl.minimum(c * SPC + SPC, S), 0)
+            sv = tl.load(xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < s_hi)
+            for k in tl.static_range(K):
+                r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+                dst = outs_ptr + r.to(tl.int64) * stride_om + so * stride_os
+                tl.store(dst, sv, mask=so < tl.where(r >= 0, s_hi, 0), eviction_policy=SCALE_POLICY)
+
+
 # ----------------------------------------------------------------------------- host-side launch
 def _at_least(n, lo: int) -> bool:
     """n >= lo. A symbolic n (torch.compile) is guarded on when backed; an unbacked one (exact-size
@@ -401,6 +494,20 @@ def _at_least(n, lo: int) -> bool:
     if isinstance(n, int):
         return n >= lo
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
+
+
+def _assert_in_kernel(direct: bool) -> bool:
+    """The small kernel asserts the ids itself on direct CUDA launches (not in debug mode, which
+    syncs and raises a ValueError instead, nor for the interpreter or torch.compile's wrapped
+    launches, which take the usual check after the kernel)."""
+    return direct and not _checks.debug_enabled()
+
+
+def _at_most(n, hi: int) -> bool:
+    """n <= hi, like _at_least (an unbacked n gives False)."""
+    if isinstance(n, int):
+        return n <= hi
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(n <= hi)
 
 
 def _by_row(S: int, scale_layout: str, n) -> bool:
@@ -443,6 +550,37 @@ def _permute_triton(
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
+    by_row = _by_row(S, scale_layout, M * K)
+    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
+    xs = x_scales if x_scales is not None else x
+    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
+    chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
+    spc = triton.cdiv(S, chunks)  # scales per column chunk
+    sit, sik = topk_ids.stride()
+    direct = (
+        x.is_cuda and not _checks._tracing(x) and not torch._library.triton.is_wrap_triton_enabled()
+    )
+    if not by_row and _at_most(M * k_pad, SMALL_ENTRIES):
+        in_kernel = _assert_in_kernel(direct)
+        block_h = min(
+            triton.next_power_of_2(max(H, 1)), max(16, SMALL_COPY_BYTES // x.element_size())
+        )
+        chunks = max(triton.cdiv(H, block_h), 1)
+        spc = triton.cdiv(S, chunks)
+        _q._kernel(_small_permute_kernel)[(M * chunks + E + 1,)](
+            x, xs, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok,
+            M, H, S, spc, E, A, m_sum, chunks,
+            sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
+            K=K, K_PAD=k_pad, N_PAD=triton.next_power_of_2(max(SMALL_ENTRIES, 1)),
+            NUM_BINS=triton.next_power_of_2(E + 1), BLOCK_H=block_h,
+            BLOCK_S=triton.next_power_of_2(max(spc, 1)), HAS_SCALES=S > 0, BLOCK_ROWS=BLOCK_ROWS,
+            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY,
+            ASSERT=in_kernel, num_warps=SMALL_WARPS,
+            **(dict(debug=True, sanitize_overflow=False) if in_kernel else {}),
+        )  # fmt: skip
+        if not in_kernel:
+            _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+        return x_out, s_out, m_indices, inv_perm, offsets
     # counts[e, b]: entries of expert e in block b, then those in blocks < b; bad[b]: invalid ids
     # of block b; totals[e]. sym_max, and no `if` on sizes below: M may be an unbacked size
     # (exact-size HT dispatch under torch.compile); a launch with an empty grid is a no-op
@@ -450,23 +588,16 @@ def _permute_triton(
     counts = torch.empty((E, nb1), dtype=torch.int32, device=dev)
     bad = torch.empty((nb1,), dtype=torch.int32, device=dev)
     totals = torch.empty((E,), dtype=torch.int32, device=dev)
-    by_row = _by_row(S, scale_layout, M * K)
     # source token of each row (-1: none) for the row-block scale copy; when unused a placeholder
     # the kernels never touch (not an alias of a buffer a kernel writes: torch.compile's
     # functionalization would see a mutated alias)
     src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else bad
 
-    sit, sik = topk_ids.stride()
     # PDL: the kernels after the first are launched with launch_pdl, only by direct launches (the
     # interpreter and wrap_triton's higher-order op see neither the option nor gdc_wait). The
     # first one is launched in stream order: it may not start before the work ahead of permute
     # (the producer of x and topk_ids, the last user of the memory it is given) is done
-    use_pdl = (
-        PDL
-        and x.is_cuda
-        and not _checks._tracing(x)
-        and not torch._library.triton.is_wrap_triton_enabled()
-    )
+    use_pdl = PDL and direct
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
@@ -480,11 +611,6 @@ def _permute_triton(
     if side is not None:
         with _checks.on_branch(side):
             _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
-    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
-    xs = x_scales if x_scales is not None else x
-    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-    chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
-    spc = triton.cdiv(S, chunks)  # scales per column chunk
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
     fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'

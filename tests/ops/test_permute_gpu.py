@@ -65,9 +65,15 @@ def test_workload_w_like(dtype, s, layout):
         (257, 4, 1, 64, "random"),
         (129, 6, 3, 8, "random"),  # K > E: repeated experts
         (2000, 8, 256, 128, "random"),  # E > BLOCK_N bins, 16000 entries
+        (256, 8, 128, 128, "random"),  # W decode: the most entries the one kernel takes
     ],
 )
-def test_edge_cases(m, k, e, a, kind):
+@pytest.mark.parametrize("path", ["default", "chain"])
+def test_edge_cases(m, k, e, a, kind, path, monkeypatch):
+    """Up to permute.SMALL_ENTRIES entries one kernel does it all by default; "chain" forces the
+    count / scan / copy kernels."""
+    if path == "chain":
+        monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0)
     gen = torch.Generator().manual_seed(m + e)
     x = _payload(m, 300, torch.bfloat16, gen)  # H = 300: a partial copy chunk
     _check(x, C.routing(m, k, e, gen, kind, local=0.6), e, a, torch.rand((m, 3), generator=gen))
@@ -137,6 +143,7 @@ def test_opcheck_cuda():
     [
         (512, 1024),  # DeepGEMM-layout scales per source token (4096 entries), one column chunk
         (1024, 7168),  # per destination row block (8192 entries), two chunks: the split kernels
+        (256, 7168),  # 2048 entries: the one kernel (permute.SMALL_ENTRIES)
     ],
 )
 def test_cuda_graph_replay(m, h):

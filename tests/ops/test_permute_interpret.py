@@ -16,9 +16,12 @@ pytestmark = pytest.mark.interpret
 P = C.permute_mod
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Tiny blocks so a few dozen entries span several count / scan / copy blocks."""
+@pytest.fixture(params=["chain", "one_kernel"])
+def small_blocks(request, monkeypatch):
+    """Tiny blocks so a few dozen entries span several count / scan / copy blocks; every test
+    that uses them runs twice: through the count / scan / copy chain, and through the one kernel
+    that small inputs take (permute.SMALL_ENTRIES)."""
+    monkeypatch.setattr(P, "SMALL_ENTRIES", 0 if request.param == "chain" else 256)
     monkeypatch.setattr(P, "BLOCK_N", 8)
     monkeypatch.setattr(P, "BLOCK_SCAN", 2)
     monkeypatch.setattr(P, "BLOCK_ROWS", 16)
