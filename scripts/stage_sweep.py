@@ -256,12 +256,12 @@ SWEEPS = {
     "quantize_prefill_fp8": [{}],
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
     "quantize_decode_fp8": [{}],
-    "quantize_decode_int8": [{}],
+    "quantize_decode_int8": grid(MAX_WARPS=[4, 8, 16]),
     "silu_quant_prefill_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_prefill_int8": grid(FAST_MATH=[True], INT8_WARPS=[2, 4, 8])
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
-    "silu_quant_decode_int8": grid(FAST_MATH=[True, False]),
+    "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
     "permute_prefill_bf16": [{}],
     # where the id check runs (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen
     # in sessions 4-6: benchmarks/results/*/RESULTS.md)

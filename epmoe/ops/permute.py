@@ -83,7 +83,7 @@ SCALE_SPREAD = True
 # split (same run): the boundary costs nothing measurable, and the spin needs blocks dispatched in
 # id order. The copy itself is what is slow: 85.0 of the fused kernel's ~92 us. Its floor at W
 # (scripts/stage_sweep.py diag_*, session 7): the fp8 payload scatter alone with its rows given
-# takes 80.4 us (85.8% of the copy ceiling), the same stores with nothing read 59.2 us (93%), the
+# takes 80.4 us (85.4% of the copy ceiling), the same stores with nothing read 59.2 us (93%), the
 # same copies to consecutive rows 79.2 us: the 1-read / ~4-write mix, not the scatter, costs it
 # cache hints of the payload copy ("": none): each source row is read once, each destination
 # row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
