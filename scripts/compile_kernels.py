@@ -203,9 +203,12 @@ def cases() -> Dict[str, Callable[[], object]]:
         ],  # fmt: skip
         # workload W's sizes (registers depend on them: K_PAD 8, 128 experts, 4 KiB chunks);
         # torch.empty: nothing is touched
-        "permute at W: bf16/fp8 (deepgemm scales)/int8": lambda: [
+        # (asserting the ids inside the scan kernel, as CUDA launches do; the small cases above
+        # compile the build without the assert, as torch.compile's launches use)
+        "permute at W: bf16/fp8 (deepgemm scales)/int8, asserting": lambda: [
             p(torch.empty((8192, 7168), dtype=dt), ids_w, 128, 128, sc, layout)
             for dt, sc, layout in w_payloads
+            for _ in _patched(P, _assert_in_kernel=lambda direct: True)
         ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](

@@ -1,8 +1,8 @@
 """Value checks as a side branch of a captured CUDA graph (epmoe._checks.branch), on the GPU.
 
-While a graph is captured, permute's id check (on its count / scan / copy chain; its one kernel for
-few entries asserts inside itself) and unpermute's row check run on a side stream: the graph gets
-them as a parallel branch instead of nodes between the op's kernels. Checked here: the
+While a graph is captured, unpermute's row check runs on a side stream: the graph gets it as a
+parallel branch instead of nodes between the op's kernels. permute's kernels assert the ids
+themselves (on direct launches: eager, the dispatcher, graph capture of either). Checked here: the
 branch is taken under capture (and only then), replays equal eager results, and a bad value
 copied into a captured graph's input still trips the device assert (in a subprocess: a device
 assert leaves the CUDA context unusable).
@@ -44,10 +44,10 @@ def _step(d):
 
 @pytest.mark.parametrize("path", ["chain", "one_kernel"])
 def test_checks_branch_under_capture_and_replays_equal_eager(path, monkeypatch):
-    """permute's count / scan / copy chain branches for its check; its one kernel (few entries,
-    permute.SMALL_ENTRIES) checks the ids itself and does not."""
+    """unpermute branches for its check under capture; permute's kernels assert the ids
+    themselves and never do. path: permute's count / scan / copy chain, or its one kernel for few
+    entries (permute.SMALL_ENTRIES)."""
     monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0 if path == "chain" else 2048)
-    branches = 2 if path == "chain" else 1
     taken = []
     real = _checks.branch
 
@@ -60,12 +60,12 @@ def test_checks_branch_under_capture_and_replays_equal_eager(path, monkeypatch):
     static = _inputs(0)
     _step(static)  # compiles the kernels
     torch.cuda.synchronize()
-    assert len(taken) == branches and not any(taken), taken  # eager: no branch
+    assert taken == [False], taken  # eager: no branch (and permute never asks for one)
     taken.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = _step(static)
-    assert taken == [True] * branches, taken  # (permute and) unpermute branched
+    assert taken == [True], taken  # unpermute branched
     for seed in (1, 2, 3):
         fresh = _inputs(seed)
         for k, v in fresh.items():
@@ -114,7 +114,8 @@ print("bad replay passed", flush=True)
     "op,small", [("permute", 0), ("permute", 2048), ("unpermute", 2048)], ids=["chain", "one", "un"]
 )
 def test_bad_value_in_a_replay_trips_the_assert(op, small):
-    """The chain's branch assert, and the one kernel's own (small: permute.SMALL_ENTRIES)."""
+    """permute's kernels' own asserts (the chain's copy kernel, the one kernel for few entries:
+    small is permute.SMALL_ENTRIES) and unpermute's branch assert."""
     res = subprocess.run(
         [sys.executable, "-c", _BAD_REPLAY.format(op=op, small=small)],
         capture_output=True,

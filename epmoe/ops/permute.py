@@ -15,14 +15,14 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: one kernel up to SMALL_ENTRIES entries (it asserts the ids itself), else three
+CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three
 (four with DeepGEMM-layout scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes,
 no host sync, no atomics (the row order is deterministic) and no zero fill; on sm90 each kernel
 after the first starts early (programmatic dependent launch) and waits only before it reads its
 predecessor's output. Each source row is read once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
-[0, E) other than -1 are an error (ValueError on CPU; device assert on CUDA, ValueError there too
-in debug mode; in a captured graph the chain's assert is a branch beside the copy).
+[0, E) other than -1 are an error (ValueError on CPU; on CUDA a device assert inside the kernels,
+ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
 import importlib
@@ -183,10 +183,11 @@ def _count_tokens_kernel(
 @triton.jit
 def _scan_kernel(
     counts_ptr, bad_ptr, totals_ptr, ok_ptr, E, NB,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, ASSERT: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, E): counts[e, b] <- entries of e in blocks < b; totals[e] <- all of them.
-    Program E: ok <- no invalid id in any block."""
+    Program E: ok <- no invalid id in any block; with ASSERT (a debug=True build) it also asserts
+    ok (this small kernel, not the copy, carries the assert's registers)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # counts and bad come from the count kernel
@@ -206,6 +207,9 @@ def _scan_kernel(
             offs = b0 + lane
             acc += tl.sum(tl.load(bad_ptr + offs, mask=offs < NB, other=0), axis=0)
         tl.store(ok_ptr + lane, acc == 0, mask=lane < 1)
+        if ASSERT:
+            n_bad = tl.max(acc, axis=0)
+            tl.device_assert(n_bad == 0, "permute: topk_ids expected ids in [0, E) or -1")
 
 
 @triton.jit
@@ -497,10 +501,16 @@ def _at_least(n, lo: int) -> bool:
 
 
 def _assert_in_kernel(direct: bool) -> bool:
-    """The small kernel asserts the ids itself on direct CUDA launches (not in debug mode, which
-    syncs and raises a ValueError instead, nor for the interpreter or torch.compile's wrapped
-    launches, which take the usual check after the kernel)."""
+    """The kernels assert the ids themselves on direct CUDA launches: no check kernel after them
+    (not in debug mode, which syncs and raises a ValueError instead, nor for the interpreter or
+    torch.compile's wrapped launches, which take the usual check)."""
     return direct and not _checks.debug_enabled()
+
+
+def _assert_build(in_kernel: bool) -> dict:
+    """Launch options that compile a kernel's device asserts in (debug=True) and nothing else:
+    with debug on, Triton would also check every int32 add and multiply for overflow."""
+    return dict(debug=True, sanitize_overflow=False) if in_kernel else {}
 
 
 def _at_most(n, hi: int) -> bool:
@@ -575,8 +585,7 @@ def _permute_triton(
             NUM_BINS=triton.next_power_of_2(E + 1), BLOCK_H=block_h,
             BLOCK_S=triton.next_power_of_2(max(spc, 1)), HAS_SCALES=S > 0, BLOCK_ROWS=BLOCK_ROWS,
             LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY,
-            ASSERT=in_kernel, num_warps=SMALL_WARPS,
-            **(dict(debug=True, sanitize_overflow=False) if in_kernel else {}),
+            ASSERT=in_kernel, num_warps=SMALL_WARPS, **_assert_build(in_kernel),
         )  # fmt: skip
         if not in_kernel:
             _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
@@ -603,14 +612,12 @@ def _permute_triton(
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
         TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
+    # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
+    in_kernel = _assert_in_kernel(direct)
     _q._kernel(_scan_kernel)[(E + 1,)](
-        counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, num_warps=4, **pdl,
+        counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, ASSERT=in_kernel, num_warps=4, **pdl,
+        **_assert_build(in_kernel),
     )  # fmt: skip
-    # the id check's assert needs only the scan's flag: in a captured graph it runs beside the copy
-    side = _checks.branch(ok)
-    if side is not None:
-        with _checks.on_branch(side):
-            _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
     fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'
@@ -637,9 +644,8 @@ def _permute_triton(
             K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=k_pad, BLOCK_H=block_h,
             LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
         )  # fmt: skip
-    if side is None:
+    if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
-    _checks.join(side)
     return x_out, s_out, m_indices, inv_perm, offsets
 
 
