@@ -58,8 +58,8 @@ COPY_WARPS = 4
 # (a binary search and a block scan per row: latency-bound programs holding the copy's slots, and
 # 55-137 registers)
 # Up to SMALL_ENTRIES (t, k) entries (K padded to a power of 2) one kernel does everything, each
-# program counting every entry itself (_small_permute_kernel): one launch instead of four (with
-# the check's), no kernel waits on another, the id check inside it. W decode fp8 (256 tokens) on
+# program counting every entry itself (_small_permute_kernel): one launch instead of three (four
+# when the check was its own launch), and no kernel waits on another. W decode fp8 (256 tokens) on
 # H200, CUDA graph: 12.6 us vs 13.0 for the chain (the kernel alone 9.1); its programs need 162
 # registers, so whole rows a program (fewer programs than slots): 4 KiB programs 16.8 us, 8 warps
 # 14.3
