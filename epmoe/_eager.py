@@ -21,6 +21,7 @@ launch through the triton_kernel_wrapper higher-order op, ~100 µs of Python per
 """
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -102,3 +103,20 @@ def on_device(t: torch.Tensor):
 
 
 _NULL = contextlib.nullcontext()  # (reusable: entering and leaving it does nothing)
+
+
+def on_input_device(fn):
+    """Decorator for a stage's launch function fn(t, ...): it runs with t's CUDA device current,
+    since Triton launches on the current device (a process that drives several GPUs may call an
+    op on tensors of a device that is not the current one). The usual call, t on the current
+    device or on the CPU, costs one device query."""
+
+    @functools.wraps(fn)
+    def launch(t, *args, **kwargs):
+        d = t.get_device()
+        if d < 0 or d == torch._C._cuda_getDevice():
+            return fn(t, *args, **kwargs)
+        with torch.cuda.device(d):
+            return fn(t, *args, **kwargs)
+
+    return launch

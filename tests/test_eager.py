@@ -215,3 +215,76 @@ def test_fast_path_bad_cuda_inputs_raise_value_error():
         except Exception as e:  # noqa: BLE001 - collect every case that is not a ValueError
             wrong.append(f"{name}: {type(e).__name__}: {e}")
     assert not wrong, wrong
+
+
+class _FakeDeviceTensor:
+    """Stands for a CUDA tensor on device 1 (on_input_device reads get_device() only)."""
+
+    def get_device(self):
+        return 1
+
+
+def test_on_input_device_switches_only_when_needed(monkeypatch):
+    """A launch function runs under torch.cuda.device(its first argument's device) when that is
+    not the current device, and directly otherwise (CPU tensors included)."""
+    entered = []
+
+    class _Device:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            entered.append(self.d)
+
+        def __exit__(self, *exc):
+            return False
+
+    @_eager.on_input_device
+    def launch(t, a, b=2):
+        return a + b
+
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    assert launch(torch.zeros(1), 1, b=3) == 4 and entered == []  # CPU: no device query at all
+    assert launch(_FakeDeviceTensor(), 1) == 3 and entered == [1]
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    assert launch(_FakeDeviceTensor(), 5) == 7 and entered == [1]  # already current
+    assert launch.__name__ == "launch"
+
+
+@pytest.mark.multi_gpu
+def test_stage_ops_launch_on_their_inputs_device():
+    """Inputs on cuda:1 while cuda:0 is current: every stage op (public function and registered
+    op) computes on cuda:1 and equals the CPU reference; the current device stays cuda:0."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    gen = torch.Generator().manual_seed(11)
+    m, k, e, a, h = 96, 4, 8, 16, 512
+    x = torch.randn((m, h), generator=gen).to(torch.bfloat16)
+    ids = C.routing(m, k, e, gen)
+    w = torch.rand((m, k), generator=gen)
+    xq, xs = reference.quantize(x, "fp8")
+    y = torch.randn((reference.permuted_rows(m, k, e, a), 2 * h), generator=gen)
+    y = y.to(torch.bfloat16)
+    ops = torch.ops.epmoe
+    for public in (True, False):
+        q, s = quantize(x.to(dev), "fp8") if public else ops.quantize.default(x.to(dev), "fp8")
+        C.assert_equal(q.cpu().view(torch.uint8), xq.view(torch.uint8), "quantize")
+        C.assert_equal(s.cpu(), xs, "quantize scales")
+        args = (xq.to(dev), ids.to(dev), e, a, xs.to(dev))
+        p = permute(*args) if public else C.permute_mod.PermuteResult(*ops.permute.default(*args))
+        ref = C.reference_permute(xq, ids, e, a, xs)
+        out = (p.x.cpu(), p.x_scales.cpu(), p.m_indices.cpu(), p.inv_perm.cpu())
+        C.assert_permute_equal((*out, p.expert_offsets.cpu()), ref)
+        h1 = silu_and_mul(y.to(dev)) if public else ops.silu_and_mul.default(y.to(dev))
+        C.assert_close(h1, reference.silu_and_mul(y))
+        hq, hs = silu_and_mul_quant(y.to(dev), "int8")
+        rq, rs = reference.quantize(h1.cpu(), "int8")  # (of the GPU's own SiLU, as in its tests)
+        C.assert_equal(hq, rq, "silu_and_mul_quant")
+        C.assert_equal(hs, rs, "silu_and_mul_quant scales")
+        yo = torch.randn((p.x.shape[0], h), generator=gen).to(torch.bfloat16)
+        inv = p.inv_perm.cpu()
+        out = unpermute(yo.to(dev), inv.to(dev), w.to(dev))
+        C.assert_close(out, reference.unpermute(yo, inv, w))
+        assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(dev)

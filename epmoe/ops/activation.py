@@ -273,6 +273,7 @@ def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
     return slots
 
 
+@_eager.on_input_device
 def _silu_and_mul_triton(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
@@ -301,6 +302,7 @@ def _silu_and_mul_triton(
     return h
 
 
+@_eager.on_input_device
 def _silu_and_mul_quant_triton(
     y: torch.Tensor,
     scheme: str,

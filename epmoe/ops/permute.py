@@ -531,6 +531,7 @@ def _by_row(S: int, scale_layout: str, n) -> bool:
     )
 
 
+@_eager.on_input_device
 def _permute_triton(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

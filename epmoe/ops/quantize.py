@@ -343,6 +343,7 @@ def launch_quant(
         )  # fmt: skip
 
 
+@_eager.on_input_device
 def _quantize_triton(
     x: torch.Tensor,
     scheme: str,

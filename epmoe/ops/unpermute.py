@@ -66,6 +66,7 @@ def _unpermute_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side launch
+@_eager.on_input_device
 def _unpermute_triton(
     y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
