@@ -15,11 +15,11 @@ scale_layout="row")``
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
   CUDA kernels never write them: at workload W they are more than half of M_sum).
 
-CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three
-(four with DeepGEMM-layout scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes,
-no host sync, no atomics (the row order is deterministic) and no zero fill; on sm90 each kernel
-after the first starts early (programmatic dependent launch) and waits only before it reads its
-predecessor's output. Each source row is read once and written to all of its local experts.
+CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three (four with DeepGEMM-layout
+scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes, no host sync, no atomics
+(the row order is deterministic) and no zero fill; on sm90 each kernel after the first starts
+early (programmatic dependent launch) and waits only before it reads its predecessor's output.
+Each source row is read once and written to all of its local experts.
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; on CUDA a device assert inside the kernels,
 ValueError in debug mode; under torch.compile an async assert after the kernels).
