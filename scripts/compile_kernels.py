@@ -286,12 +286,6 @@ def main() -> int:
             for fn, args, kwargs in calls
             if kwargs.get("PDL") is False
         ]
-        # permute's count kernel also with its L2 prefetch (a direct sm90 launch turns it on)
-        calls += [
-            (fn, args, dict(kwargs, PF_SPLIT=4))
-            for fn, args, kwargs in calls
-            if kwargs.get("PF_SPLIT") == 0
-        ]
         seen = set()
         for fn, args, kwargs in calls:
             kname = getattr(fn, "__name__", None) or fn.fn.__name__  # (a Heuristics wraps it)

@@ -252,17 +252,6 @@ def cases():
     return out
 
 
-_PF = [
-    0,
-    4 << 20,
-    8 << 20,
-    16 << 20,
-    24 << 20,
-    32 << 20,
-    0,
-    16 << 20,
-]  # (0 and 16 MiB twice: noise)
-
 SWEEPS = {
     "quantize_prefill_fp8": [{}],
     "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
@@ -273,13 +262,11 @@ SWEEPS = {
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
+    "permute_prefill_bf16": [{}],
     # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
-    # check's place (CHECK) and the one kernel's launch in session 7: see benchmarks/results/;
-    # the L2 prefetch of the first rows during the index chain in session 8)
-    "permute_prefill_bf16": grid(PREFETCH_BYTES=_PF),
-    "permute_prefill_fp8": grid(PREFETCH_BYTES=_PF)
-    + grid(PREFETCH_BYTES=[0, 16 << 20, 32 << 20], SPLIT_CHUNKS=[False]),
-    "permute_prefill_int8": grid(PREFETCH_BYTES=_PF),
+    # check's place (CHECK) and the one kernel's launch in session 7: see benchmarks/results/)
+    "permute_prefill_fp8": [{}],
+    "permute_prefill_int8": [{}],
     "permute_index_only": grid(PDL=[True, False]),
     "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
     + grid(COPY_BYTES=[4096], COPY_WARPS=[4], STORE_CACHE=["", ".wt"]),

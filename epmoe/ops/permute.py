@@ -25,7 +25,6 @@ Each source row is read once and written to all of its local experts.
 ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
-import functools
 import importlib
 from typing import NamedTuple, Optional, Tuple
 
@@ -106,15 +105,6 @@ PDL = True
 # The copy kernel's grid is 1-D with a token's column chunks in neighbouring programs; a 2-D grid
 # (token, chunk), every token's chunk 0 before any chunk 1, was 1-2% slower (W on H200, three
 # sweeps: bf16 162.4 / 162.4 vs 160.1 / 161.1 us, int8 87.0 / 86.3 / 85.8 vs 85.3 / 85.4 / 85.1)
-# L2 prefetch of the first source rows while the index chain runs: no row can be stored before
-# the count and scan kernels end (~5 us at W, HBM idle but for the ids), so the count kernel's
-# programs, once their ids are counted, ask the L2 for the rows the copy kernel's first programs
-# will read (cp.async.bulk.prefetch, sm90: one instruction a piece of row, nothing waits on it).
-# Those copies then stream writes alone. PREFETCH_BYTES: how much, from token 0 on (of each row
-# only what the copy kernel reads: chunk 0 with the split fp8 path); 0: none. Direct sm90
-# launches only (the interpreter runs no PTX; under torch.compile the rows' alignment is unknown)
-PREFETCH_BYTES = 16 << 20
-PREFETCH_THREADS = 128  # pieces a count program splits its rows into: one per thread (4 warps)
 # Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
 # src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
 # gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
@@ -170,34 +160,12 @@ def _aligned_from(tot, ALIGN):
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, on):
-    """Asks the L2 for nbytes at each ptr where on != 0 (cp.async.bulk.prefetch, sm90): a hint,
-    nothing waits on it. ptr 16-byte aligned, nbytes a multiple of 16 (int32, same shape)."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.b32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $3;
-        mov.b32 $0, 0;
-        }""",
-        constraints="=r,l,r,r",
-        args=[ptr, on, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _count_tokens_kernel(
-    ids_ptr, counts_ptr, bad_ptr, x_ptr,
-    M, K, stride_it, stride_ik, E, NB, stride_xm, PF_TOKENS, PF_PIECE,
+    ids_ptr, counts_ptr, bad_ptr,
+    M, K, stride_it, stride_ik, E, NB,
     TB: tl.constexpr, K_PAD: tl.constexpr, NUM_BINS: tl.constexpr, PDL: tl.constexpr,
-    PF_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """counts[e, b] <- entries of expert e in token block b; bad[b] <- its invalid ids. With
-    PF_SPLIT > 0: then the L2 prefetch of PF_SPLIT pieces of PF_PIECE elements of each row of
-    the block's tokens below PF_TOKENS that has a local entry."""
+    """counts[e, b] <- entries of expert e in token block b; bad[b] <- its invalid ids."""
     if PDL:  # (this first kernel of the chain is itself launched in stream order)
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -210,21 +178,6 @@ def _count_tokens_kernel(
     tl.store(counts_ptr + bins * NB + b, hist, mask=bins < E)
     n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
     tl.store(bad_ptr + b + bins, n_bad + bins * 0, mask=bins < 1)
-    if PF_SPLIT > 0:  # (after the counts: the prefetches queue behind no id load)
-        if b * TB < PF_TOKENS:
-            # (1-D throughout, one piece a thread: a reshape of the counted ids would give each
-            # thread two copies of a piece, and each copy is its own prefetch)
-            i = tl.arange(0, TB * PF_SPLIT)
-            tp = b * TB + i // PF_SPLIT
-            on = tp < tl.minimum(PF_TOKENS, M)
-            live = i < 0  # the token has a local entry (ids from L1: the counts just read them)
-            for k in tl.static_range(K_PAD):
-                ek, _ = _load_token_ids(ids_ptr, tp, k, M, K, stride_it, stride_ik, E)
-                live = live | (ek >= 0)
-            on = on & live
-            ptr = x_ptr + tp.to(tl.int64) * stride_xm + (i % PF_SPLIT) * PF_PIECE
-            nbytes = (PF_PIECE * x_ptr.dtype.element_ty.primitive_bitwidth // 8) + i * 0
-            _prefetch_l2(ptr, nbytes, on.to(tl.int32))
 
 
 @triton.jit
@@ -578,36 +531,6 @@ def _by_row(S: int, scale_layout: str, n) -> bool:
     )
 
 
-def _prefetch_plan(x: torch.Tensor, cols: int, tb: int, on: bool) -> Tuple[int, int, int]:
-    """(tokens, pieces a row, elements a piece) of the count kernel's L2 prefetch of the first
-    ``cols`` columns of x's rows (PREFETCH_BYTES in all); (0, 0, 1) for none: off, not a direct
-    launch (``on``), not sm90+, or rows the bulk prefetch cannot take (16-byte aligned pieces,
-    a multiple of 16 bytes each)."""
-    size = x.element_size()
-    split = max(1, PREFETCH_THREADS // tb)
-    piece = cols // split
-    row_bytes = piece * split * size
-    ok = (
-        on
-        and PREFETCH_BYTES > 0
-        and piece > 0
-        and x.stride(1) == 1
-        and (piece * size) % 16 == 0
-        and (x.stride(0) * size) % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and _sm90(x.get_device())
-    )
-    if not ok:
-        return 0, 0, 1
-    return min(x.shape[0], PREFETCH_BYTES // row_bytes), split, piece
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    """CUDA device ``index`` runs sm90 instructions (the bulk prefetch)."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 @_eager.on_input_device
 def _permute_triton(
     x: torch.Tensor,
@@ -686,13 +609,9 @@ def _permute_triton(
     # (the producer of x and topk_ids, the last user of the memory it is given) is done
     use_pdl = PDL and direct
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
-    # with row-block scales split off the column chunks past the first to the scale kernel
-    chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
-    pf_tokens, pf_split, pf_piece = _prefetch_plan(x, min(H, chunks_a * block_h), tb, use_pdl)
     _q._kernel(_count_tokens_kernel)[(nb,)](
-        topk_ids, counts, bad, x, M, K, sit, sik, E, nb, x.stride(0), pf_tokens, pf_piece,
-        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl,
-        PF_SPLIT=pf_split, num_warps=4,
+        topk_ids, counts, bad, M, K, sit, sik, E, nb,
+        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
     in_kernel = _assert_in_kernel(direct)
@@ -700,6 +619,8 @@ def _permute_triton(
         counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, ASSERT=in_kernel, num_warps=4, **pdl,
         **_assert_build(in_kernel),
     )  # fmt: skip
+    # with row-block scales split off the column chunks past the first to the scale kernel
+    chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
     fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'
     _q._kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,

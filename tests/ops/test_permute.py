@@ -1,7 +1,5 @@
 """permute: opcheck, a naive loop spec, invariants and random routings (CPU)."""
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -161,23 +159,3 @@ def test_permute_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         ops.permute(**args)
-
-
-def test_prefetch_plan(monkeypatch):
-    """The count kernel's L2 prefetch (CUDA sm90 direct launches): its budget in pieces of rows,
-    one piece a thread, and off where the bulk prefetch cannot take the rows."""
-    mod = importlib.import_module("epmoe.ops.permute")
-
-    monkeypatch.setattr(mod, "_sm90", lambda index: True)
-    monkeypatch.setattr(mod, "PREFETCH_BYTES", 1 << 20)
-    x = torch.empty((8192, 7168), dtype=torch.float8_e4m3fn)
-    # 32 tokens a count program (top-8): 4 pieces of each row, 1024 of the first 4096 bytes each
-    assert mod._prefetch_plan(x, 4096, 32, True) == (256, 4, 1024)
-    assert mod._prefetch_plan(x, 7168, 32, True) == ((1 << 20) // 7168, 4, 1792)
-    assert mod._prefetch_plan(x[:100], 7168, 32, True) == (100, 4, 1792)  # fewer rows than budget
-    assert mod._prefetch_plan(x, 7168, 256, True) == ((1 << 20) // 7168, 1, 7168)  # top-1
-    assert mod._prefetch_plan(x, 7168, 32, False) == (0, 0, 1)  # not a direct launch
-    assert mod._prefetch_plan(x[:, 1:], 7000, 32, True) == (0, 0, 1)  # rows not 16-byte aligned
-    assert mod._prefetch_plan(x, 100, 32, True) == (0, 0, 1)  # 25-byte pieces
-    monkeypatch.setattr(mod, "PREFETCH_BYTES", 0)
-    assert mod._prefetch_plan(x, 7168, 32, True) == (0, 0, 1)

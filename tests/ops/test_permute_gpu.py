@@ -168,31 +168,3 @@ def test_cuda_graph_replay(m, h):
         torch.cuda.synchronize()
         ref = C.reference_permute(x, ids, e, a, scales)
         C.assert_permute_equal((p.x, p.x_scales, p.m_indices, p.inv_perm, p.expert_offsets), ref)
-
-
-@pytest.mark.parametrize(
-    "m,h,dtype,s,layout,view",
-    [
-        (1024, 7168, torch.float8_e4m3fn, 56, "deepgemm", False),  # split: chunk 0 prefetched
-        (1024, 7168, torch.bfloat16, 0, "row", False),
-        (1024, 7168, torch.int8, 1, "row", False),
-        (600, 1040, torch.bfloat16, 0, "row", False),  # pieces of 260 elements (520 bytes)
-        (600, 1040, torch.int8, 1, "row", True),  # x[1:] of a 1041-column tensor: no prefetch
-    ],
-)
-@pytest.mark.parametrize("budget", [1 << 20, 1 << 30])  # part of the rows / all of them
-def test_l2_prefetch(m, h, dtype, s, layout, view, budget, monkeypatch):
-    """The count kernel's L2 prefetch (a hint) changes no output, whether it covers some rows or
-    all, and is left off where the rows are not 16-byte aligned."""
-    monkeypatch.setattr(C.permute_mod, "PREFETCH_BYTES", budget)
-    monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0)
-    gen = torch.Generator().manual_seed(m + h)
-    k, e, a = 8, 128, 128
-    x = _payload(m, h + view, dtype, gen)[:, view:]
-    tb = C.permute_mod.BLOCK_N // k
-    plan = C.permute_mod._prefetch_plan(x.cuda(), h, tb, True)
-    assert (plan[0] > 0) == (not view)
-    if not view:
-        assert plan[0] == min(m, budget // (plan[1] * plan[2] * x.element_size()))
-    scales = torch.rand((m, s), generator=gen) if s else None
-    _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)
