@@ -10,6 +10,9 @@
 - :func:`copy_gbps`: the HBM copy ceiling (bytes read + written), the best of ``dst.copy_(src)``
   (cudaMemcpy: eager and as a graph memcpy node) and an SM copy kernel (Triton, in a graph), timed
   the same way and cached per process so every benchmark of a run compares against one number.
+- :func:`device_time`: median device span of one call (first kernel start to last kernel end,
+  profiler timestamps) under the same replay and flush, without the graph's launch on the device;
+  :func:`replay_floor_ms` is that launch cost as :func:`time_cuda` sees it (a one-kernel graph).
 - :func:`record`: put rates, ceiling and baseline in ``benchmark.extra_info`` (keys ``gbps`` and
   ``ceiling_gbps`` are what ``epmoe bench`` reports) and let pytest-benchmark time the replay too.
 
@@ -110,6 +113,92 @@ def time_cuda(
     return Timing(statistics.median(times), min(times), iters, method)
 
 
+def _gpu_activities(prof) -> list:
+    """(name, start_us, end_us) of every device-side activity (kernel, memcpy, memset) of a
+    torch.profiler run, by start."""
+    out = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((ev.name, ev.time_range.start, ev.time_range.end))
+    return sorted(out, key=lambda a: a[1])
+
+
+def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
+    """Median device span (ms) of one call of ``fn``: from its first kernel's start to its last
+    kernel's end, from the profiler's (CUPTI) timestamps, as DeepGEMM's and DeepEP's benchmarks
+    time kernels. The call is a CUDA-graph replay after an L2 flush, as in :func:`time_cuda`, but
+    the graph's launch on the device (the gap between the stream reaching the replay and its
+    first kernel starting, ~3 us on the H200, which a real layer's graph or stream overlaps with
+    the work before it) is not counted. None when ``fn`` cannot be captured or its activities
+    cannot be told from the flush's."""
+    run = _capture(fn)
+    if run is None:
+        return None
+    run()
+    flush = _flush_buffer(torch.cuda.current_device())
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:  # what the flush alone launches
+        for _ in range(3):
+            _flush(flush)
+        torch.cuda.synchronize()
+    flush_names = {a[0] for a in _gpu_activities(prof)}
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            _flush(flush)
+            run()
+        torch.cuda.synchronize()
+    spans = call_spans(_gpu_activities(prof), flush_names)
+    if len(spans) != iters:
+        return None
+    ms = [us / 1e3 for us in spans]
+    return Timing(statistics.median(ms), min(ms), iters, "device_span")
+
+
+def call_spans(activities, flush_names) -> list:
+    """Span (end of the last - start of the first) of each run of activities between flushes:
+    ``activities`` (name, start, end) by start, a flush being any activity named in
+    ``flush_names``."""
+    spans, cur = [], None
+    for name, start, end in activities:
+        if name in flush_names:
+            if cur is not None:
+                spans.append(cur[1] - cur[0])
+                cur = None
+        else:
+            cur = (start, end) if cur is None else (cur[0], max(cur[1], end))
+    if cur is not None:
+        spans.append(cur[1] - cur[0])
+    return spans
+
+
+@functools.cache
+def copy_device_gbps(nbytes: int = COPY_BYTES) -> float:
+    """The copy ceiling by :func:`device_time` (best of memcpy and the SM copy kernel): the bar
+    for ``device_gbps``, measured the same way."""
+    nbytes = max(nbytes // 16 * 16, 16)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for fn in (lambda: dst.copy_(src), lambda: sm_copy(dst, src)):
+        t = device_time(fn, iters=10)
+        if t is not None:
+            best = max(best, t.gbps(2 * nbytes))
+    return best
+
+
+@triton.jit
+def _tiny_kernel(ptr):
+    tl.store(ptr, tl.load(ptr) + 1)
+
+
+def replay_floor_ms() -> float:
+    """:func:`time_cuda` of a graph of one trivial kernel (one word read and written): the fixed
+    cost of the replay timing itself, in every op's ``ms``."""
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+    return time_cuda(lambda: _tiny_kernel[(1,)](word, num_warps=1)).ms
+
+
 def launch_ms(fn: Callable[[], object], iters: int) -> float:
     """Median CUDA-event time (ms) of ``iters`` single eager launches of ``fn`` (no L2 flush)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -179,6 +268,11 @@ def same_size_copy_gbps(nbytes: int) -> float:
     return copy_gbps(half // 4096 * 4096)  # rounded: nearby sizes share one cached measurement
 
 
+@functools.cache
+def _replay_floor() -> float:
+    return replay_floor_ms()
+
+
 def record(
     benchmark,
     fn: Callable[[], object],
@@ -209,9 +303,22 @@ def record(
         same_size_copy_gbps=same_size_copy_gbps(nbytes),
     )
     extra["frac_of_same_size_copy"] = extra["gbps"] / extra["same_size_copy_gbps"]
+    dt = device_time(fn)
+    if dt is not None:
+        # against the higher of the two ceilings (the copy's own device span is the same bar)
+        bar = max(ceiling, copy_device_gbps())
+        extra.update(
+            device_ms=dt.ms,
+            device_gbps=dt.gbps(nbytes),
+            ceiling_device_gbps=copy_device_gbps(),
+            frac_of_ceiling_device=dt.gbps(nbytes) / bar,
+            replay_floor_ms=_replay_floor(),
+        )
     if target is not None:
         extra["target_frac"] = target
         extra["meets_target"] = extra["frac_of_ceiling"] >= target
+        if dt is not None:
+            extra["meets_target_device"] = extra["frac_of_ceiling_device"] >= target
     if baseline is not None:
         tb = time_cuda(baseline, iters=max(ITERS // 4, 10))
         extra.update(

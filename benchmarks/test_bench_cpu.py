@@ -144,3 +144,24 @@ def test_stage_byte_counts():
     # fp8: 2 rows of 256 outputs from bf16 input, 2 float32 scales a row; int8: one scale a row
     assert _bytes.quant_bytes(2, 256, 2, "fp8", 128) == 2 * (512 + 256 + 8)
     assert _bytes.quant_bytes(2, 256, 4, "int8", 128) == 2 * (1024 + 256 + 4)
+
+
+def test_device_call_spans():
+    """_timing.call_spans, behind device_time: each call's span from its activities between
+    flushes (overlapping kernels: PDL), the flush's own activities left out."""
+    import _timing
+
+    flush = {"reduce_kernel", "Memset (Device)"}
+    acts = [
+        ("Memset (Device)", 0.0, 1.0),
+        ("reduce_kernel", 1.0, 150.0),
+        ("count", 152.0, 154.0),
+        ("scan", 153.0, 157.0),  # overlaps count (started early)
+        ("copy", 155.0, 240.0),
+        ("rest", 200.0, 238.0),  # ends before copy: the span ends with copy
+        ("Memset (Device)", 241.0, 242.0),
+        ("reduce_kernel", 242.0, 390.0),
+        ("one", 392.0, 402.5),
+    ]
+    assert _timing.call_spans(acts, flush) == [88.0, 10.5]
+    assert _timing.call_spans([], flush) == []

@@ -109,6 +109,41 @@ def scatter_rows(x, inv, out, write_only=False):
     return out
 
 
+def source_rows(inv, m_sum):
+    """int32 [m_sum]: the token each row of inv_perm comes from, -1 for none."""
+    src = torch.full((m_sum,), -1, dtype=torch.int32, device=inv.device)
+    live = inv >= 0
+    tok = torch.arange(inv.shape[0], device=inv.device, dtype=torch.int32)[:, None]
+    src[inv[live].long()] = tok.expand_as(inv)[live]
+    return src
+
+
+def rest_kernel(x8, s8, ids, inv, src, out, outs, chunks=True, scales=True):
+    """permute's second kernel on fp8 rows (DeepGEMM-layout scales) alone, its inputs given:
+    column chunk 1 of every token's row to its rows in inv_perm (chunks) and the row-block scale
+    copy from the rows' source tokens src (scales), spread as permute spreads them; PDL off
+    (nothing runs before it)."""
+    M, H = x8.shape
+    K = inv.shape[1]
+    m_sum, S = outs.shape
+    block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x8.element_size()))
+    n_rest = triton.cdiv(H, block_h) - 1 if chunks else 0
+    block_s = triton.next_power_of_2(S)
+    block_r = max(1, P.SCALE_TILE // block_s)
+    n_scale = triton.cdiv(m_sum, block_r) if scales else 0
+    m = M if chunks else 0
+    stride = (m * n_rest + n_scale) // n_scale if P.SCALE_SPREAD and n_scale else 1
+    P._rest_scales_kernel[(m * n_rest + n_scale,)](
+        s8, src, outs, x8, ids, inv, out,
+        S, m_sum, M, H, 128, max(n_rest, 1), n_scale, stride,
+        s8.stride(0), s8.stride(1), outs.stride(0), outs.stride(1), ids.stride(0), ids.stride(1),
+        x8.stride(0), x8.stride(1),
+        K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
+        LOAD_POLICY=P.LOAD_POLICY, STORE_CACHE=P.STORE_CACHE, PDL=False, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def contiguous_rows(inv):
     """inv_perm's live entries renumbered in (t, k) order: the same copies to consecutive rows."""
     live = inv >= 0
@@ -239,6 +274,22 @@ def cases():
          lambda: scatter_rows(x8, inv_c, out8)),
         ("diag_fill_fp8", P, copies * H, lambda: out8[: copies].fill_(0)),
     ]  # fmt: skip
+    # permute fp8's second kernel alone (session 8): chunk 1 copies with the scale rows (as in
+    # permute), the chunk copies alone, the scale rows alone
+    s8 = fp8[1]
+    outs8 = Q.alloc_scales((d["m_idx"].numel(),), s8.shape[1], "deepgemm", "cuda")
+    src8 = source_rows(d["inv"], d["m_idx"].numel())
+    c1 = H - min(H, P.COPY_BYTES)  # (fp8: one byte a column)
+    sc_bytes = count(d["m_idx"] >= 0) * (4 * s8.shape[1] * 2 + 4)
+    ch_bytes = srcs * c1 + copies * c1 + 4 * d["inv"].numel()
+    out += [
+        ("diag_rest_fp8", P, ch_bytes + sc_bytes,
+         lambda: rest_kernel(x8, s8, d["ids"], d["inv"], src8, out8, outs8)),
+        ("diag_rest_chunks_fp8", P, ch_bytes,
+         lambda: rest_kernel(x8, s8, d["ids"], d["inv"], src8, out8, outs8, scales=False)),
+        ("diag_rest_scales_fp8", P, sc_bytes,
+         lambda: rest_kernel(x8, s8, d["ids"], d["inv"], src8, out8, outs8, chunks=False)),
+    ]  # fmt: skip
     tiny = torch.empty((M, 16), dtype=torch.uint8, device="cuda")
     out.append(("permute_index_only", P, 1, lambda: P._permute_triton(tiny, d["ids"], E, 128)))
     out.append(
@@ -265,7 +316,8 @@ SWEEPS = {
     "permute_prefill_bf16": [{}],
     # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
     # check's place (CHECK) and the one kernel's launch in session 7: see benchmarks/results/)
-    "permute_prefill_fp8": [{}],
+    "permute_prefill_fp8": grid(PREFETCH_SCALES=[0, 1, 2, 0, 1, 2, 0, 1, 2])
+    + grid(REST_WARPS=[2, 8]),
     "permute_prefill_int8": [{}],
     "permute_index_only": grid(PDL=[True, False]),
     "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
@@ -273,6 +325,9 @@ SWEEPS = {
     "diag_permute_write_only_fp8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
     "diag_permute_broadcast_fp8": [{}],
     "diag_fill_fp8": [{}],
+    "diag_rest_fp8": grid(SCALE_TILE=[2048, 4096, 8192]) + grid(SCALE_SPREAD=[False]),
+    "diag_rest_chunks_fp8": [{}],
+    "diag_rest_scales_fp8": grid(SCALE_TILE=[1024, 2048, 4096, 8192, 16384]),
     "permute_decode_fp8": grid(SMALL_ENTRIES=[2048, 0]),
     "unpermute_prefill": [{}],
     "diag_silu_quant_all_rows": [{}],
