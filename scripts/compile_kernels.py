@@ -286,13 +286,6 @@ def main() -> int:
             for fn, args, kwargs in calls
             if kwargs.get("PDL") is False
         ]
-        # permute's scan kernel also with its L2 prefetch of the scales (direct sm90 launches)
-        calls += [
-            (fn, args, dict(kwargs, PF_XS=v))
-            for fn, args, kwargs in calls
-            if kwargs.get("PF_XS") == 0
-            for v in (1, 2)
-        ]
         seen = set()
         for fn, args, kwargs in calls:
             kname = getattr(fn, "__name__", None) or fn.fn.__name__  # (a Heuristics wraps it)

@@ -316,8 +316,7 @@ SWEEPS = {
     "permute_prefill_bf16": [{}],
     # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
     # check's place (CHECK) and the one kernel's launch in session 7: see benchmarks/results/)
-    "permute_prefill_fp8": grid(PREFETCH_SCALES=[0, 1, 2, 0, 1, 2, 0, 1, 2])
-    + grid(REST_WARPS=[2, 8]),
+    "permute_prefill_fp8": [{}],
     "permute_prefill_int8": [{}],
     "permute_index_only": grid(PDL=[True, False]),
     "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])

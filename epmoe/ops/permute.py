@@ -25,7 +25,6 @@ Each source row is read once and written to all of its local experts.
 ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
-import functools
 import importlib
 from typing import NamedTuple, Optional, Tuple
 
@@ -106,10 +105,16 @@ PDL = True
 # The copy kernel's grid is 1-D with a token's column chunks in neighbouring programs; a 2-D grid
 # (token, chunk), every token's chunk 0 before any chunk 1, was 1-2% slower (W on H200, three
 # sweeps: bf16 162.4 / 162.4 vs 160.1 / 161.1 us, int8 87.0 / 86.3 / 85.8 vs 85.3 / 85.4 / 85.1)
-# L2 prefetch of the source scales (1.8 MB at W fp8) by one extra program of the scan kernel, for
-# the row-block scale copy's gathers: 0 off, 1 evict-normal lines, 2 evict-last
-PREFETCH_SCALES = 0
-REST_WARPS = 4  # warps of the scale kernel's programs
+# Rejected (session 8, commits c7f907d and 8ddcd00): L2 prefetch (cp.async.bulk.prefetch.L2) of
+# work the copy reads later, issued while the index chain runs. The count kernel prefetching the
+# first source rows (chunk 0 of fp8's, whole bf16 / int8 rows), 4-32 MiB: W fp8 92.6-93.2 us vs
+# 91.7 without, bf16 160.9-161.6 vs 159.2-159.4, int8 85.6-86.6 vs 84.7-84.8 (the copy kernel's
+# first programs already load their chunks before gdc_wait, and the count kernel took 4.2 us
+# instead of 2.7). One extra scan program prefetching the 1.8 MB of source scales for the
+# row-block scale copy: 96.3-96.8 us vs 91.4-91.9 (one SM issues every piece: the scan kernel,
+# and everything after it, waits for that). Permute fp8's second kernel alone at W
+# (stage_sweep diag_rest_*, device time): 37.7 us, its chunk copies alone 32.9, the scale rows
+# alone 7.7: the scale copy costs 4.8 us spread among the chunk copies, ~2 us over its bytes
 # Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
 # src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
 # gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
@@ -186,63 +191,17 @@ def _count_tokens_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, on, EVICT_LAST: tl.constexpr):
-    """Asks the L2 for nbytes at each ptr where on != 0 (cp.async.bulk.prefetch, sm90), with
-    EVICT_LAST as lines kept first: a hint, nothing waits on it. ptr 16-byte aligned, nbytes a
-    multiple of 16 (int32 tensors of ptr's shape)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            asm="""{
-            .reg .pred p;
-            .reg .b64 pol;
-            setp.ne.b32 p, $2, 0;
-            createpolicy.fractional.L2::evict_last.b64 pol, 1.0;
-            @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol;
-            mov.b32 $0, 0;
-            }""",
-            constraints="=r,l,r,r",
-            args=[ptr, on, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            asm="""{
-            .reg .pred p;
-            setp.ne.b32 p, $2, 0;
-            @p cp.async.bulk.prefetch.L2.global [$1], $3;
-            mov.b32 $0, 0;
-            }""",
-            constraints="=r,l,r,r",
-            args=[ptr, on, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
 def _scan_kernel(
-    counts_ptr, bad_ptr, totals_ptr, ok_ptr, xs_ptr, E, NB, XS_ELEMS,
-    BLOCK: tl.constexpr, PDL: tl.constexpr, ASSERT: tl.constexpr, PF_XS: tl.constexpr,
+    counts_ptr, bad_ptr, totals_ptr, ok_ptr, E, NB,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, ASSERT: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, E): counts[e, b] <- entries of e in blocks < b; totals[e] <- all of them.
     Program E: ok <- no invalid id in any block; with ASSERT (a debug=True build) it also asserts
-    ok (this small kernel, not the copy, carries the assert's registers). With PF_XS (1: evict
-    normal, 2: evict last), program E + 1 asks the L2 for the XS_ELEMS float32 scales at xs (the
-    row-block scale copy's gathers then find them there)."""
-    pid = tl.program_id(0)
-    if PF_XS > 0:
-        if pid == E + 1:  # (xs is an input of permute: no wait)
-            lane = tl.arange(0, 128)
-            per = (XS_ELEMS // 4 + 127) // 128 * 4  # floats a lane, whole 16-byte units
-            n = tl.minimum(per, tl.maximum(XS_ELEMS - lane * per, 0))
-            _prefetch_l2(xs_ptr + lane.to(tl.int64) * per, n * 4, (n > 0).to(tl.int32),
-                         PF_XS == 2)  # fmt: skip
+    ok (this small kernel, not the copy, carries the assert's registers)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # counts and bad come from the count kernel
+    pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)  # (every lane holds the running sum)
     if pid < E:
@@ -253,7 +212,7 @@ def _scan_kernel(
             tl.store(row + offs, tl.cumsum(c, axis=0) - c + acc, mask=offs < NB)
             acc += tl.sum(c, axis=0)
         tl.store(totals_ptr + pid + lane, acc, mask=lane < 1)
-    elif pid == E:
+    else:
         for b0 in range(0, NB, BLOCK):
             offs = b0 + lane
             acc += tl.sum(tl.load(bad_ptr + offs, mask=offs < NB, other=0), axis=0)
@@ -582,22 +541,6 @@ def _by_row(S: int, scale_layout: str, n) -> bool:
     )
 
 
-def _prefetch_scales(xs: Optional[torch.Tensor], on: bool) -> int:
-    """PREFETCH_SCALES when the scan kernel may prefetch xs (the row-block scale copy's source) into
-    the L2: a direct sm90 launch (``on``) and contiguous, 16-byte aligned scales of whole 16-byte
-    units; else 0."""
-    if not on or not PREFETCH_SCALES or xs is None:
-        return 0
-    ok = xs.is_contiguous() and xs.data_ptr() % 16 == 0 and xs.numel() % 4 == 0
-    return PREFETCH_SCALES if ok and _sm90(xs.get_device()) else 0
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    """CUDA device ``index`` runs sm90 instructions (the bulk prefetch)."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 @_eager.on_input_device
 def _permute_triton(
     x: torch.Tensor,
@@ -682,10 +625,9 @@ def _permute_triton(
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
     in_kernel = _assert_in_kernel(direct)
-    pf_xs = _prefetch_scales(x_scales, by_row and use_pdl)
-    _q._kernel(_scan_kernel)[(E + 1 + (pf_xs > 0),)](
-        counts, bad, totals, ok, xs, E, nb, M * S, BLOCK=BLOCK_SCAN, ASSERT=in_kernel,
-        PF_XS=pf_xs, num_warps=4, **pdl, **_assert_build(in_kernel),
+    _q._kernel(_scan_kernel)[(E + 1,)](
+        counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, ASSERT=in_kernel, num_warps=4, **pdl,
+        **_assert_build(in_kernel),
     )  # fmt: skip
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
@@ -711,7 +653,7 @@ def _permute_triton(
             S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
             ssm, sss, s_out.stride(0), s_out.stride(1), sit, sik, x.stride(0), x.stride(1),
             K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=k_pad, BLOCK_H=block_h,
-            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=REST_WARPS, **pdl,
+            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
         )  # fmt: skip
     if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
