@@ -421,16 +421,39 @@ def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None
         raise _checks.fail(op, "expert_offsets", "[E + 1] with E >= 0", list(expert_offsets.shape))
 
 
-def _validate_quant(
-    y, scheme, masked_m, group_size, m_indices=None, scale_layout="row", expert_offsets=None
-) -> None:
-    _validate(OPQ, y, masked_m, m_indices, expert_offsets)
-    if (
+def _plain(y) -> bool:
+    """y is a plain ``torch.Tensor`` without grad (the tensors' half of ``_eager.direct`` for y;
+    ``_valid`` checks the count / index tensors with ``_checks.plain_on``)."""
+    return type(y) is torch.Tensor and not y.requires_grad
+
+
+def _quant_args_ok(y, scheme, group_size, scale_layout) -> bool:
+    return (
         type(group_size) is int
         and group_size > 0
         and scale_layout in _q.SCALE_LAYOUTS
         and (scheme == "int8" or (scheme == "fp8" and (y.shape[-1] // 2) % group_size == 0))
-    ):
+    )
+
+
+def _valid_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets):
+    """silu_and_mul_quant's usual eager call (plain CUDA tensors, good arguments) in one pass: the
+    public function then launches straight away (see epmoe.ops.permute.permute)."""
+    try:
+        return (
+            _plain(y)
+            and _valid(y, masked_m, m_indices, expert_offsets)
+            and _quant_args_ok(y, scheme, group_size, scale_layout)
+        )
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
+def _validate_quant(
+    y, scheme, masked_m, group_size, m_indices=None, scale_layout="row", expert_offsets=None
+) -> None:
+    _validate(OPQ, y, masked_m, m_indices, expert_offsets)
+    if _quant_args_ok(y, scheme, group_size, scale_layout):
         return
     _checks.check_choice(OPQ, "scheme", scheme, ("fp8", "int8"))
     _checks.check_positive_int(OPQ, "group_size", group_size)
@@ -512,7 +535,9 @@ def silu_and_mul(
     Returns:
         y.dtype `[..., I]`.
     """
-    if _eager.direct(y, masked_m, m_indices, expert_offsets):
+    if _eager.calm() and _plain(y) and _valid(y, masked_m, m_indices, expert_offsets):
+        return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
+    if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
         return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices, expert_offsets)
     return _silu_and_mul_op(y, masked_m, m_indices, expert_offsets)
 
@@ -541,6 +566,8 @@ def silu_and_mul_quant(
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
     args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    if _eager.direct(y, masked_m, m_indices, expert_offsets):
+    if _eager.calm() and _valid_quant(*args):  # the usual eager call, validated in one pass
+        return _eager.run(_silu_and_mul_quant_triton, *args)
+    if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
         return _eager.run(_silu_and_mul_quant_impl, *args)
     return _silu_and_mul_quant_op(*args)
