@@ -135,15 +135,10 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
     if run is None:
         return None
     run()
-    flush = _flush_buffer(torch.cuda.current_device())
+    device = torch.cuda.current_device()
+    flush, flush_names = _flush_buffer(device), _flush_names(device)
     torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:  # what the flush alone launches
-        for _ in range(3):
-            _flush(flush)
-        torch.cuda.synchronize()
-    flush_names = {a[0] for a in _gpu_activities(prof)}
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             _flush(flush)
             run()
@@ -153,6 +148,18 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
         return None
     ms = [us / 1e3 for us in spans]
     return Timing(statistics.median(ms), min(ms), iters, "device_span")
+
+
+@functools.cache
+def _flush_names(device: int) -> frozenset:
+    """Names of the device activities one L2 flush launches (told apart from a timed call's)."""
+    flush = _flush_buffer(device)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            _flush(flush)
+        torch.cuda.synchronize()
+    return frozenset(a[0] for a in _gpu_activities(prof))
 
 
 def call_spans(activities, flush_names) -> list:
@@ -176,9 +183,7 @@ def call_spans(activities, flush_names) -> list:
 def copy_device_gbps(nbytes: int = COPY_BYTES) -> float:
     """The copy ceiling by :func:`device_time` (best of memcpy and the SM copy kernel): the bar
     for ``device_gbps``, measured the same way."""
-    nbytes = max(nbytes // 16 * 16, 16)
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
+    nbytes, src, dst = _copy_buffers(nbytes, torch.cuda.current_device())
     best = 0.0
     for fn in (lambda: dst.copy_(src), lambda: sm_copy(dst, src)):
         t = device_time(fn, iters=10)
@@ -192,9 +197,10 @@ def _tiny_kernel(ptr):
     tl.store(ptr, tl.load(ptr) + 1)
 
 
+@functools.cache
 def replay_floor_ms() -> float:
     """:func:`time_cuda` of a graph of one trivial kernel (one word read and written): the fixed
-    cost of the replay timing itself, in every op's ``ms``."""
+    cost of the replay timing itself, in every op's ``ms`` (measured once per process)."""
     word = torch.zeros(1, dtype=torch.int32, device="cuda")
     return time_cuda(lambda: _tiny_kernel[(1,)](word, num_warps=1)).ms
 
@@ -233,14 +239,19 @@ def paired_ms(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _copy_buffers(nbytes: int, device: int):
+    """(nbytes rounded to 16, a filled uint8 source, a destination) for the copy ceilings."""
+    nbytes = max(nbytes // 16 * 16, 16)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    return nbytes, src, torch.empty_like(src)
+
+
 @functools.cache
 def copy_timings(nbytes: int = COPY_BYTES, device: Optional[int] = None) -> Dict[str, float]:
     """GB/s (read + written) of an ``nbytes`` device copy by method: memcpy in a graph, memcpy
     eager, SM kernel in a graph."""
     device = torch.cuda.current_device() if device is None else device
-    nbytes = max(nbytes // 16 * 16, 16)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
+    nbytes, src, dst = _copy_buffers(nbytes, device)
     kw = dict(iters=20 if nbytes >= 2**28 else ITERS, flush_l2=nbytes < 4 * FLUSH_BYTES)
 
     def memcpy():
@@ -266,11 +277,6 @@ def same_size_copy_gbps(nbytes: int) -> float:
     same size achieves, the fair bar for small (decode) ops that cannot fill the GPU."""
     half = max(nbytes // 2, 4096)
     return copy_gbps(half // 4096 * 4096)  # rounded: nearby sizes share one cached measurement
-
-
-@functools.cache
-def _replay_floor() -> float:
-    return replay_floor_ms()
 
 
 def record(
@@ -305,14 +311,14 @@ def record(
     extra["frac_of_same_size_copy"] = extra["gbps"] / extra["same_size_copy_gbps"]
     dt = device_time(fn)
     if dt is not None:
-        # against the higher of the two ceilings (the copy's own device span is the same bar)
-        bar = max(ceiling, copy_device_gbps())
+        ceiling_device = copy_device_gbps()
         extra.update(
             device_ms=dt.ms,
             device_gbps=dt.gbps(nbytes),
-            ceiling_device_gbps=copy_device_gbps(),
-            frac_of_ceiling_device=dt.gbps(nbytes) / bar,
-            replay_floor_ms=_replay_floor(),
+            ceiling_device_gbps=ceiling_device,
+            # against the higher of the two ceilings (the copy's own device span is the same bar)
+            frac_of_ceiling_device=dt.gbps(nbytes) / max(ceiling, ceiling_device),
+            replay_floor_ms=replay_floor_ms(),
         )
     if target is not None:
         extra["target_frac"] = target

@@ -135,7 +135,7 @@ def rest_kernel(x8, s8, ids, inv, src, out, outs, chunks=True, scales=True):
     stride = (m * n_rest + n_scale) // n_scale if P.SCALE_SPREAD and n_scale else 1
     P._rest_scales_kernel[(m * n_rest + n_scale,)](
         s8, src, outs, x8, ids, inv, out,
-        S, m_sum, M, H, 128, max(n_rest, 1), n_scale, stride,
+        S, m_sum, M, H, CFG.local_experts, max(n_rest, 1), n_scale, stride,
         s8.stride(0), s8.stride(1), outs.stride(0), outs.stride(1), ids.stride(0), ids.stride(1),
         x8.stride(0), x8.stride(1),
         K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
