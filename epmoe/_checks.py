@@ -7,18 +7,16 @@ never become Python control flow on traced or CUDA tensors: on real CPU tensors 
 (``EPMOE_DEBUG=1`` or :func:`set_debug`), otherwise they enqueue a device-side assert (no host sync,
 CUDA-graph safe), and while tracing they become a functional assert in the graph.
 
-While a CUDA graph is being captured, an op can put its value check on a side stream
-(:func:`branch`, :func:`on_branch`, :func:`join`): the check's kernels become a parallel branch of
-the graph instead of nodes between the op's own kernels (the check still runs on every replay,
-and the op's result still waits for it). Only for ops whose kernels stay in bounds whatever the
-values (permute, unpermute: they skip bad ids): the kernels then run before the assert does. The
-grouped GEMMs keep their checks in front, because a bad count or id would send deep_gemm out of
-bounds before the assert could stop it.
+On direct launches (:func:`direct_launch`: the public functions' eager calls, the dispatcher's,
+and CUDA-graph capture of either) permute and unpermute assert the values inside their own
+kernels (:func:`assert_in_kernel`, :func:`assert_build`): no check kernel runs before or after
+them, and a bad id or row is skipped, never read or written through. The grouped GEMMs keep their
+checks in front, because a bad count or id would send deep_gemm out of bounds before the assert
+could stop it.
 """
 
-import contextlib
 import os
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -144,6 +142,25 @@ _is_functional = torch._is_functional_tensor
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+def direct_launch(t: torch.Tensor) -> bool:
+    """A Triton launch on t's device goes straight to CUDA: t is a CUDA tensor, nothing traces it
+    and wrap_triton is off (the public functions' eager calls, their graph capture; not the
+    interpreter, torch.compile or the dispatcher's wrapped launches)."""
+    return t.is_cuda and not _tracing(t) and not torch._library.triton.is_wrap_triton_enabled()
+
+
+def assert_in_kernel(direct: bool) -> bool:
+    """A direct launch (:func:`direct_launch`) asserts the values in its kernel: no check kernel
+    after it. Not in debug mode, which syncs and raises a ValueError instead."""
+    return direct and not _DEBUG
+
+
+def assert_build(in_kernel: bool) -> dict:
+    """Launch options that compile a kernel's device asserts in (debug=True) and nothing else:
+    with debug on, Triton would also check every int32 add and multiply for overflow."""
+    return dict(debug=True, sanitize_overflow=False) if in_kernel else {}
+
+
 def check_values(
     ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None
 ) -> None:
@@ -156,46 +173,6 @@ def check_values(
             raise fail(op, arg, expected, got or "values outside it")
         return
     torch._assert_async(ok, f"{op}: {arg} expected {expected}")
-
-
-_BRANCHES: Dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def branch(t: torch.Tensor, max_numel: Optional[int] = None) -> Optional["torch.cuda.Stream"]:
-    """A side stream for a value check while a CUDA graph is being captured on t's device, forked
-    from the current stream (it sees every kernel launched so far); None otherwise.
-
-    Only under capture: in a replay the branch costs nothing, while in eager calls a stream switch
-    and two event waits would cost more host time than the check's few µs of device time saves.
-    Never while tracing (torch.compile records the check in the graph) or in debug mode (the check
-    syncs to raise a ValueError). Pair with :func:`on_branch` and :func:`join`.
-
-    ``max_numel``: no branch when t is larger. A branch of several kernels beside a long kernel
-    ends up after it (the long kernel holds every SM), so it only pays for small checks (W
-    unpermute on H200: decode 14.5 -> 10.9 µs with the branch, prefill 151.6 -> 161.0).
-    """
-    if _DEBUG or not t.is_cuda or not torch.cuda.is_current_stream_capturing() or _tracing(t):
-        return None
-    if max_numel is not None and t.numel() > max_numel:
-        return None
-    side = _BRANCHES.get(t.device)
-    if side is None:
-        side = _BRANCHES[t.device] = torch.cuda.Stream(t.device)
-    side.wait_stream(torch.cuda.current_stream(t.device))
-    return side
-
-
-def on_branch(side: Optional["torch.cuda.Stream"]):
-    """Context that launches on ``side`` (from :func:`branch`), or on the current stream."""
-    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-
-
-def join(side: Optional["torch.cuda.Stream"]) -> None:
-    """Make the current stream wait for ``side`` (None: nothing to join). Call before the op
-    returns: a capture must join every stream it forked, and the op's outputs then carry the
-    check."""
-    if side is not None:
-        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:

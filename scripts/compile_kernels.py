@@ -211,6 +211,11 @@ def cases() -> Dict[str, Callable[[], object]]:
             for _ in _patched(P, _assert_in_kernel=lambda direct: True)
         ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
+        # as a CUDA launch makes it: the rows asserted inside (debug build)
+        "unpermute, asserting": lambda: [
+            U._unpermute_triton(y2, inv, w)
+            for _ in _patched(U, _assert_in_kernel=lambda direct: True)
+        ],
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
@@ -285,6 +290,12 @@ def main() -> int:
             (fn, args, dict(kwargs, PDL=True, launch_pdl=True))
             for fn, args, kwargs in calls
             if kwargs.get("PDL") is False
+        ]
+        # permute's copy kernel also with its L2 prefetches (direct sm90 launches may turn them on)
+        calls += [
+            (fn, args, dict(kwargs, PF_SCALES=True, PF_REST=True, PF_WAVES=2))
+            for fn, args, kwargs in calls
+            if kwargs.get("PF_WAVES") == 0
         ]
         seen = set()
         for fn, args, kwargs in calls:

@@ -16,6 +16,7 @@ import functools
 import importlib
 import itertools
 import json
+import statistics
 import sys
 import time
 
@@ -28,7 +29,7 @@ import _bytes  # noqa: E402
 import _configs  # noqa: E402
 import _timing  # noqa: E402
 
-from epmoe import _checks, _eager, reference  # noqa: E402
+from epmoe import _eager, reference  # noqa: E402
 
 Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
@@ -62,16 +63,17 @@ def data():
 
 
 @triton.jit
-def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
-                         BLOCK_H: tl.constexpr, LOAD_POLICY: tl.constexpr,
+def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, SRC_ROWS, K: tl.constexpr,
+                         K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, LOAD_POLICY: tl.constexpr,
                          STORE_CACHE: tl.constexpr):  # fmt: skip
-    """Column chunk program_id(1) of row program_id(0) of x to its rows in inv_perm (-1: none)."""
+    """Column chunk program_id(1) of row program_id(0) of x (row t % SRC_ROWS) to its rows in
+    inv_perm (-1: none)."""
     t = tl.program_id(0)
     kk = tl.arange(0, K_PAD)
     rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
-    v = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=cols < h_live,
+    v = tl.load(x_ptr + (t % SRC_ROWS).to(tl.int64) * H + cols, mask=cols < h_live,
                 eviction_policy=LOAD_POLICY)  # fmt: skip
     P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
 
@@ -88,9 +90,9 @@ def _write_rows_kernel(inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr
     P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
 
 
-def scatter_rows(x, inv, out, write_only=False):
+def scatter_rows(x, inv, out, write_only=False, src_rows=0):
     """x `[M, H]` (contiguous) rows to out's rows inv `[M, K]` (int32, -1: none), with permute's
-    copy launch constants."""
+    copy launch constants; src_rows > 0: token t reads row t % src_rows (a source the L2 holds)."""
     M, H = x.shape
     K = inv.shape[1]
     block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x.element_size()))
@@ -105,7 +107,8 @@ def scatter_rows(x, inv, out, write_only=False):
     if write_only:
         _write_rows_kernel[grid](inv, out, H, **meta)
     else:
-        _scatter_rows_kernel[grid](x, inv, out, H, LOAD_POLICY=P.LOAD_POLICY, **meta)
+        _scatter_rows_kernel[grid](x, inv, out, H, src_rows or M, LOAD_POLICY=P.LOAD_POLICY,
+                                   **meta)  # fmt: skip
     return out
 
 
@@ -121,26 +124,13 @@ def source_rows(inv, m_sum):
 def rest_kernel(x8, s8, ids, inv, src, out, outs, chunks=True, scales=True):
     """permute's second kernel on fp8 rows (DeepGEMM-layout scales) alone, its inputs given:
     column chunk 1 of every token's row to its rows in inv_perm (chunks) and the row-block scale
-    copy from the rows' source tokens src (scales), spread as permute spreads them; PDL off
+    copy from the rows' source tokens src (scales), launched as permute launches it; PDL off
     (nothing runs before it)."""
-    M, H = x8.shape
-    K = inv.shape[1]
-    m_sum, S = outs.shape
-    block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x8.element_size()))
-    n_rest = triton.cdiv(H, block_h) - 1 if chunks else 0
-    block_s = triton.next_power_of_2(S)
-    block_r = max(1, P.SCALE_TILE // block_s)
-    n_scale = triton.cdiv(m_sum, block_r) if scales else 0
-    m = M if chunks else 0
-    stride = (m * n_rest + n_scale) // n_scale if P.SCALE_SPREAD and n_scale else 1
-    P._rest_scales_kernel[(m * n_rest + n_scale,)](
-        s8, src, outs, x8, ids, inv, out,
-        S, m_sum, M, H, CFG.local_experts, max(n_rest, 1), n_scale, stride,
-        s8.stride(0), s8.stride(1), outs.stride(0), outs.stride(1), ids.stride(0), ids.stride(1),
-        x8.stride(0), x8.stride(1),
-        K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-        LOAD_POLICY=P.LOAD_POLICY, STORE_CACHE=P.STORE_CACHE, PDL=False, num_warps=4,
-    )  # fmt: skip
+    block_h = min(triton.next_power_of_2(x8.shape[1]), max(16, P.COPY_BYTES // x8.element_size()))
+    n_rest = triton.cdiv(x8.shape[1], block_h) - 1 if chunks else 0
+    ids_used = ids if chunks else ids[:0]  # (no chunk programs: no tokens)
+    P._launch_rest(x8, s8, ids_used, inv, src, out, outs, CFG.local_experts, block_h,
+                   max(n_rest, 0), scales, dict(PDL=False))  # fmt: skip
     return out
 
 
@@ -273,6 +263,10 @@ def cases():
         ("diag_permute_broadcast_fp8", P, srcs * H + copies * H + 4 * d["inv"].numel(),
          lambda: scatter_rows(x8, inv_c, out8)),
         ("diag_fill_fp8", P, copies * H, lambda: out8[: copies].fill_(0)),
+        # (session 9) the same scatter from 512 source rows (3.7 MB, L2-resident after the first
+        # reads): what the HBM reads cost the 1:4 mix
+        ("diag_permute_scatter_l2src_fp8", P, srcs * H + copies * H + 4 * d["inv"].numel(),
+         lambda: scatter_rows(x8, d["inv"], out8, src_rows=512)),
     ]  # fmt: skip
     # permute fp8's second kernel alone (session 8): chunk 1 copies with the scale rows (as in
     # permute), the chunk copies alone, the scale rows alone
@@ -300,6 +294,15 @@ def cases():
             lambda: U._unpermute_triton(d["yo"], d["inv"], d["w"]),
         )
     )
+    dec_inv = d["inv"][:256]
+    out.append(
+        (
+            "unpermute_decode",
+            U,
+            _bytes.unpermute_bytes(count(dec_inv >= 0), 256, H, dec_inv.numel()),
+            lambda: U._unpermute_triton(d["yo"], dec_inv, d["w"][:256]),
+        )
+    )
     return out
 
 
@@ -313,22 +316,32 @@ SWEEPS = {
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
-    "permute_prefill_bf16": [{}],
-    # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
-    # check's place (CHECK) and the one kernel's launch in session 7: see benchmarks/results/)
-    "permute_prefill_fp8": [{}],
-    "permute_prefill_int8": [{}],
+    # (session 9) the copy kernel's L2 prefetches before gdc_wait; three plain points for noise
+    # (session 9) L2 prefetches and 16-byte scale copies, on (the defaults) and off; rounds
+    "permute_prefill_bf16": [{}, dict(PF_WAVES=0), dict(PF_WAVES=1), dict(PF_PER_SM=16)] * 3,
+    "permute_prefill_fp8": [
+        {},
+        dict(SCALE_VEC=False, PF_SCALES=False, PF_WAVES=0),
+        dict(PF_SCALES=False, PF_WAVES=0),
+        dict(SCALE_VEC=False),
+        dict(PF_WAVES=1),
+    ]
+    * 4,
+    "permute_prefill_int8": [{}, dict(PF_WAVES=0), dict(PF_WAVES=1), dict(PF_PER_SM=16)] * 3,
     "permute_index_only": grid(PDL=[True, False]),
     "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
     + grid(COPY_BYTES=[4096], COPY_WARPS=[4], STORE_CACHE=["", ".wt"]),
     "diag_permute_write_only_fp8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
     "diag_permute_broadcast_fp8": [{}],
     "diag_fill_fp8": [{}],
-    "diag_rest_fp8": grid(SCALE_TILE=[2048, 4096, 8192]) + grid(SCALE_SPREAD=[False]),
+    "diag_rest_fp8": [{}, dict(SCALE_VEC=False)] * 2 + grid(SCALE_TILE=[2048, 8192]),
     "diag_rest_chunks_fp8": [{}],
-    "diag_rest_scales_fp8": grid(SCALE_TILE=[1024, 2048, 4096, 8192, 16384]),
+    "diag_rest_scales_fp8": [{}, dict(SCALE_VEC=False)] * 2,
     "permute_decode_fp8": grid(SMALL_ENTRIES=[2048, 0]),
-    "unpermute_prefill": [{}],
+    # (session 9) the row check inside the kernel (direct launches) against the async assert after
+    # it (before this session the default at prefill; decode took a graph branch, since removed)
+    "unpermute_prefill": [{}, dict(IN_KERNEL=False)] * 3,
+    "unpermute_decode": [{}, dict(IN_KERNEL=False)] * 3,
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
     "diag_silu_only_m_idx": grid(FAST_MATH=[True, False]),
@@ -336,19 +349,14 @@ SWEEPS = {
 }
 
 
-def _check_mode(mode: str):
-    """CHECK: where a stage's value check runs in the timed graph: "branch" (the default: on a side
-    stream forked under capture), "end" (on the main stream after the kernels), "none" (skipped:
-    what the check costs)."""
-    if mode == "branch":
-        return []
-    out = [(_checks, "branch", lambda *a, **k: None)]
-    if mode == "none":
-        out.append((_checks, "check_values", lambda *a, **k: None))
-    return out
+def _in_kernel(on: bool):
+    """IN_KERNEL: unpermute asserts its rows inside the kernel on direct launches (the default),
+    or False: the check after the kernel (the async assert)."""
+    return [] if on else [(U, "_assert_in_kernel", lambda direct: False)]
 
 
-PATCHES = {"CHECK": _check_mode}  # sweep keys that patch something other than one constant
+# sweep keys that patch something other than one constant
+PATCHES = {"IN_KERNEL": _in_kernel}
 # constants that live in epmoe.ops.quantize but steer every stage's kernels
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
 
@@ -374,12 +382,48 @@ def kernel_breakdown(fn, iters: int = 20) -> dict:
     return {k: round(v / iters, 2) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
+def kernel_timeline(fn, iters: int = 20) -> dict:
+    """Median start and end (µs after the call's first kernel starts) of each kernel ``fn``
+    launches, by launch order (graph replays, L2 flushed): when each kernel of a dependent chain
+    begins and ends, e.g. how long the index chain holds the copy back."""
+    run = _timing._capture(lambda: _eager.run(fn)) or (lambda: _eager.run(fn))
+    run()
+    device = torch.cuda.current_device()
+    flush, flush_names = _timing._flush_buffer(device), _timing._flush_names(device)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            _timing._flush(flush)
+            run()
+        torch.cuda.synchronize()
+    calls, cur = [], None
+    for name, start, end in _timing._gpu_activities(prof):
+        if name in flush_names:
+            cur = None
+            continue
+        if cur is None:
+            cur = []
+            calls.append(cur)
+        cur.append((name, start, end))
+    out = {}
+    for i in range(min(len(c) for c in calls)):
+        starts = [c[i][1] - c[0][1] for c in calls]
+        ends = [c[i][2] - c[0][1] for c in calls]
+        name = calls[0][i][0].split("(")[0][:40]
+        out[f"{i}:{name}"] = [
+            round(statistics.median(starts), 2),
+            round(statistics.median(ends), 2),
+        ]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep.jsonl")
     ap.add_argument("--only", default="")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--profile", action="store_true", help="kernel breakdown per stage")
+    ap.add_argument("--device", action="store_true", help="device span of every point too")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     t_end = time.time() + args.budget_s
@@ -392,7 +436,8 @@ def main() -> None:
                 continue
             if args.profile:
                 try:
-                    rec = dict(stage=name, kernels=kernel_breakdown(fn))
+                    rec = dict(stage=name, kernels=kernel_breakdown(fn),
+                               timeline=kernel_timeline(fn))  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     rec = dict(stage=name, profile_error=repr(e)[:300])
                 print(json.dumps(rec), file=f, flush=True)
@@ -411,6 +456,9 @@ def main() -> None:
                     # launched as the public functions do (wrap_triton off, no HOP per launch)
                     t = _timing.time_cuda(lambda fn=fn: _eager.run(fn))
                     rec = dict(stage=name, params=params, us=t.ms * 1e3, gbps=t.gbps(nbytes))
+                    if args.device:  # the kernels' span too (no graph launch in it)
+                        dt = _timing.device_time(lambda fn=fn: _eager.run(fn), iters=30)
+                        rec["device_us"] = None if dt is None else round(dt.ms * 1e3, 2)
                 except Exception as e:  # noqa: BLE001 - a bad point is reported, not fatal
                     rec = dict(stage=name, params=params, error=repr(e)[:300])
                 finally:

@@ -1,5 +1,5 @@
-"""epmoe._checks on CPU: value checks raise ValueError on CPU tensors, become a functional assert
-while tracing, and never take the capture-only side branch outside a CUDA graph capture."""
+"""epmoe._checks on CPU: value checks raise ValueError on CPU tensors and become a functional
+assert while tracing; kernels assert values themselves only on direct CUDA launches."""
 
 import pytest
 import torch
@@ -18,15 +18,6 @@ def test_check_ids_cpu():
     for bad in ([[4, 0]], [[-2, 0]]):
         with pytest.raises(ValueError, match="unpermute: inv_perm expected ids in"):
             _checks.check_ids(torch.tensor(bad), 4, "unpermute", "inv_perm")
-
-
-def test_branch_is_none_off_capture_and_join_none_is_a_no_op():
-    t = torch.zeros(3, dtype=torch.int32)
-    assert _checks.branch(t) is None
-    assert _checks.branch(t, max_numel=1) is None
-    with _checks.on_branch(None):
-        pass
-    _checks.join(None)
 
 
 def test_check_values_under_compile_is_a_graph_assert():
@@ -52,3 +43,23 @@ def test_plain_on_fast_check():
     assert not _checks.plain_on(torch.nn.Parameter(t, requires_grad=False), i32, -1, (4,))
     assert not _checks.plain_on(t.view(2, 2), i32, -1, (4,))
     assert not _checks.plain_on(torch.zeros(4, requires_grad=True), (torch.float32,), -1, (4,))
+
+
+def test_in_kernel_asserts_only_on_direct_launches_off_debug():
+    """CPU tensors (the interpreter), fake tensors and wrap_triton's launches are not direct
+    launches, so they keep the check after the kernels; debug mode never asserts in a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t = torch.zeros(2)
+    assert not _checks.direct_launch(t)
+    with FakeTensorMode() as mode:
+        assert not _checks.direct_launch(mode.from_tensor(t))
+    assert _checks.assert_in_kernel(True) and not _checks.assert_in_kernel(False)
+    before = _checks.debug_enabled()
+    _checks.set_debug(True)
+    try:
+        assert not _checks.assert_in_kernel(True)
+    finally:
+        _checks.set_debug(before)
+    assert _checks.assert_build(True) == dict(debug=True, sanitize_overflow=False)
+    assert _checks.assert_build(False) == {}

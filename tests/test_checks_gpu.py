@@ -1,11 +1,10 @@
-"""Value checks as a side branch of a captured CUDA graph (epmoe._checks.branch), on the GPU.
+"""Value checks inside the kernels, on the GPU.
 
-While a graph is captured, unpermute's row check runs on a side stream: the graph gets it as a
-parallel branch instead of nodes between the op's kernels. permute's kernels assert the ids
-themselves (on direct launches: eager, the dispatcher, graph capture of either). Checked here: the
-branch is taken under capture (and only then), replays equal eager results, and a bad value
-copied into a captured graph's input still trips the device assert (in a subprocess: a device
-assert leaves the CUDA context unusable).
+permute's and unpermute's kernels assert the ids / rows themselves on direct launches (the public
+functions and the dispatcher: eager, and graph capture of either): no check kernel runs around
+them. Checked here: graph replays equal eager results, no check kernel is captured, and a bad
+value copied into a captured graph's input still trips the device assert (in a subprocess: a
+device assert leaves the CUDA context unusable).
 """
 
 import subprocess
@@ -36,43 +35,44 @@ def _inputs(seed: int):
     return {k: v.cuda() for k, v in dict(x=xq, xs=xs, ids=ids, w=w, y=y).items()}
 
 
-def _step(d):
+def _step(d, unperm=unpermute):
     p = permute(d["x"], d["ids"], E, A, d["xs"], scale_layout="deepgemm")
-    out = unpermute(d["y"], p.inv_perm, d["w"])
+    out = unperm(d["y"], p.inv_perm, d["w"])
     return [p.x.view(torch.uint8), p.m_indices, p.inv_perm, p.expert_offsets, out]
 
 
-@pytest.mark.parametrize("path", ["chain", "one_kernel"])
-def test_checks_branch_under_capture_and_replays_equal_eager(path, monkeypatch):
-    """unpermute branches for its check under capture; permute's kernels assert the ids
-    themselves and never do. path: permute's count / scan / copy chain, or its one kernel for few
-    entries (permute.SMALL_ENTRIES)."""
+@pytest.mark.parametrize(
+    "path,via", [("chain", "public"), ("one_kernel", "public"), ("chain", "dispatcher")]
+)
+def test_capture_replays_equal_eager_and_captures_no_check(path, via, monkeypatch):
+    """permute and unpermute (the public function or the dispatcher's op) captured into a graph
+    replay to the eager results, and ask for no check after their kernels (check_values is for
+    torch.compile and the interpreter). path: permute's count / scan / copy chain, or its one
+    kernel for few entries (permute.SMALL_ENTRIES)."""
     monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0 if path == "chain" else 2048)
-    taken = []
-    real = _checks.branch
+    unperm = unpermute if via == "public" else torch.ops.epmoe.unpermute.default
+    checks = []
+    real = _checks.check_values
 
-    def spy(t, **kw):
-        side = real(t, **kw)
-        taken.append(side is not None)
-        return side
+    def spy(*a, **kw):
+        checks.append(a[1:3])
+        return real(*a, **kw)
 
-    monkeypatch.setattr(_checks, "branch", spy)
+    monkeypatch.setattr(_checks, "check_values", spy)
     static = _inputs(0)
-    _step(static)  # compiles the kernels
+    _step(static, unperm)  # compiles the kernels
     torch.cuda.synchronize()
-    assert taken == [False], taken  # eager: no branch (and permute never asks for one)
-    taken.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = _step(static)
-    assert taken == [True], taken  # unpermute branched
+        outs = _step(static, unperm)
+    assert checks == [], checks
     for seed in (1, 2, 3):
         fresh = _inputs(seed)
         for k, v in fresh.items():
             static[k].copy_(v)
         graph.replay()
         torch.cuda.synchronize()
-        want = _step(fresh)
+        want = _step(fresh, unperm)
         for i, (a, b) in enumerate(zip(outs, want, strict=True)):
             if i == 0:  # permuted rows: only the used ones are specified
                 live = want[1] >= 0
@@ -94,6 +94,7 @@ inv = torch.randint(-1, 600, (64, 2), device="cuda", dtype=torch.int32)
 run = {{
     "permute": lambda: permute(x, ids, 4, 16),
     "unpermute": lambda: unpermute(y, inv, w),
+    "unpermute_dispatcher": lambda: torch.ops.epmoe.unpermute.default(y, inv, w),
 }}[op]
 run()
 torch.cuda.synchronize()
@@ -103,7 +104,7 @@ with torch.cuda.graph(g):
 g.replay()
 torch.cuda.synchronize()
 print("good replay ok", flush=True)
-{{"permute": ids, "unpermute": inv}}[op].fill_(9999)
+(ids if op == "permute" else inv).fill_(9999)
 g.replay()
 torch.cuda.synchronize()
 print("bad replay passed", flush=True)
@@ -111,11 +112,14 @@ print("bad replay passed", flush=True)
 
 
 @pytest.mark.parametrize(
-    "op,small", [("permute", 0), ("permute", 2048), ("unpermute", 2048)], ids=["chain", "one", "un"]
+    "op,small",
+    [("permute", 0), ("permute", 2048), ("unpermute", 2048), ("unpermute_dispatcher", 2048)],
+    ids=["chain", "one", "un", "un_dispatcher"],
 )
 def test_bad_value_in_a_replay_trips_the_assert(op, small):
-    """permute's kernels' own asserts (the chain's copy kernel, the one kernel for few entries:
-    small is permute.SMALL_ENTRIES) and unpermute's branch assert."""
+    """The kernels' own asserts: permute's (the chain's scan kernel, the one kernel for few
+    entries: small is permute.SMALL_ENTRIES) and unpermute's (the public function and the
+    dispatcher's op)."""
     res = subprocess.run(
         [sys.executable, "-c", _BAD_REPLAY.format(op=op, small=small)],
         capture_output=True,

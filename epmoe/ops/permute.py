@@ -13,7 +13,8 @@ scale_layout="row")``
   (1, round_up(M_sum, 4)), read by deep_gemm's fp8 GEMM without a transpose); same values.
 - Experts' blocks in ascending order; inside a block rows in (t, k) order (deterministic).
 - Rows of p.x / p.x_scales with m_indices == -1 are unspecified (the reference zero-fills them; the
-  CUDA kernels never write them: at workload W they are more than half of M_sum).
+  CUDA kernels write none of them but, with DeepGEMM-layout scales, zero scales on the padding
+  rows of a row block that holds a used row: at workload W these rows are over half of M_sum).
 
 CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three (four with DeepGEMM-layout
 scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes, no host sync, no atomics
@@ -25,6 +26,7 @@ Each source row is read once and written to all of its local experts.
 ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
+import functools
 import importlib
 from typing import NamedTuple, Optional, Tuple
 
@@ -115,6 +117,17 @@ PDL = True
 # and everything after it, waits for that). Permute fp8's second kernel alone at W
 # (stage_sweep diag_rest_*, device time): 37.7 us, its chunk copies alone 32.9, the scale rows
 # alone 7.7: the scale copy costs 4.8 us spread among the chunk copies, ~2 us over its bytes
+# L2 prefetch (cp.async.bulk.prefetch.L2, one thread a program, nothing waits on it) issued by
+# the copy kernel's programs before gdc_wait, while the index chain runs (direct sm90 launches
+# with 16-byte aligned rows only). PF_SCALES / PF_REST (row-block scales, split fp8): each token's
+# scales / its row past chunk 0, for the second kernel. PF_WAVES: programs below PF_DIST (PF_PER_SM
+# a multiprocessor) ask for the chunks of programs pid + j * PF_DIST, j in [1, PF_WAVES] (later
+# waves' rows, loaded while HBM idles on the chain)
+SCALE_VEC = True  # 16-byte accesses in the row-block scale copy (_scale_rows)
+PF_SCALES = True
+PF_REST = False
+PF_WAVES = 2
+PF_PER_SM = 12  # PF_DIST = this many programs per SM (~ the copy kernel's resident ones)
 # Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
 # src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
 # gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
@@ -319,18 +332,56 @@ def _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H: tl.constexpr,
 
 @triton.jit
 def _scale_rows(xs_ptr, src_ptr, outs_ptr, blk, S, M_SUM, stride_sm, stride_ss, stride_om,
-                stride_os, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+                stride_os, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, VEC: tl.constexpr,
+                S_C: tl.constexpr):  # fmt: skip
     """Scales of destination rows [blk * BLOCK_R, + BLOCK_R), gathered from their source tokens
-    (src: -1 on rows no entry lands in, which stay unwritten). The stores are contiguous (down the
-    rows in DeepGEMM's MN-major layout), where a per-source copy scatters one 4-byte store per
-    (row, group)."""
+    (src: -1 on rows no entry lands in). The stores are contiguous (down the rows in DeepGEMM's
+    MN-major layout), where a per-source copy scatters one 4-byte store per (row, group).
+    VEC (S_C = S, dense 16-byte aligned rows both sides, stride_om 1): 16-byte accesses; a block
+    with a live row writes all of its rows (0 on the padding rows, whose scales are unspecified)
+    so that the stores' mask is the same down the rows, and a block without one writes nothing.
+    Else only the live rows are written."""
     r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
     src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
     live = src >= 0
     so = tl.arange(0, BLOCK_S)
-    m = live[:, None] & (so[None, :] < S)
-    v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss, mask=m)
-    tl.store(outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os, v, mask=m)
+    if VEC:
+        if tl.max(src, axis=0) >= 0:
+            base = tl.multiple_of(src.to(tl.int64) * stride_sm, 4)
+            m = live[:, None] & (so < S_C)[None, :]
+            v = tl.load(xs_ptr + base[:, None] + so[None, :], mask=m, other=0.0)
+            tl.store(outs_ptr + r.to(tl.int64)[:, None] + so[None, :] * stride_os, v,
+                     mask=(r < M_SUM)[:, None] & (so < S_C)[None, :])  # fmt: skip
+    else:
+        m = live[:, None] & (so[None, :] < S)
+        v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss,
+                    mask=m)  # fmt: skip
+        tl.store(outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os, v,
+                 mask=m)  # fmt: skip
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes, on):
+    """Asks the L2 for the nbytes at ptr (scalars) when on (int32 != 0): cp.async.bulk.prefetch,
+    sm90, issued by thread 0 of the program; a hint, nothing waits on it. ptr 16-byte aligned,
+    nbytes a multiple of 16."""
+    one = tl.full([1], 0, tl.int32)
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p;
+        .reg .b32 tid;
+        mov.u32 tid, %tid.x;
+        setp.eq.u32 p, tid, 0;
+        setp.ne.and.b32 p, $2, 0, p;
+        @p cp.async.bulk.prefetch.L2.global [$1], $3;
+        mov.b32 $0, 0;
+        }""",
+        constraints="=r,l,r,r",
+        args=[ptr + one, on + one, nbytes + one],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -347,7 +398,8 @@ def _place_copy_kernel(
     BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
     E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PF_SCALES: tl.constexpr, PF_REST: tl.constexpr, PF_WAVES: tl.constexpr,
+    PF_DIST,
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < M): column chunk c of token t's row to its destinations (a
     token's chunks in neighbouring programs). Programs past M * CHUNKS: the m_indices fill
@@ -378,6 +430,21 @@ def _place_copy_kernel(
             sv = tl.load(
                 xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
             )
+        esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+        if PF_SCALES:  # (the second kernel's scale rows gather these)
+            _prefetch_l2(xs_ptr + t64 * stride_sm, S * 4, (h_live > 0).to(tl.int32))
+        if PF_REST:  # (the second kernel copies these)
+            _prefetch_l2(x_ptr + t64 * stride_xm + BLOCK_H, (H - BLOCK_H) * esz,
+                         (h_live > 0).to(tl.int32))  # fmt: skip
+        if PF_WAVES > 0:
+            pid = tl.program_id(0)
+            for j in tl.static_range(1, PF_WAVES + 1):
+                q = pid + j * PF_DIST
+                tq = q // CHUNKS
+                c0 = (q % CHUNKS) * BLOCK_H
+                n = (tl.minimum(c0 + BLOCK_H, H) - c0) * esz
+                _prefetch_l2(x_ptr + tq.to(tl.int64) * stride_xm + c0, n,
+                             ((pid < PF_DIST) & (tq < M)).to(tl.int32))  # fmt: skip
         if PDL:
             gdc_wait()  # counts (scanned) and totals come from the scan kernel
         rows = _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD)
@@ -406,6 +473,7 @@ def _rest_scales_kernel(
     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, S_C: tl.constexpr,
 ):  # fmt: skip
     """Two kinds of programs after the copy kernel (which wrote src, inv_perm and chunk 0 of
     every row when N_REST > 0, all chunks otherwise):
@@ -419,7 +487,7 @@ def _rest_scales_kernel(
         if PDL:
             gdc_wait()  # src comes from the copy kernel
         _scale_rows(xs_ptr, src_ptr, outs_ptr, pid // STRIDE, S, M_SUM, stride_sm, stride_ss,
-                    stride_om, stride_os, BLOCK_R, BLOCK_S)  # fmt: skip
+                    stride_om, stride_os, BLOCK_R, BLOCK_S, VEC, S_C)  # fmt: skip
     else:
         i = pid - tl.minimum((pid + 1) // STRIDE, N_SCALE)  # scale programs before pid
         t = i // N_REST
@@ -510,17 +578,9 @@ def _at_least(n, lo: int) -> bool:
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
 
 
-def _assert_in_kernel(direct: bool) -> bool:
-    """The kernels assert the ids themselves on direct CUDA launches: no check kernel after them
-    (not in debug mode, which syncs and raises a ValueError instead, nor for the interpreter or
-    torch.compile's wrapped launches, which take the usual check)."""
-    return direct and not _checks.debug_enabled()
-
-
-def _assert_build(in_kernel: bool) -> dict:
-    """Launch options that compile a kernel's device asserts in (debug=True) and nothing else:
-    with debug on, Triton would also check every int32 add and multiply for overflow."""
-    return dict(debug=True, sanitize_overflow=False) if in_kernel else {}
+# (module attributes: scripts/compile_kernels.py patches _assert_in_kernel)
+_assert_in_kernel = _checks.assert_in_kernel
+_assert_build = _checks.assert_build
 
 
 def _at_most(n, hi: int) -> bool:
@@ -539,6 +599,72 @@ def _by_row(S: int, scale_layout: str, n) -> bool:
         and scale_layout == "deepgemm"
         and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
     )
+
+
+def _aligned16(t: Optional[torch.Tensor]) -> bool:
+    """t's rows start on 16-byte boundaries and are dense (None: True)."""
+    if t is None:
+        return True
+    size = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E: int, block_h: int,
+                 n_rest: int, scales: bool, pdl: dict) -> None:  # fmt: skip
+    """Launches _rest_scales_kernel: column chunks 1..n_rest of every token's row (block_h
+    columns each) to its rows in inv_perm, and with ``scales`` the row-block scale copy from the
+    rows' source tokens src, its programs spread among the chunk copies (SCALE_SPREAD) or all
+    first. (Also used alone, its inputs given, by scripts/stage_sweep.py.)"""
+    M, K = topk_ids.shape
+    H = x.shape[1]
+    m_sum, S = s_out.shape
+    block_s = triton.next_power_of_2(S)
+    block_r = max(1, SCALE_TILE // block_s)
+    n_scale = triton.cdiv(m_sum, block_r) if scales else 0
+    stride = (M * n_rest + n_scale) // n_scale if SCALE_SPREAD and n_scale else 1
+    _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
+        x_scales, src, s_out, x, topk_ids, inv_perm, x_out,
+        S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
+        x_scales.stride(0), x_scales.stride(1), s_out.stride(0), s_out.stride(1),
+        topk_ids.stride(0), topk_ids.stride(1), x.stride(0), x.stride(1),
+        K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
+        LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
+        **_scale_vec(x_scales, s_out),
+    )  # fmt: skip
+
+
+def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
+    """The row-block scale copy's VEC / S_C constexprs (see _scale_rows): on for dense 16-byte
+    aligned scale rows (SCALE_VEC; not under torch.compile, whose fake tensors have no address)."""
+    on = (
+        SCALE_VEC
+        and not _checks._tracing(x_scales)
+        and _aligned16(x_scales)
+        and s_out.stride(0) == 1
+        and s_out.stride(1) % 4 == 0
+        and s_out.data_ptr() % 16 == 0
+    )
+    return dict(VEC=bool(on), S_C=x_scales.shape[1] if on else 0)
+
+
+def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int) -> dict:
+    """The copy kernel's L2-prefetch constexprs: all off unless ``on`` (a direct launch with PDL,
+    so sm90) and the bulk prefetch can take the pieces (16-byte aligned, multiples of 16)."""
+    size = x.element_size()
+    ok = on and _aligned16(x) and (x.shape[1] * size) % 16 == 0 and (block_h * size) % 16 == 0
+    scales_ok = x_scales is not None and _aligned16(x_scales) and (x_scales.shape[1] * 4) % 16 == 0
+    return dict(
+        PF_SCALES=bool(on and scales_ok and by_row and PF_SCALES),
+        PF_REST=bool(ok and by_row and PF_REST and x.shape[1] > block_h),
+        PF_WAVES=PF_WAVES if ok else 0,
+        PF_DIST=max(1, PF_PER_SM * _sm_count(x.get_device())) if ok and PF_WAVES else 1,
+    )
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @_eager.on_input_device
@@ -578,9 +704,7 @@ def _permute_triton(
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = triton.cdiv(S, chunks)  # scales per column chunk
     sit, sik = topk_ids.stride()
-    direct = (
-        x.is_cuda and not _checks._tracing(x) and not torch._library.triton.is_wrap_triton_enabled()
-    )
+    direct = _checks.direct_launch(x)
     if not by_row and _at_most(M * k_pad, SMALL_ENTRIES):
         in_kernel = _assert_in_kernel(direct)
         block_h = min(
@@ -640,21 +764,11 @@ def _permute_triton(
         HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
         BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, LOAD_POLICY=LOAD_POLICY,
         STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS, **pdl,
+        **_prefetch_meta(x, x_scales, use_pdl, by_row, block_h),
     )  # fmt: skip
     if by_row:
-        block_s = triton.next_power_of_2(S)
-        block_r = max(1, SCALE_TILE // block_s)
-        n_scale = triton.cdiv(m_sum, block_r)
-        n_rest = chunks - chunks_a
-        # scale programs spread among the chunk copies (SCALE_SPREAD) or all first
-        stride = (M * n_rest + n_scale) // n_scale if SCALE_SPREAD and n_scale else 1
-        _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
-            xs, src, s_out, x, topk_ids, inv_perm, x_out,
-            S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
-            ssm, sss, s_out.stride(0), s_out.stride(1), sit, sik, x.stride(0), x.stride(1),
-            K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=k_pad, BLOCK_H=block_h,
-            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
-        )  # fmt: skip
+        _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E, block_h,
+                     chunks - chunks_a, True, pdl)  # fmt: skip
     if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     return x_out, s_out, m_indices, inv_perm, offsets

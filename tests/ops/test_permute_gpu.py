@@ -21,7 +21,8 @@ def _payload(m, h, dtype, gen):
 
 
 def _check(x, ids, e, a, scales=None, layout="row"):
-    ref = C.reference_permute(x, ids, e, a, scales)
+    """x: CPU or CUDA (a CUDA view keeps its strides; x.cuda() of a CPU view would not)."""
+    ref = C.reference_permute(x.cpu(), ids, e, a, scales)
     sc = None if scales is None else scales.cuda()
     out = None
     for byte in C.POISON_BYTES:
@@ -168,3 +169,33 @@ def test_cuda_graph_replay(m, h):
         torch.cuda.synchronize()
         ref = C.reference_permute(x, ids, e, a, scales)
         C.assert_permute_equal((p.x, p.x_scales, p.m_indices, p.inv_perm, p.expert_offsets), ref)
+
+
+@pytest.mark.parametrize(
+    "m,h,dtype,s,layout,view",
+    [
+        (1024, 7168, torch.float8_e4m3fn, 56, "deepgemm", False),  # split: scales, rest, waves
+        (1024, 7168, torch.bfloat16, 0, "row", False),
+        (1024, 7168, torch.int8, 1, "row", False),  # 4-byte scale rows: no prefetch of them
+        (600, 1040, torch.bfloat16, 0, "row", False),  # one chunk of 2080 bytes
+        (600, 1040, torch.int8, 1, "row", True),  # x[:, 1:] rows off 16 bytes: prefetch off
+    ],
+)
+@pytest.mark.parametrize("waves,per_sm", [(0, 12), (2, 2), (3, 1000)])
+def test_l2_prefetch(m, h, dtype, s, layout, view, waves, per_sm, monkeypatch):
+    """The copy kernel's L2 prefetches (hints) change no output, wherever they point (1000
+    programs an SM: past the grid, none issued), and are left off where the rows are not 16-byte
+    aligned."""
+    P = C.permute_mod
+    for name, val in dict(PF_SCALES=True, PF_REST=True, PF_WAVES=waves, PF_PER_SM=per_sm,
+                          SMALL_ENTRIES=0).items():  # fmt: skip
+        monkeypatch.setattr(P, name, val)
+    gen = torch.Generator().manual_seed(m + h)
+    k, e, a = 8, 128, 128
+    x = _payload(m, h + view, dtype, gen).cuda()[:, view:]
+    scales = torch.rand((m, s), generator=gen) if s else None
+    sc = None if scales is None else scales.cuda()
+    meta = P._prefetch_meta(x, sc, True, layout == "deepgemm", 4096 // x.element_size())
+    assert meta["PF_WAVES"] == (0 if view else waves)
+    assert meta["PF_SCALES"] == (layout == "deepgemm")
+    _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)

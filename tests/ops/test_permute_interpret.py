@@ -83,14 +83,20 @@ def test_default_blocks_many_experts():
 
 
 @pytest.mark.parametrize(
-    "seed,empty,split,spread",
-    [(0, False, True, True), (1, True, True, False), (2, True, False, True)],
+    "seed,empty,split,spread,s",
+    [
+        (0, False, True, True, 8),
+        (1, True, True, False, 5),
+        (2, True, False, True, 8),
+        (3, True, True, True, 12),
+    ],
 )
-def test_scale_rows_many_blocks(seed, empty, split, spread, small_blocks, monkeypatch):
+def test_scale_rows_many_blocks(seed, empty, split, spread, s, small_blocks, monkeypatch):
     """Row-block scale copy across many count blocks (2 tokens each), experts with no entries
     between used ones (empty: only even ids), programs spanning experts and padding; with the
     column chunks past the first copied by the scale kernel (split: 3 chunks of 64 bytes, the
-    last partial), its scale programs spread among those copies or first."""
+    last partial), its scale programs spread among those copies or first. s scales a row: 16-byte
+    rows (8, 12) take the vector copy (permute._scale_vec), 20-byte ones (5) the plain one."""
     monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)
     monkeypatch.setattr(P, "SCALE_TILE", 32)  # 4 rows of 8 (padded) scales per program
     monkeypatch.setattr(P, "SPLIT_CHUNKS", split)
@@ -101,8 +107,10 @@ def test_scale_rows_many_blocks(seed, empty, split, spread, small_blocks, monkey
     if empty:
         ids = torch.where(ids >= 0, ids // 2 * 2, ids)  # (may repeat an expert within a token)
     x = _payload(m, 150, torch.float8_e4m3fn, gen)
-    out = _run(x, ids, e, a, torch.rand((m, 5), generator=gen), "deepgemm")
+    scales = torch.rand((m, s), generator=gen)
+    out = _run(x, ids, e, a, scales, "deepgemm")
     assert out[1].stride()[0] == 1
+    assert P._scale_vec(scales, out[1])["VEC"] == (s % 4 == 0)
 
 
 @pytest.mark.parametrize("by_row", [True, False])
