@@ -293,7 +293,7 @@ def main() -> int:
         ]
         # permute's copy kernel also with its L2 prefetches (direct sm90 launches may turn them on)
         calls += [
-            (fn, args, dict(kwargs, PF_SCALES=True, PF_REST=True, PF_WAVES=2))
+            (fn, args, dict(kwargs, PF_SCALES=True, PF_WAVES=2))
             for fn, args, kwargs in calls
             if kwargs.get("PF_WAVES") == 0
         ]

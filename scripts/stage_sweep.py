@@ -318,16 +318,9 @@ SWEEPS = {
     "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
     # (session 9) the copy kernel's L2 prefetches before gdc_wait; three plain points for noise
     # (session 9) L2 prefetches and 16-byte scale copies, on (the defaults) and off; rounds
-    "permute_prefill_bf16": [{}, dict(PF_WAVES=0), dict(PF_WAVES=1), dict(PF_PER_SM=16)] * 3,
-    "permute_prefill_fp8": [
-        {},
-        dict(SCALE_VEC=False, PF_SCALES=False, PF_WAVES=0),
-        dict(PF_SCALES=False, PF_WAVES=0),
-        dict(SCALE_VEC=False),
-        dict(PF_WAVES=1),
-    ]
-    * 4,
-    "permute_prefill_int8": [{}, dict(PF_WAVES=0), dict(PF_WAVES=1), dict(PF_PER_SM=16)] * 3,
+    "permute_prefill_bf16": [{}],
+    "permute_prefill_fp8": [{}, dict(PF_REST_PER_SM=16), dict(PF_REST_PER_SM=8)] * 3,
+    "permute_prefill_int8": [{}],
     "permute_index_only": grid(PDL=[True, False]),
     "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
     + grid(COPY_BYTES=[4096], COPY_WARPS=[4], STORE_CACHE=["", ".wt"]),

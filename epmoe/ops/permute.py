@@ -20,7 +20,8 @@ CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three (four with D
 scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes, no host sync, no atomics
 (the row order is deterministic) and no zero fill; on sm90 each kernel after the first starts
 early (programmatic dependent launch) and waits only before it reads its predecessor's output.
-Each source row is read once and written to all of its local experts.
+Each source row is read once and written to all of its local experts. Programs waiting on the
+index chain ask the L2 for rows later programs read (a hint: PF_* below).
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; on CUDA a device assert inside the kernels,
 ValueError in debug mode; under torch.compile an async assert after the kernels).
@@ -117,17 +118,28 @@ PDL = True
 # and everything after it, waits for that). Permute fp8's second kernel alone at W
 # (stage_sweep diag_rest_*, device time): 37.7 us, its chunk copies alone 32.9, the scale rows
 # alone 7.7: the scale copy costs 4.8 us spread among the chunk copies, ~2 us over its bytes
-# L2 prefetch (cp.async.bulk.prefetch.L2, one thread a program, nothing waits on it) issued by
-# the copy kernel's programs before gdc_wait, while the index chain runs (direct sm90 launches
-# with 16-byte aligned rows only). PF_SCALES / PF_REST (row-block scales, split fp8): each token's
-# scales / its row past chunk 0, for the second kernel. PF_WAVES: programs below PF_DIST (PF_PER_SM
-# a multiprocessor) ask for the chunks of programs pid + j * PF_DIST, j in [1, PF_WAVES] (later
-# waves' rows, loaded while HBM idles on the chain)
-SCALE_VEC = True  # 16-byte accesses in the row-block scale copy (_scale_rows)
+# L2 prefetch (cp.async.bulk.prefetch.L2, thread 0 of a program, nothing waits on it) issued by
+# waiting programs, before their gdc_wait (direct sm90 launches, 16-byte aligned rows only):
+# - PF_WAVES: the copy kernel's programs below PF_DIST = PF_PER_SM per multiprocessor ask for the
+#   chunks of programs pid + j * PF_DIST, j in [1, PF_WAVES]: later waves' rows come in while HBM
+#   idles on the index chain (~6 us at W). PF_REST_WAVES / PF_REST_PER_SM: the same from the
+#   second kernel's chunk programs (split fp8) while the copy kernel ends.
+# - PF_SCALES (row-block scales): each token's scales, for the second kernel's gathers.
+# W on H200, replay us (sweeps of session 9, rounds alternating the points): PF_PER_SM 12 / 16 /
+# 20 / 24 (2 waves): bf16 158.7 / 157.4 / 156.9 / 157.1 (none: 159.4), int8 83.6 / 82.4 / 81.4 /
+# 81.8 (none: 84.9); fp8 at 16: 89.3, 20: 88.7, 16 with 3 waves 90.0; second-kernel waves (at 16)
+# 1 / 2: 88.8 / 88.4; PF_REST_PER_SM 8 / 12 / 16: 88.5 / 88.1 / 89.1; all prefetches off 90.5
+# (with SCALE_VEC). PF_SCALES at 16: 89.3 vs 89.7 without. Rejected: the rest of each row past
+# chunk 0 for the second kernel (+1.1-1.5 us), the scales after gdc_wait or by the second
+# kernel's programs (88.1 / 88.3 vs 88.3: no gain)
+# SCALE_VEC: the row-block scale copy with 16-byte accesses (_scale_rows); W fp8 its scale rows
+# alone 5.2 us device vs 7.8 scalar, the permute 90.5 vs 92.1 us (no prefetch)
+SCALE_VEC = True
 PF_SCALES = True
-PF_REST = False
 PF_WAVES = 2
-PF_PER_SM = 12  # PF_DIST = this many programs per SM (~ the copy kernel's resident ones)
+PF_PER_SM = 20
+PF_REST_WAVES = 2
+PF_REST_PER_SM = 12
 # Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
 # src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
 # gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
@@ -398,8 +410,7 @@ def _place_copy_kernel(
     BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
     E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
-    PDL: tl.constexpr, PF_SCALES: tl.constexpr, PF_REST: tl.constexpr, PF_WAVES: tl.constexpr,
-    PF_DIST,
+    PDL: tl.constexpr, PF_SCALES: tl.constexpr, PF_WAVES: tl.constexpr, PF_DIST,
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < M): column chunk c of token t's row to its destinations (a
     token's chunks in neighbouring programs). Programs past M * CHUNKS: the m_indices fill
@@ -433,9 +444,6 @@ def _place_copy_kernel(
         esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
         if PF_SCALES:  # (the second kernel's scale rows gather these)
             _prefetch_l2(xs_ptr + t64 * stride_sm, S * 4, (h_live > 0).to(tl.int32))
-        if PF_REST:  # (the second kernel copies these)
-            _prefetch_l2(x_ptr + t64 * stride_xm + BLOCK_H, (H - BLOCK_H) * esz,
-                         (h_live > 0).to(tl.int32))  # fmt: skip
         if PF_WAVES > 0:
             pid = tl.program_id(0)
             for j in tl.static_range(1, PF_WAVES + 1):
@@ -473,7 +481,7 @@ def _rest_scales_kernel(
     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, PDL: tl.constexpr,
-    VEC: tl.constexpr, S_C: tl.constexpr,
+    VEC: tl.constexpr, S_C: tl.constexpr, PF_WAVES: tl.constexpr, PF_DIST,
 ):  # fmt: skip
     """Two kinds of programs after the copy kernel (which wrote src, inv_perm and chunk 0 of
     every row when N_REST > 0, all chunks otherwise):
@@ -495,6 +503,14 @@ def _rest_scales_kernel(
         e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
         chunk, cols, _ = _load_chunk(x_ptr, t, e, 1 + i % N_REST, H, stride_xm, stride_xh,
                                      BLOCK_H, LOAD_POLICY)  # fmt: skip
+        if PF_WAVES > 0:  # (as the copy kernel's: later waves' chunks while the copy kernel ends)
+            esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+            for j in tl.static_range(1, PF_WAVES + 1):
+                q = i + j * PF_DIST
+                c0 = (1 + q % N_REST) * BLOCK_H
+                n = (tl.minimum(c0 + BLOCK_H, H) - c0) * esz
+                _prefetch_l2(x_ptr + (q // N_REST).to(tl.int64) * stride_xm + c0, n,
+                             ((i < PF_DIST) & (q // N_REST < M)).to(tl.int32))  # fmt: skip
         if PDL:
             gdc_wait()  # inv_perm comes from the copy kernel
         rows = tl.load(inv_ptr + t.to(tl.int64) * K + kk, mask=kk < K, other=-1)
@@ -630,7 +646,16 @@ def _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E: int, blo
         K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
         LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
         **_scale_vec(x_scales, s_out),
+        **_rest_prefetch(x, pdl.get("PDL", False), block_h),
     )  # fmt: skip
+
+
+def _rest_prefetch(x, on: bool, block_h: int) -> dict:
+    """The second kernel's L2-prefetch constexprs (PF_REST_WAVES, PF_REST_PER_SM; as the copy
+    kernel's PF_WAVES): on for direct launches with PDL (sm90) and 16-byte aligned rows."""
+    waves = PF_REST_WAVES if on and _pf_ok(x, block_h) else 0
+    dist = max(1, PF_REST_PER_SM * _sm_count(x.get_device())) if waves else 1
+    return dict(PF_WAVES=waves, PF_DIST=dist)
 
 
 def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
@@ -647,15 +672,25 @@ def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
     return dict(VEC=bool(on), S_C=x_scales.shape[1] if on else 0)
 
 
+def _pf_ok(x, block_h: int) -> bool:
+    """The bulk prefetch can take x's column chunks of block_h (16-byte aligned, multiples of
+    16 bytes)."""
+    size = x.element_size()
+    return _aligned16(x) and (x.shape[1] * size) % 16 == 0 and (block_h * size) % 16 == 0
+
+
+def _scales_ok(x_scales) -> bool:
+    """The bulk prefetch can take x_scales' rows (16-byte aligned, multiples of 16 bytes)."""
+    return _aligned16(x_scales) and (x_scales.shape[1] * 4) % 16 == 0
+
+
 def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int) -> dict:
     """The copy kernel's L2-prefetch constexprs: all off unless ``on`` (a direct launch with PDL,
     so sm90) and the bulk prefetch can take the pieces (16-byte aligned, multiples of 16)."""
-    size = x.element_size()
-    ok = on and _aligned16(x) and (x.shape[1] * size) % 16 == 0 and (block_h * size) % 16 == 0
-    scales_ok = x_scales is not None and _aligned16(x_scales) and (x_scales.shape[1] * 4) % 16 == 0
+    ok = on and _pf_ok(x, block_h)
+    scales_ok = x_scales is not None and _scales_ok(x_scales)
     return dict(
         PF_SCALES=bool(on and scales_ok and by_row and PF_SCALES),
-        PF_REST=bool(ok and by_row and PF_REST and x.shape[1] > block_h),
         PF_WAVES=PF_WAVES if ok else 0,
         PF_DIST=max(1, PF_PER_SM * _sm_count(x.get_device())) if ok and PF_WAVES else 1,
     )

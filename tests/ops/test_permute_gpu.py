@@ -187,7 +187,8 @@ def test_l2_prefetch(m, h, dtype, s, layout, view, waves, per_sm, monkeypatch):
     programs an SM: past the grid, none issued), and are left off where the rows are not 16-byte
     aligned."""
     P = C.permute_mod
-    for name, val in dict(PF_SCALES=True, PF_REST=True, PF_WAVES=waves, PF_PER_SM=per_sm,
+    for name, val in dict(PF_SCALES=True, PF_WAVES=waves, PF_PER_SM=per_sm,
+                          PF_REST_WAVES=waves, PF_REST_PER_SM=per_sm,
                           SMALL_ENTRIES=0).items():  # fmt: skip
         monkeypatch.setattr(P, name, val)
     gen = torch.Generator().manual_seed(m + h)
@@ -198,4 +199,5 @@ def test_l2_prefetch(m, h, dtype, s, layout, view, waves, per_sm, monkeypatch):
     meta = P._prefetch_meta(x, sc, True, layout == "deepgemm", 4096 // x.element_size())
     assert meta["PF_WAVES"] == (0 if view else waves)
     assert meta["PF_SCALES"] == (layout == "deepgemm")
+    assert P._rest_prefetch(x, True, 4096 // x.element_size())["PF_WAVES"] == meta["PF_WAVES"]
     _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)
