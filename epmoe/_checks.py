@@ -144,8 +144,9 @@ _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 def direct_launch(t: torch.Tensor) -> bool:
     """A Triton launch on t's device goes straight to CUDA: t is a CUDA tensor, nothing traces it
-    and wrap_triton is off (the public functions' eager calls, their graph capture; not the
-    interpreter, torch.compile or the dispatcher's wrapped launches)."""
+    and wrap_triton is off (eager calls of the public functions or of the dispatcher's ops, and
+    graph capture of either; not the interpreter, nor torch.compile, whose launches are
+    wrapped)."""
     return t.is_cuda and not _tracing(t) and not torch._library.triton.is_wrap_triton_enabled()
 
 

@@ -376,8 +376,9 @@ def _scale_rows(xs_ptr, src_ptr, outs_ptr, blk, S, M_SUM, stride_sm, stride_ss, 
 def _prefetch_l2(ptr, nbytes, on):
     """Asks the L2 for the nbytes at ptr (scalars) when on (int32 != 0): cp.async.bulk.prefetch,
     sm90, issued by thread 0 of the program; a hint, nothing waits on it. ptr 16-byte aligned,
-    nbytes a multiple of 16."""
-    one = tl.full([1], 0, tl.int32)
+    nbytes a multiple of 16. (Rows of tokens without a local entry may be asked for too: the
+    kernels still never read them.)"""
+    lane = tl.full([1], 0, tl.int32)  # (one-element tensors: the asm takes tensors)
     tl.inline_asm_elementwise(
         asm="""{
         .reg .pred p;
@@ -389,7 +390,7 @@ def _prefetch_l2(ptr, nbytes, on):
         mov.b32 $0, 0;
         }""",
         constraints="=r,l,r,r",
-        args=[ptr + one, on + one, nbytes + one],
+        args=[ptr + lane, on + lane, nbytes + lane],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
