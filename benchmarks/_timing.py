@@ -134,6 +134,16 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
     run = _capture(fn)
     if run is None:
         return None
+    spans = [_span(c) for c in profiled_calls(run, iters)]
+    if len(spans) != iters:
+        return None
+    ms = [us / 1e3 for us in spans]
+    return Timing(statistics.median(ms), min(ms), iters, "device_span")
+
+
+def profiled_calls(run: Callable[[], object], iters: int) -> list:
+    """The device activities (name, start_us, end_us) of each of ``iters`` calls of ``run``, each
+    after an L2 flush, from one torch.profiler run (``run`` is called once before, untimed)."""
     run()
     device = torch.cuda.current_device()
     flush, flush_names = _flush_buffer(device), _flush_names(device)
@@ -143,11 +153,7 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
             _flush(flush)
             run()
         torch.cuda.synchronize()
-    spans = call_spans(_gpu_activities(prof), flush_names)
-    if len(spans) != iters:
-        return None
-    ms = [us / 1e3 for us in spans]
-    return Timing(statistics.median(ms), min(ms), iters, "device_span")
+    return split_calls(_gpu_activities(prof), flush_names)
 
 
 @functools.cache
@@ -162,21 +168,30 @@ def _flush_names(device: int) -> frozenset:
     return frozenset(a[0] for a in _gpu_activities(prof))
 
 
+def split_calls(activities, flush_names) -> list:
+    """The runs of ``activities`` ((name, start, end) by start) between flushes, a flush being any
+    activity named in ``flush_names``: one list of activities a call."""
+    calls, cur = [], None
+    for act in activities:
+        if act[0] in flush_names:
+            cur = None
+            continue
+        if cur is None:
+            cur = []
+            calls.append(cur)
+        cur.append(act)
+    return calls
+
+
+def _span(call) -> float:
+    """End of a call's last activity - start of its first (activities by start)."""
+    return max(end for _, _, end in call) - call[0][1]
+
+
 def call_spans(activities, flush_names) -> list:
-    """Span (end of the last - start of the first) of each run of activities between flushes:
-    ``activities`` (name, start, end) by start, a flush being any activity named in
-    ``flush_names``."""
-    spans, cur = [], None
-    for name, start, end in activities:
-        if name in flush_names:
-            if cur is not None:
-                spans.append(cur[1] - cur[0])
-                cur = None
-        else:
-            cur = (start, end) if cur is None else (cur[0], max(cur[1], end))
-    if cur is not None:
-        spans.append(cur[1] - cur[0])
-    return spans
+    """Span (end of the last - start of the first) of each run of activities between flushes
+    (:func:`split_calls`)."""
+    return [_span(c) for c in split_calls(activities, flush_names)]
 
 
 @functools.cache

@@ -2,13 +2,15 @@
 
 Times each stage (CUDA-graph replay, L2 flushed by a read, median of 100; benchmarks/_timing) for
 a set of values of the module-level launch constants, and prints / appends one JSON line per point:
-{"stage", "params", "us", "gbps"}. Used to choose the defaults in epmoe/ops; not a test.
+{"stage", "params", "us", "gbps"} (with --device also "device_us", the kernels' span). Used to
+choose the defaults in epmoe/ops; not a test.
 
   PYTHONPATH=.:benchmarks python3 scripts/stage_sweep.py --out sweep.jsonl [--only permute,...]
 
 With --profile, each stage's default point also gets a kernel breakdown: the device time of every
 kernel of one call (torch.profiler over graph replays, L2 flushed between them), {"stage",
-"kernels": {name: us}}, to tell the kernels' own time from the gaps between dependent launches.
+"kernels": {name: us}, "timeline": {kernel: [start, end]}}, to tell the kernels' own time from
+the gaps between dependent launches.
 """
 
 import argparse
@@ -316,8 +318,9 @@ SWEEPS = {
     + grid(FAST_MATH=[False], INT8_WARPS=[4]),
     "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
     "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
-    # (session 9) the copy kernel's L2 prefetches before gdc_wait; three plain points for noise
-    # (session 9) L2 prefetches and 16-byte scale copies, on (the defaults) and off; rounds
+    # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
+    # one kernel's launch in session 7, SCALE_VEC and the PF_* prefetches in session 9: see
+    # benchmarks/results/; the fp8 points here are session 9's last check, in rounds)
     "permute_prefill_bf16": [{}],
     "permute_prefill_fp8": [{}, dict(PF_REST_PER_SM=16), dict(PF_REST_PER_SM=8)] * 3,
     "permute_prefill_int8": [{}],
@@ -354,60 +357,29 @@ PATCHES = {"IN_KERNEL": _in_kernel}
 SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
 
 
-def kernel_breakdown(fn, iters: int = 20) -> dict:
-    """Average device µs per call of each kernel ``fn`` launches (graph replays, L2 flushed)."""
+def kernel_profile(fn, iters: int = 20) -> dict:
+    """One profiler run of ``fn``'s graph replays (L2 flushed before each): ``kernels``, the
+    average device µs per call of each kernel it launches, and ``timeline``, each kernel's median
+    start and end (µs after the call's first kernel starts) by launch order: when each kernel of
+    a dependent chain begins and ends, e.g. how long the index chain holds the copy back."""
     run = _timing._capture(lambda: _eager.run(fn)) or (lambda: _eager.run(fn))
-    run()
-    flush = _timing._flush_buffer(torch.cuda.current_device())
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(iters):
-            _timing._flush(flush)
-            run()
-        torch.cuda.synchronize()
+    calls = _timing.profiled_calls(run, iters)
     total: dict = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "reduce_kernel" not in ev.name:
-            us = ev.time_range.elapsed_us()  # the kernel on the device
-            total[ev.name] = total.get(ev.name, 0.0) + us  # (the flush is a reduce_kernel sum)
+    for call in calls:
+        for name, start, end in call:
+            total[name] = total.get(name, 0.0) + end - start
     total["(all kernels)"] = sum(total.values())
-    return {k: round(v / iters, 2) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
-
-
-def kernel_timeline(fn, iters: int = 20) -> dict:
-    """Median start and end (µs after the call's first kernel starts) of each kernel ``fn``
-    launches, by launch order (graph replays, L2 flushed): when each kernel of a dependent chain
-    begins and ends, e.g. how long the index chain holds the copy back."""
-    run = _timing._capture(lambda: _eager.run(fn)) or (lambda: _eager.run(fn))
-    run()
-    device = torch.cuda.current_device()
-    flush, flush_names = _timing._flush_buffer(device), _timing._flush_names(device)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            _timing._flush(flush)
-            run()
-        torch.cuda.synchronize()
-    calls, cur = [], None
-    for name, start, end in _timing._gpu_activities(prof):
-        if name in flush_names:
-            cur = None
-            continue
-        if cur is None:
-            cur = []
-            calls.append(cur)
-        cur.append((name, start, end))
-    out = {}
+    kernels = {k: round(v / iters, 2) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+    timeline = {}
     for i in range(min(len(c) for c in calls)):
         starts = [c[i][1] - c[0][1] for c in calls]
         ends = [c[i][2] - c[0][1] for c in calls]
         name = calls[0][i][0].split("(")[0][:40]
-        out[f"{i}:{name}"] = [
+        timeline[f"{i}:{name}"] = [
             round(statistics.median(starts), 2),
             round(statistics.median(ends), 2),
         ]
-    return out
+    return dict(kernels=kernels, timeline=timeline)
 
 
 def main() -> None:
@@ -429,8 +401,7 @@ def main() -> None:
                 continue
             if args.profile:
                 try:
-                    rec = dict(stage=name, kernels=kernel_breakdown(fn),
-                               timeline=kernel_timeline(fn))  # fmt: skip
+                    rec = dict(stage=name, **kernel_profile(fn))
                 except Exception as e:  # noqa: BLE001
                     rec = dict(stage=name, profile_error=repr(e)[:300])
                 print(json.dumps(rec), file=f, flush=True)
