@@ -398,6 +398,22 @@ def _prefetch_l2(ptr, nbytes, on):
 
 
 @triton.jit
+def _prefetch_waves(x_ptr, i, M, H, stride_xm, PER_TOKEN, FIRST, BLOCK_H: tl.constexpr,
+                    WAVES: tl.constexpr, DIST):  # fmt: skip
+    """Program i below DIST of a kernel whose program q copies chunk FIRST + q % PER_TOKEN of
+    token q // PER_TOKEN (BLOCK_H columns): _prefetch_l2 of the chunks of programs i + j * DIST,
+    j in [1, WAVES], while i waits at gdc_wait."""
+    esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+    for j in tl.static_range(1, WAVES + 1):
+        q = i + j * DIST
+        t = q // PER_TOKEN
+        c0 = (FIRST + q % PER_TOKEN) * BLOCK_H
+        n = (tl.minimum(c0 + BLOCK_H, H) - c0) * esz
+        on = ((i < DIST) & (t < M)).to(tl.int32)
+        _prefetch_l2(x_ptr + t.to(tl.int64) * stride_xm + c0, n, on)
+
+
+@triton.jit
 def _place_copy_kernel(
     # tensors
     x_ptr, xs_ptr, ids_ptr, counts_ptr, totals_ptr, inv_ptr, src_ptr, out_ptr, outs_ptr,
@@ -442,18 +458,11 @@ def _place_copy_kernel(
             sv = tl.load(
                 xs_ptr + t64 * stride_sm + so * stride_ss, mask=so < tl.where(h_live > 0, s_hi, 0)
             )
-        esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
         if PF_SCALES:  # (the second kernel's scale rows gather these)
             _prefetch_l2(xs_ptr + t64 * stride_sm, S * 4, (h_live > 0).to(tl.int32))
         if PF_WAVES > 0:
-            pid = tl.program_id(0)
-            for j in tl.static_range(1, PF_WAVES + 1):
-                q = pid + j * PF_DIST
-                tq = q // CHUNKS
-                c0 = (q % CHUNKS) * BLOCK_H
-                n = (tl.minimum(c0 + BLOCK_H, H) - c0) * esz
-                _prefetch_l2(x_ptr + tq.to(tl.int64) * stride_xm + c0, n,
-                             ((pid < PF_DIST) & (tq < M)).to(tl.int32))  # fmt: skip
+            _prefetch_waves(x_ptr, tl.program_id(0), M, H, stride_xm, CHUNKS, 0, BLOCK_H,
+                            PF_WAVES, PF_DIST)  # fmt: skip
         if PDL:
             gdc_wait()  # counts (scanned) and totals come from the scan kernel
         rows = _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD)
@@ -505,13 +514,7 @@ def _rest_scales_kernel(
         chunk, cols, _ = _load_chunk(x_ptr, t, e, 1 + i % N_REST, H, stride_xm, stride_xh,
                                      BLOCK_H, LOAD_POLICY)  # fmt: skip
         if PF_WAVES > 0:  # (as the copy kernel's: later waves' chunks while the copy kernel ends)
-            esz = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-            for j in tl.static_range(1, PF_WAVES + 1):
-                q = i + j * PF_DIST
-                c0 = (1 + q % N_REST) * BLOCK_H
-                n = (tl.minimum(c0 + BLOCK_H, H) - c0) * esz
-                _prefetch_l2(x_ptr + (q // N_REST).to(tl.int64) * stride_xm + c0, n,
-                             ((i < PF_DIST) & (q // N_REST < M)).to(tl.int32))  # fmt: skip
+            _prefetch_waves(x_ptr, i, M, H, stride_xm, N_REST, 1, BLOCK_H, PF_WAVES, PF_DIST)
         if PDL:
             gdc_wait()  # inv_perm comes from the copy kernel
         rows = tl.load(inv_ptr + t.to(tl.int64) * K + kk, mask=kk < K, other=-1)
@@ -618,10 +621,8 @@ def _by_row(S: int, scale_layout: str, n) -> bool:
     )
 
 
-def _aligned16(t: Optional[torch.Tensor]) -> bool:
-    """t's rows start on 16-byte boundaries and are dense (None: True)."""
-    if t is None:
-        return True
+def _aligned16(t: torch.Tensor) -> bool:
+    """t's rows start on 16-byte boundaries and are dense."""
     size = t.element_size()
     return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
@@ -655,8 +656,7 @@ def _rest_prefetch(x, on: bool, block_h: int) -> dict:
     """The second kernel's L2-prefetch constexprs (PF_REST_WAVES, PF_REST_PER_SM; as the copy
     kernel's PF_WAVES): on for direct launches with PDL (sm90) and 16-byte aligned rows."""
     waves = PF_REST_WAVES if on and _pf_ok(x, block_h) else 0
-    dist = max(1, PF_REST_PER_SM * _sm_count(x.get_device())) if waves else 1
-    return dict(PF_WAVES=waves, PF_DIST=dist)
+    return dict(PF_WAVES=waves, PF_DIST=_pf_dist(x, PF_REST_PER_SM, waves))
 
 
 def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
@@ -688,13 +688,18 @@ def _scales_ok(x_scales) -> bool:
 def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int) -> dict:
     """The copy kernel's L2-prefetch constexprs: all off unless ``on`` (a direct launch with PDL,
     so sm90) and the bulk prefetch can take the pieces (16-byte aligned, multiples of 16)."""
-    ok = on and _pf_ok(x, block_h)
+    waves = PF_WAVES if on and _pf_ok(x, block_h) else 0
     scales_ok = x_scales is not None and _scales_ok(x_scales)
     return dict(
         PF_SCALES=bool(on and scales_ok and by_row and PF_SCALES),
-        PF_WAVES=PF_WAVES if ok else 0,
-        PF_DIST=max(1, PF_PER_SM * _sm_count(x.get_device())) if ok and PF_WAVES else 1,
+        PF_WAVES=waves,
+        PF_DIST=_pf_dist(x, PF_PER_SM, waves),
     )
+
+
+def _pf_dist(x, per_sm: int, waves: int) -> int:
+    """PF_DIST: per_sm programs per multiprocessor of x's device (1, unused, without waves)."""
+    return max(1, per_sm * _sm_count(x.get_device())) if waves else 1
 
 
 @functools.cache
