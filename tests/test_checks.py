@@ -46,8 +46,8 @@ def test_plain_on_fast_check():
 
 
 def test_in_kernel_asserts_only_on_direct_launches_off_debug():
-    """CPU tensors (the interpreter), fake tensors and wrap_triton's launches are not direct
-    launches, so they keep the check after the kernels; debug mode never asserts in a kernel."""
+    """CPU tensors (the interpreter) and fake tensors (torch.compile) are not direct launches, so
+    they keep the check after the kernels; debug mode never asserts in a kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t = torch.zeros(2)

@@ -421,10 +421,15 @@ def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None
         raise _checks.fail(op, "expert_offsets", "[E + 1] with E >= 0", list(expert_offsets.shape))
 
 
-def _plain(y) -> bool:
-    """y is a plain ``torch.Tensor`` without grad (the tensors' half of ``_eager.direct`` for y;
-    ``_valid`` checks the count / index tensors with ``_checks.plain_on``)."""
-    return type(y) is torch.Tensor and not y.requires_grad
+def _plain(y, expert_offsets) -> bool:
+    """y is a plain ``torch.Tensor`` without grad and expert_offsets (None allowed) a plain one:
+    the tensors' half of ``_eager.direct`` for them (``_valid`` checks masked_m and m_indices
+    with ``_checks.plain_on``)."""
+    return (
+        type(y) is torch.Tensor
+        and not y.requires_grad
+        and (expert_offsets is None or type(expert_offsets) is torch.Tensor)
+    )
 
 
 def _quant_args_ok(y, scheme, group_size, scale_layout) -> bool:
@@ -441,7 +446,7 @@ def _valid_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, exper
     public function then launches straight away (see epmoe.ops.permute.permute)."""
     try:
         return (
-            _plain(y)
+            _plain(y, expert_offsets)
             and _valid(y, masked_m, m_indices, expert_offsets)
             and _quant_args_ok(y, scheme, group_size, scale_layout)
         )
@@ -535,7 +540,11 @@ def silu_and_mul(
     Returns:
         y.dtype `[..., I]`.
     """
-    if _eager.calm() and _plain(y) and _valid(y, masked_m, m_indices, expert_offsets):
+    if (
+        _eager.calm()
+        and _plain(y, expert_offsets)
+        and _valid(y, masked_m, m_indices, expert_offsets)
+    ):
         return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
     if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
         return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices, expert_offsets)

@@ -82,3 +82,18 @@ def test_activation_opcheck(seed):
 def test_activation_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_fast_path_takes_plain_tensors_only():
+    """The public functions' one-pass fast path (activation._plain, with _valid): y and
+    expert_offsets must be plain tensors without grad, as _eager.direct asks of every tensor; a
+    Parameter or a tensor that needs grad goes the dispatcher's way."""
+    import importlib
+
+    A = importlib.import_module("epmoe.ops.activation")
+    y = torch.zeros((4, 8))
+    offs = torch.zeros(3, dtype=torch.int32)
+    assert A._plain(y, None) and A._plain(y, offs)
+    assert not A._plain(torch.nn.Parameter(y), None)
+    assert not A._plain(y.clone().requires_grad_(), offs)
+    assert not A._plain(y, torch.nn.Parameter(offs, requires_grad=False))

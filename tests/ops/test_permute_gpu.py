@@ -174,7 +174,7 @@ def test_cuda_graph_replay(m, h):
 @pytest.mark.parametrize(
     "m,h,dtype,s,layout,view",
     [
-        (1024, 7168, torch.float8_e4m3fn, 56, "deepgemm", False),  # split: scales, rest, waves
+        (1024, 7168, torch.float8_e4m3fn, 56, "deepgemm", False),  # split: scales, both kernels
         (1024, 7168, torch.bfloat16, 0, "row", False),
         (1024, 7168, torch.int8, 1, "row", False),  # 4-byte scale rows: no prefetch of them
         (600, 1040, torch.bfloat16, 0, "row", False),  # one chunk of 2080 bytes
