@@ -4,12 +4,19 @@ HT (prefill): quantize -> ht_dispatch -> permute -> grouped_gemm (gate+up) -> si
 -> grouped_gemm (down) -> unpermute -> ht_combine.
 LL (decode): ll_dispatch -> [quantize] -> masked grouped_gemm -> silu_and_mul(_quant) -> masked
 grouped_gemm -> ll_combine.
+"auto": LL up to ``ll_max_tokens`` tokens per call, HT above (chosen from the shape, not the data).
+
+On one rank with the local backend nothing is sent: HT permutes the caller's x, ids and weights
+directly and unpermute's output is the result; LL scatters tokens into the masked layout with one
+kernel (quantization fused) and gathers them back, weighted, with another
+(:mod:`epmoe.comm.masked_layout`).
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
 K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
 each rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -29,10 +36,17 @@ from epmoe.ops import (
     silu_and_mul_quant,
     unpermute,
 )
-from epmoe.ops.gemm import contiguous_row_block
+from epmoe.ops.gemm import contiguous_row_block, masked_row_block
 
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
+MODES = ("ht", "ll", "auto")
+# mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above
+AUTO_LL_MAX_TOKENS = 128
+# load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
+# the float32 transient stays below one expert's float32 copy
+LOAD_ROWS = 512
+_QDTYPE = {"fp8": reference.FP8_DTYPE, "int8": torch.int8}
 
 
 class EPMoE(nn.Module):
@@ -43,13 +57,19 @@ class EPMoE(nn.Module):
         hidden_size: H. intermediate_size: I. top_k: K.
         quant: "bf16", "fp8" (e4m3, activations 1x128, weights 128x128) or "int8" (per token / per
             output channel).
-        mode: "ht" (prefill, contiguous layout) or "ll" (decode, masked layout).
+        mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (LL for
+            calls of at most ``ll_max_tokens`` tokens, HT above; the choice follows the shape, so a
+            graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
         alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
         CUDA).
-        max_tokens_per_rank: LL capacity per rank (required for LL).
+        max_tokens_per_rank: LL capacity per rank (required for "ll"); in "ht" the worst-case
+            receive bound (see ``worst_case``).
         worst_case: HT dispatch with the static worst-case receive size (no host sync, graph-safe).
+            With one rank every HT call is static.
+        ll_max_tokens: "auto" only: the LL capacity and the largest call that takes LL (default
+            AUTO_LL_MAX_TOKENS). With several ranks "auto" sends HT calls with exact dispatch.
         device: where weights live (default: CUDA when available, else CPU).
         **backend_kwargs: passed to the communicator (deepep: num_nvl_bytes, num_sms, ...).
     """
@@ -68,6 +88,7 @@ class EPMoE(nn.Module):
         max_tokens_per_rank: Optional[int] = None,
         worst_case: bool = False,
         device=None,
+        ll_max_tokens: Optional[int] = None,
         **backend_kwargs,
     ):
         super().__init__()
@@ -79,7 +100,7 @@ class EPMoE(nn.Module):
         ):
             _checks.check_positive_int(OP, name, v)
         _checks.check_choice(OP, "quant", quant, reference.QUANT_SCHEMES)
-        _checks.check_choice(OP, "mode", mode, ("ht", "ll"))
+        _checks.check_choice(OP, "mode", mode, MODES)
         if quant == "fp8":
             _checks.check_multiple(
                 OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)"
@@ -89,6 +110,11 @@ class EPMoE(nn.Module):
             )
         if mode == "ll":
             _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
+        if mode == "auto":
+            ll_max_tokens = AUTO_LL_MAX_TOKENS if ll_max_tokens is None else ll_max_tokens
+            _checks.check_positive_int(OP, "ll_max_tokens", ll_max_tokens)
+        elif ll_max_tokens is not None:
+            raise _checks.fail(OP, "ll_max_tokens", "None unless mode='auto'", ll_max_tokens)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -105,17 +131,32 @@ class EPMoE(nn.Module):
         self.quant, self.mode, self.alignment = quant, mode, alignment
         self.worst_case = bool(worst_case)
         self.max_tokens_per_rank = max_tokens_per_rank
+        # the LL capacity per rank: the largest call LL takes
+        self.ll_max_tokens = max_tokens_per_rank if mode == "ll" else ll_max_tokens
         self.comm = comm.create(
             backend,
             group,
             num_experts,
             hidden_size,
-            max_tokens_per_rank=max_tokens_per_rank,
+            max_tokens_per_rank=self.ll_max_tokens if mode == "auto" else max_tokens_per_rank,
             device=self.device,
             **backend_kwargs,
         )
         self.comm_key = self.comm.key
         self.num_local_experts = self.comm.num_local_experts
+        # one rank, local backend: no dispatch or combine ops at all
+        self.local = self.comm.world_size == 1 and self.comm.name == "local"
+        if mode == "auto" and self.worst_case and not self.local:
+            raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
+        # masked-layout rows per expert: on one rank a multiple of the masked GEMM's row block
+        # (deep_gemm would otherwise copy into a padded buffer on every call)
+        self.ll_capacity = 0
+        if self.ll_max_tokens:
+            self.ll_capacity = (
+                reference.round_up(self.ll_max_tokens, masked_row_block(quant, self.device))
+                if self.local
+                else self.comm.ll_capacity
+            )
         self.register_buffer("w1", None)
         self.register_buffer("w1_scale", None)
         self.register_buffer("w2", None)
@@ -134,16 +175,25 @@ class EPMoE(nn.Module):
             f"experts={self.num_experts} (local {self.num_local_experts}), H={self.hidden_size}, "
             f"I={self.intermediate_size}, top_k={self.top_k}, quant={self.quant}, "
             f"mode={self.mode}, "
-            f"backend={self.comm.name}, world={self.world_size}"
+            + (f"ll_max_tokens={self.ll_max_tokens}, " if self.mode == "auto" else "")
+            + f"backend={self.comm.name}, world={self.world_size}"
         )
 
     # ------------------------------------------------------------------------------------ weights
     @torch.no_grad()
-    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Keep and quantize this rank's experts.
+    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor, copy: bool = True) -> None:
+        """Keep and quantize this rank's experts, on the layer's device.
+
+        The weights are converted a few hundred rows at a time (LOAD_ROWS), so beyond the final
+        weights at most a fraction of one expert's float32 copy is held: all of DeepSeek-V3's 256
+        experts load on one GPU. The layer keeps no reference to ``w1`` / ``w2`` and its weights
+        never require grad.
 
         Args:
-            w1: float `[Et, 2I, H]` (gate rows, then up rows). w2: float `[Et, H, I]`.
+            w1: float `[Et, 2I, H]` (gate rows, then up rows). w2: float `[Et, H, I]`. Any device.
+            copy: bf16 only: False keeps this rank's slice of w1 / w2 itself when it is already
+                bf16, contiguous and on the layer's device (no second copy of the weights; the
+                layer then sees later in-place edits). Ignored for fp8 / int8.
         """
         Et, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         _checks.check_dtype("load_weights", "w1", w1, _checks.FLOAT_DTYPES)
@@ -152,13 +202,64 @@ class EPMoE(nn.Module):
         _checks.check_shape("load_weights", "w2", w2, (Et, H, I))
         lo, hi = self.comm.expert_range
         for name, w in (("w1", w1), ("w2", w2)):
-            q, s = reference.quantize_weights(w[lo:hi].to(self.device), self.quant)
+            q, s = self._convert(w.detach()[lo:hi], copy)
             q, s = gemm.prepare_weights(q, s, self.quant, self.device)
             setattr(self, name, q)
             setattr(self, name + "_scale", s)
 
+    def _convert(self, w: torch.Tensor, copy: bool):
+        """This rank's experts w float `[E, N, Kd]` -> (weights, scales) on the layer's device."""
+        E, N, Kd = w.shape
+        if self.quant == "bf16":
+            if not copy and w.dtype == torch.bfloat16 and w.device == self.device:
+                if w.is_contiguous():
+                    return w, None
+            out = torch.empty((E, N, Kd), dtype=torch.bfloat16, device=self.device)
+            out.copy_(w)  # (a fresh tensor even when w is one already: never an alias)
+            return out, None
+        if self.quant == "fp8":  # N and Kd are multiples of the 128x128 block (checked in init)
+            blk = reference.FP8_WEIGHT_BLOCK
+            rows = math.gcd(N, LOAD_ROWS)
+            s = torch.empty((E, N // blk, Kd // blk), dtype=torch.float32, device=self.device)
+        else:
+            blk, rows = 1, LOAD_ROWS
+            s = torch.empty((E, N), dtype=torch.float32, device=self.device)
+        q = torch.empty((E, N, Kd), dtype=_QDTYPE[self.quant], device=self.device)
+        for e in range(E):
+            for r in range(0, N, rows):
+                qc, sc = reference.quantize_weights(
+                    w[e : e + 1, r : r + rows].to(self.device), self.quant
+                )
+                q[e, r : r + rows] = qc[0]
+                s[e, r // blk : r // blk + sc.shape[1]] = sc[0]
+        return q, s
+
     # ------------------------------------------------------------------------------------ forward
+    def _valid(self, x, topk_ids, topk_weights) -> bool:
+        """The usual call in one pass (each tensor attribute read once: every eager call pays for
+        validation); False sends it to the full checks, which say what is wrong."""
+        try:
+            xs = x.shape
+            T = xs[0]
+            return (
+                self.w1 is not None
+                and x.dtype is torch.bfloat16
+                and topk_ids.dtype is torch.int64
+                and topk_weights.dtype is torch.float32
+                and len(xs) == 2
+                and xs[1] == self.hidden_size
+                and topk_ids.shape == (T, self.top_k)
+                and topk_weights.shape == (T, self.top_k)
+                and x.device == self.device
+                and topk_ids.device == self.device
+                and topk_weights.device == self.device
+            )
+        except (AttributeError, TypeError, IndexError):
+            return False
+
     def _validate(self, x, topk_ids, topk_weights) -> None:
+        if self._valid(x, topk_ids, topk_weights):
+            return
         _checks.check_dtype(OP, "x", x, (torch.bfloat16,))
         _checks.check_shape(OP, "x", x, (None, self.hidden_size))
         _checks.check_dtype(OP, "topk_ids", topk_ids, (torch.int64,))
@@ -176,9 +277,16 @@ class EPMoE(nn.Module):
         """x bf16 `[T, H]`, topk_ids int64 `[T, K]` global ids or -1, topk_weights float32 `[T, K]`
         -> bf16 `[T, H]`."""
         self._validate(x, topk_ids, topk_weights)
-        if self.mode == "ht":
-            return self._forward_ht(x, topk_ids, topk_weights)
-        return self._forward_ll(x, topk_ids, topk_weights)
+        if self.uses_ll(x.shape[0]):
+            return self._forward_ll(x, topk_ids, topk_weights)
+        return self._forward_ht(x, topk_ids, topk_weights)
+
+    def uses_ll(self, num_tokens) -> bool:
+        """Whether a call of ``num_tokens`` tokens takes the LL (masked) path: mode "ll", or "auto"
+        with at most ``ll_max_tokens`` tokens (a function of the shape only)."""
+        if self.mode == "auto":
+            return num_tokens <= self.ll_max_tokens
+        return self.mode == "ll"
 
     def _act(self, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
@@ -201,13 +309,21 @@ class EPMoE(nn.Module):
         scales = None
         if self.quant != "bf16":
             x, scales = quantize(x, self.quant)
-        d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, self.worst_case)
+        if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
+            return self._experts_ht(x, scales, topk_ids, topk_weights)
+        worst = self.worst_case and self.mode == "ht"
+        d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
+        y = self._experts_ht(d.x, d.x_scales, d.topk_ids, d.topk_weights)
+        return ht_combine(y, d.handle, self.comm_key)
+
+    def _experts_ht(self, x, scales, topk_ids, topk_weights):
+        """permute -> GEMM1 -> activation -> GEMM2 -> unpermute on rows with local ids."""
         p = permute(
-            d.x,
-            d.topk_ids,
+            x,
+            topk_ids,
             self.num_local_experts,
             self.alignment,
-            d.x_scales,
+            scales,
             scale_layout=self._scale_layout(),
         )
         y = grouped_gemm(
@@ -228,8 +344,7 @@ class EPMoE(nn.Module):
             w_scales=self.w2_scale,
             expert_offsets=p.expert_offsets,
         )
-        y = unpermute(y, p.inv_perm, d.topk_weights)
-        return ht_combine(y, d.handle, self.comm_key)
+        return unpermute(y, p.inv_perm, topk_weights)
 
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
@@ -242,32 +357,28 @@ class EPMoE(nn.Module):
         """
         if self.device.type != "cuda" or self.w1 is None:
             return
-        counts = sorted(set(token_counts or [self.max_tokens_per_rank or 1]), reverse=True)
+        default = self.ll_max_tokens if self.mode != "ht" else self.max_tokens_per_rank
+        counts = sorted(set(token_counts or [default or 1]), reverse=True)
+        ll = any(self.uses_ll(t) for t in counts)
+        ht = [t for t in counts if not self.uses_ll(t)]  # largest first: it drives INT8 autotuning
         E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
         for (w, s), (n, k) in (
             ((self.w1, self.w1_scale), (2 * I, H)),
             ((self.w2, self.w2_scale), (H, I)),
         ):
-            if self.mode == "ht":  # largest first: it drives INT8 autotuning
-                rows = [
-                    self.world_size
-                    * (
-                        self.max_tokens_per_rank
-                        if self.worst_case and self.max_tokens_per_rank
-                        else t
-                    )
-                    for t in counts
-                ]
+            if ht:
+                cap = self.max_tokens_per_rank if self.worst_case and not self.local else None
+                rows = [self.world_size * (cap or t) for t in ht]
                 m = [reference.permuted_rows(r, self.top_k, E, self.alignment) for r in rows]
                 gemm.warmup(self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s)
-            else:
+            if ll:
                 gemm.warmup(
                     self.quant,
                     E,
                     n,
                     k,
                     self.device,
-                    masked_t=self.comm.ll_capacity,
+                    masked_t=self.ll_capacity,
                     expected_m=self.expected_m(),
                     w=w,
                     w_scales=s,
@@ -275,20 +386,44 @@ class EPMoE(nn.Module):
 
     def expected_m(self) -> int:
         """Static hint of rows per local expert in LL (uniform routing at full capacity)."""
-        rows = self.world_size * self.max_tokens_per_rank * self.top_k
+        rows = self.world_size * self.ll_max_tokens * self.top_k
         return max(1, -(-rows // self.num_experts))
 
     def _forward_ll(self, x, topk_ids, topk_weights):
+        if self.local and x.shape[0] > self.ll_max_tokens:
+            raise _checks.fail(
+                "ll_dispatch",
+                "x",
+                f"at most max_tokens_per_rank={self.ll_max_tokens} tokens",
+                x.shape[0],
+            )
+        if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
+            from epmoe.comm.masked_layout import ll_gather, ll_scatter  # TEMP until it lands
+
+            a, s, masked_m, rows = ll_scatter(
+                x,
+                topk_ids,
+                self.num_local_experts,
+                self.ll_capacity,
+                self.quant,
+                scale_layout=self._scale_layout(),
+            )
+            y = self._experts_ll(a, s if self.quant != "bf16" else None, masked_m)
+            return ll_gather(y, rows, topk_weights)
         d = ll_dispatch(x, topk_ids, self.comm_key, use_fp8=self.quant == "fp8")
         a, s = d.x, d.x_scales
         if self.quant == "int8":
             a, s = quantize(a, "int8", masked_m=d.masked_m)
+        y = self._experts_ll(a, s, d.masked_m)
+        return ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
+
+    def _experts_ll(self, a, s, masked_m):
+        """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         em = self.expected_m()
         y = grouped_gemm(
-            a, self.w1, masked_m=d.masked_m, a_scales=s, w_scales=self.w1_scale, expected_m=em
+            a, self.w1, masked_m=masked_m, a_scales=s, w_scales=self.w1_scale, expected_m=em
         )
-        h, hs = self._act(y, d.masked_m)
-        y = grouped_gemm(
-            h, self.w2, masked_m=d.masked_m, a_scales=hs, w_scales=self.w2_scale, expected_m=em
+        h, hs = self._act(y, masked_m)
+        return grouped_gemm(
+            h, self.w2, masked_m=masked_m, a_scales=hs, w_scales=self.w2_scale, expected_m=em
         )
-        return ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)

@@ -81,11 +81,11 @@ def test_layer_bad_input():
         (lambda: layer(x, ids, w.double()), "EPMoE: topk_weights expected dtype"),
         (
             lambda: layer(x, torch.full_like(ids, 8), w),
-            "dispatch: topk_ids expected ids in \\[0, 8\\)",
+            "permute: topk_ids expected ids in \\[0, 8\\)",
         ),
         (
             lambda: ll(x, torch.full_like(ids, 99), w),
-            "ll_dispatch: topk_ids expected ids in \\[0, 8\\)",
+            "ll_scatter: topk_ids expected ids in \\[0, 8\\)",
         ),
         (
             lambda: ll(*tokens(33, seed=1, **SMALL)),
@@ -108,3 +108,81 @@ def test_device_mismatch_is_value_error():
         layer(x.to("meta"), ids, w)
     with pytest.raises(ValueError, match="EPMoE: topk_ids expected device cpu"):
         layer(x, ids.to("meta"), w)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+def test_auto_mode_picks_ll_up_to_its_threshold(quant, monkeypatch):
+    layer = small_layer(quant, "auto", alignment=16, ll_max_tokens=8)
+    assert layer.uses_ll(8) and not layer.uses_ll(9) and layer.uses_ll(0)
+    w1, w2 = global_weights(**SMALL)
+    for T in (0, 1, 8, 9, 20):
+        x, ids, w = tokens(T, seed=T, **SMALL)
+        out = layer(x, ids, w)
+        check_layer_output(out, x, ids, w, w1, w2, quant)
+        # each path gives the bytes of the layer fixed to that mode
+        fixed = small_layer(
+            quant, "ll" if T <= 8 else "ht", alignment=16, max_tokens_per_rank=8 if T <= 8 else None
+        )
+        assert torch.equal(out, fixed(x, ids, w)), T
+
+
+def test_auto_mode_bad_config():
+    with pytest.raises(ValueError, match="EPMoE: ll_max_tokens expected a positive int, got 0"):
+        _bad(mode="auto", ll_max_tokens=0)()
+    with pytest.raises(ValueError, match="EPMoE: ll_max_tokens expected None unless mode='auto'"):
+        _bad(mode="ht", ll_max_tokens=8)()
+
+
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_any_strides_of_ids_and_weights(mode):
+    layer = make_layer("int8", mode)
+    x, ids, w = tokens(10, seed=4, **SMALL)
+    ids_t, w_t = ids.t().contiguous().t(), w.t().contiguous().t()  # column-major
+    assert not ids_t.is_contiguous()
+    assert torch.equal(layer(x, ids_t, w_t), layer(x, ids, w))
+
+
+def test_expert_at_exactly_ll_capacity():
+    """Every slot of one expert used, the last one included."""
+    layer = make_layer("bf16", "ll")  # capacity 32
+    x, ids, w = tokens(32, seed=5, **SMALL)
+    ids[:, 0] = 2
+    ids[:, 1:] = -1
+    check_layer_output(layer(x, ids, w), x, ids, w, *global_weights(**SMALL), "bf16")
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+def test_load_weights_copies_and_quantizes_like_the_reference(quant, monkeypatch):
+    from epmoe import layer as layer_mod
+    from epmoe import reference
+
+    monkeypatch.setattr(layer_mod, "LOAD_ROWS", 128)  # several chunks per expert
+    w1, w2 = global_weights(**SMALL)
+    w1 = w1.bfloat16().requires_grad_()
+    layer = epmoe.EPMoE(**SMALL, quant=quant, backend="local", device="cpu", alignment=16)
+    layer.load_weights(w1, w2)
+    q, s = reference.quantize_weights(w1.detach(), quant)
+    assert torch.equal(layer.w1.view(torch.uint8), q.view(torch.uint8))
+    assert (s is None and layer.w1_scale is None) or torch.equal(layer.w1_scale, s)
+    assert not layer.w1.requires_grad and layer.w1.data_ptr() != w1.data_ptr()
+    before = layer.w1.clone()
+    with torch.no_grad():
+        w1.mul_(2)  # the layer does not follow the caller's later edits
+    assert torch.equal(layer.w1, before)
+
+
+def test_load_weights_without_copy_keeps_bf16_weights():
+    w1, w2 = (w.bfloat16() for w in global_weights(**SMALL))
+    layer = epmoe.EPMoE(**SMALL, quant="bf16", backend="local", device="cpu", alignment=16)
+    layer.load_weights(w1, w2, copy=False)
+    assert layer.w1.data_ptr() == w1.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
+
+
+def test_forward_and_backward_safe_with_grad_weights():
+    """Weights that require grad leak no autograd into the layer (no 'no autograd formula')."""
+    w1, w2 = (w.requires_grad_() for w in global_weights(**SMALL))
+    layer = epmoe.EPMoE(**SMALL, quant="bf16", backend="local", device="cpu", alignment=16)
+    layer.load_weights(w1, w2)
+    x, ids, w = tokens(5, seed=6, **SMALL)
+    out = layer(x, ids, w)
+    assert not out.requires_grad

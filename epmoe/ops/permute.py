@@ -688,8 +688,9 @@ def _scales_ok(x_scales) -> bool:
 def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int) -> dict:
     """The copy kernel's L2-prefetch constexprs: all off unless ``on`` (a direct launch with PDL,
     so sm90) and the bulk prefetch can take the pieces (16-byte aligned, multiples of 16)."""
+    # (``on`` first: under torch.compile the tensors are fake and have no address)
     waves = PF_WAVES if on and _pf_ok(x, block_h) else 0
-    scales_ok = x_scales is not None and _scales_ok(x_scales)
+    scales_ok = on and x_scales is not None and _scales_ok(x_scales)
     return dict(
         PF_SCALES=bool(on and scales_ok and by_row and PF_SCALES),
         PF_WAVES=waves,
