@@ -333,6 +333,7 @@ class EPMoE(nn.Module):
             a_scales=p.x_scales,
             w_scales=self.w1_scale,
             expert_offsets=p.expert_offsets,
+            trusted=True,  # permute writes only -1 or [0, E)
         )
         # padding rows and the unused tail are skipped
         h, hs = self._act(y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
@@ -343,6 +344,7 @@ class EPMoE(nn.Module):
             a_scales=hs,
             w_scales=self.w2_scale,
             expert_offsets=p.expert_offsets,
+            trusted=True,  # permute writes only -1 or [0, E)
         )
         return unpermute(y, p.inv_perm, topk_weights)
 
@@ -420,10 +422,8 @@ class EPMoE(nn.Module):
     def _experts_ll(self, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         em = self.expected_m()
-        y = grouped_gemm(
-            a, self.w1, masked_m=masked_m, a_scales=s, w_scales=self.w1_scale, expected_m=em
-        )
+        # the counts come from a dispatch that clamps them to the capacity
+        kw = dict(masked_m=masked_m, expected_m=em, trusted=True)
+        y = grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw)
         h, hs = self._act(y, masked_m)
-        return grouped_gemm(
-            h, self.w2, masked_m=masked_m, a_scales=hs, w_scales=self.w2_scale, expected_m=em
-        )
+        return grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)

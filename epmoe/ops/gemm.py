@@ -646,7 +646,7 @@ def _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets):
     return out
 
 
-def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m):
+def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=False):
     scheme = scheme_of(a.dtype)
     E, T, K = a.shape
     N = w.shape[1]
@@ -656,7 +656,8 @@ def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m):
         out = _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
         _checks.check_values(ok, OP, "masked_m", f"counts in [0, {T}]")
         return out
-    _check_counts(masked_m, T)
+    if not trusted:
+        _check_counts(masked_m, T)
     if backend == "reference" or T == 0:
         return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
     if backend == "bmm":
@@ -725,6 +726,7 @@ def _contiguous_op(
     a_scales: Optional[torch.Tensor] = None,
     w_scales: Optional[torch.Tensor] = None,
     expert_offsets: Optional[torch.Tensor] = None,
+    trusted: bool = False,
 ) -> torch.Tensor:
     _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
@@ -732,22 +734,29 @@ def _contiguous_op(
 
 
 @_contiguous_op.register_fake
-def _contiguous_fake(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None):
+def _contiguous_fake(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
     _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
     return a.new_empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
 @_contiguous_op.register_kernel("cpu")
-def _contiguous_cpu(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None):
+def _contiguous_cpu(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
     _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
 
 @_contiguous_op.register_kernel("cuda")
-def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None):
+def _contiguous_cuda(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
     _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+    if not trusted:
+        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
         return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
 
@@ -760,6 +769,7 @@ def _masked_op(
     a_scales: Optional[torch.Tensor] = None,
     w_scales: Optional[torch.Tensor] = None,
     expected_m: int = 0,
+    trusted: bool = False,
 ) -> torch.Tensor:
     _validate_masked(a, w, masked_m, a_scales, w_scales)
     _check_counts(masked_m, a.shape[1])
@@ -767,23 +777,23 @@ def _masked_op(
 
 
 @_masked_op.register_fake
-def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0):
+def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     _validate_masked(a, w, masked_m, a_scales, w_scales)
     return a.new_empty((a.shape[0], a.shape[1], w.shape[1]), dtype=torch.bfloat16)
 
 
 @_masked_op.register_kernel("cpu")
-def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0):
+def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     _validate_masked(a, w, masked_m, a_scales, w_scales)
     _check_counts(masked_m, a.shape[1])
     return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
 
 
 @_masked_op.register_kernel("cuda")
-def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0):
+def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     _validate_masked(a, w, masked_m, a_scales, w_scales)
     with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
-        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m)
+        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
 
 
 def grouped_gemm(
@@ -795,6 +805,7 @@ def grouped_gemm(
     w_scales: Optional[torch.Tensor] = None,
     expected_m: Optional[int] = None,
     expert_offsets: Optional[torch.Tensor] = None,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM out = a @ w[e].T; pass exactly one of ``m_indices`` (contiguous), ``masked_m``.
 
@@ -809,6 +820,9 @@ def grouped_gemm(
         expected_m: static hint of rows per expert for the masked layout (default T).
         expert_offsets: optional int32 `[E + 1]` expert block starts of the contiguous layout
             (permute's ``expert_offsets``); only the torch._grouped_mm backend uses it.
+        trusted: m_indices / masked_m come from permute / ll_scatter, whose values are in range
+            by construction: the CUDA backends skip their device-side value check (the layer's
+            own chain). The CPU reference always checks.
     Returns:
         bf16 `[M_sum, N]` or `[E, T, N]`. CUDA-graph safe after :func:`warmup`.
     """
@@ -817,13 +831,13 @@ def grouped_gemm(
     if m_indices is not None:
         direct = _eager.direct(a, w, m_indices, a_scales, w_scales, expert_offsets)
         run = _contiguous_cuda if direct else _contiguous_op
-        return run(a, w, m_indices, a_scales, w_scales, expert_offsets)
+        return run(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
     em = int(expected_m or 0)
     if _eager.calm() and _valid(a, w, a_scales, w_scales, True, masked_m):
         with _eager.on_device(a):  # the usual eager call, validated in one pass
-            return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em)
+            return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted)
     run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
-    return run(a, w, masked_m, a_scales, w_scales, em)
+    return run(a, w, masked_m, a_scales, w_scales, em, trusted)
 
 
 # ------------------------------------------------------------------------------- weights / warmup
