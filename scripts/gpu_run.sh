@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device session on the 2xH200 machine: environment, GPU tests, benchmarks; logs go to $OUT.
+# One device session (1x or 2x H200): environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
-# steps: tests bench host cli_bench sweep deepep_bench layer_bench demo (EPMOE_CAP_<step> caps one step's seconds)
+# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo (EPMOE_CAP_<step> caps one step's seconds)
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
@@ -29,6 +29,14 @@ for step in "$@"; do
       timeout $((t - 10)) python3 benchmarks/bench_layer.py --out "$OUT/layer.json" \
         > "$OUT/layer_bench.log" 2>&1
       echo "layer_bench rc=$?" >> "$OUT/summary.txt" ;;
+    one_gpu)
+      timeout $((t - 10)) python3 benchmarks/bench_one_gpu.py --out "$OUT/one_gpu.json" \
+        --budget-s $((t - 40)) ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/one_gpu.log" 2>&1
+      echo "one_gpu rc=$?" >> "$OUT/summary.txt" ;;
+    hf_bench)
+      timeout $((t - 10)) python3 benchmarks/bench_hf.py --out "$OUT/hf.json" \
+        --budget-s $((t - 40)) ${EPMOE_HF_ARGS:-} > "$OUT/hf_bench.log" 2>&1
+      echo "hf_bench rc=$?" >> "$OUT/summary.txt" ;;
     bench)
       timeout $((t - 10)) python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable \
         --benchmark-json "$OUT/bench.json" ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} \
