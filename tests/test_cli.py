@@ -178,6 +178,7 @@ def test_demo_rejects_bad_arguments(capsys):
 
 # -------------------------------------------------------------------------------------------- bench
 def test_bench_tiny_writes_json_markdown_png(tmp_path):
+    pytest.importorskip("matplotlib")
     import matplotlib.image
 
     p = _epmoe("bench", "--tiny", "--out-dir", str(tmp_path), timeout=150)
@@ -205,6 +206,7 @@ def test_bench_tiny_writes_json_markdown_png(tmp_path):
 
 def test_bench_report_uses_ceilings(tmp_path):
     """Report rendering alone, on a hand-made pytest-benchmark JSON (no timing involved)."""
+    pytest.importorskip("matplotlib")
     torch.manual_seed(0)
 
     def entry(name, median, **extra):
@@ -237,6 +239,25 @@ def test_bench_report_uses_ceilings(tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(str(tmp_path / "r" / "bench.png")).shape[0] > 100
+
+
+@pytest.mark.parametrize("from_json", [False, True])
+def test_bench_without_matplotlib_says_so_and_writes_nothing(
+    tmp_path, capsys, monkeypatch, from_json
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    src = tmp_path / "in.json"
+    src.write_text("{}")
+    out = tmp_path / "r"
+    argv = ["bench", "--out-dir", str(out)] + (
+        ["--from-json", str(src)] if from_json else ["--tiny"]
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        'epmoe bench: needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)'
+    ]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]
 
 
 def test_bench_without_suite_fails(tmp_path, capsys):

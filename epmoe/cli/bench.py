@@ -17,6 +17,7 @@ Arguments after ``--`` go to pytest unchanged.
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
@@ -39,6 +40,33 @@ METRICS = (
     (("gbps", "weight_gbps", "achieved_gbps"), ("ceiling_gbps", "copy_gbps", "hbm_gbps"), "GB/s"),
     (("tflops",), ("ceiling_tflops", "raw_tflops"), "TFLOP/s"),
 )
+
+
+# What the report needs beyond the core install (module, pip name), checked before writing a file
+REPORT_PACKAGES = (("matplotlib", "matplotlib"), ("pytest_benchmark", "pytest-benchmark"))
+
+
+def missing_packages(modules: Sequence[Tuple[str, str]] = REPORT_PACKAGES) -> List[str]:
+    """pip names of the report's packages that do not import here."""
+    missing = []
+    for module, pip_name in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(pip_name)
+    return missing
+
+
+def _check_packages(modules: Sequence[Tuple[str, str]] = REPORT_PACKAGES) -> bool:
+    """Print one line naming the pip command when a package is missing; True when all import."""
+    missing = missing_packages(modules)
+    if missing:
+        print(
+            f'epmoe bench: needs {", ".join(missing)}: pip install -e ".[bench]" '
+            f"(or pip install {' '.join(missing)})",
+            file=sys.stderr,
+        )
+    return not missing
 
 
 def repo_root() -> Path:
@@ -233,6 +261,8 @@ def run_bench(
     command: str = "epmoe bench",
 ) -> int:
     """Run the suite (streaming pytest's output), then write the report; returns pytest's code."""
+    if not _check_packages():
+        return 2
     bdir = find_bench_dir(bench_dir)
     if bdir is None:
         print(
@@ -304,6 +334,8 @@ def main(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
         extra = extra[1:]
     command = "epmoe " + shlex.join(getattr(args, "argv", None) or ["bench"])
     if args.from_json:
+        if not _check_packages(REPORT_PACKAGES[:1]):
+            return 2
         src = Path(args.from_json)
         md, png = write_report(src, Path(args.out_dir) if args.out_dir else src.parent, command)
         print(f"epmoe bench: wrote {md}, {png}")
