@@ -5,6 +5,11 @@
 decode uses the LL masked layout with a 256-row slot per expert and about 8 live rows per expert.
 ``CONFIGS["small"]`` is a quick shape with the same structure. Select configs for a run with
 ``EPMOE_BENCH_CONFIGS=W,small`` (default: W).
+
+One-GPU shapes (``ranks=1``: every expert local), used by ``bench_one_gpu.py`` next to W's per-rank
+experts (``local_experts`` of W: E 128, H 7168, I 2048, top-8): ``qwen3-30b-a3b`` (Qwen3-30B-A3B's
+experts), ``dsv3-1gpu`` (all 256 of DeepSeek-V3's routed experts on one GPU) and ``tiny-1rank``
+(CPU smoke tests).
 """
 
 import os
@@ -58,6 +63,39 @@ CONFIGS: Dict[str, ModelConfig] = {
         top_k=4,
         prefill_tokens=1024,
         decode_capacity=64,
+        decode_rows_per_expert=4,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b",
+        hidden=2048,
+        intermediate=768,
+        num_experts=128,
+        ranks=1,
+        top_k=8,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=8,
+    ),
+    "dsv3-1gpu": ModelConfig(
+        name="dsv3-1gpu",
+        hidden=7168,
+        intermediate=2048,
+        num_experts=256,
+        ranks=1,
+        top_k=8,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=4,
+    ),
+    "tiny-1rank": ModelConfig(
+        name="tiny-1rank",
+        hidden=256,
+        intermediate=128,
+        num_experts=8,
+        ranks=1,
+        top_k=2,
+        prefill_tokens=64,
+        decode_capacity=16,
         decode_rows_per_expert=4,
     ),
 }

@@ -1,0 +1,1205 @@
+"""The whole EPMoE layer on ONE GPU, as users call it, against what they would otherwise run.
+
+    PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --out OUT.json [--quick]
+        [--only shape=qwen3-30b-a3b scheme=fp8,bf16 mode=ll T=1,32] [--budget-s 500]
+        [--no-compile | --compile-all] [--no-transformers] [--no-raw] [--iters 30]
+    PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --cpu-smoke --out smoke.json
+
+Cases: shape x scheme x mode x T. Shapes (benchmarks/_configs.py, experts ``local_experts``):
+``qwen3-30b-a3b`` (H 2048, I 768, E 128, top-8), ``W`` (the issue's reference case: W's per-rank
+experts, E 128, H 7168, I 2048, top-8) and ``dsv3-1gpu`` (all 256 DeepSeek-V3 experts, H 7168,
+I 2048, top-8). Schemes bf16 / fp8 / int8. T in TOKENS (``--quick``: QUICK_TOKENS). Modes: "ll"
+(``max_tokens_per_rank=T``, only T <= LL_MAX_TOKENS), "ht" (``worst_case=True``) and "auto"
+(EPMoE's default LL threshold; skipped with a note where ``mode="auto"`` raises ValueError). All
+layers use ``backend="local"``. Routing: K distinct experts per token uniformly at random (seeded,
+the same for every scheme and mode at one T), weights a float32 softmax of normal logits;
+x ~ N(0, 1) bf16; global weights w1 `[E, 2I, H]`, w2 `[E, H, I]` ~ 0.02 N(0, 1), created in bf16
+on the GPU (never float32) once per shape, and freed (with every layer) before the next shape.
+
+Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after warm-up):
+
+- ``eager_ms``: ``layer(x, ids, w)`` launched eagerly, each call after an L2 flush (the flush, a
+  ~0.1 ms read of 512 MiB, lets the host run ahead by that much, so this is close to the device
+  time); ``eager_loop_ms``: back-to-back eager calls without flush (host-bound calls show their
+  host time here).
+- ``host_us``: host time per eager call: wall time of N calls divided by N, with the GPU first
+  given a ~50 ms sleep kernel so it stays busy behind the host (launches only queue; nothing the
+  host does waits for the device, and the final ``torch.cuda.synchronize`` is outside the timed
+  region). A call that syncs shows up as the sleep's length.
+- ``launches``: device activities of one eager call from ``torch.profiler`` (CUDA activity):
+  kernels, plus memcpy/memset as ``copies``; ``kernels`` counts them by name. (Under the profiler
+  epmoe's eager fast path takes the dispatcher route; both launch the same kernels.)
+- ``graph_ms``: a plain ``torch.cuda.CUDAGraph`` of one call (after ``layer.warmup([T])`` and
+  warm-up calls), replayed after an L2 flush (``_timing.time_cuda``).
+- ``compile_ms`` / ``compile_ro_ms``: ``torch.compile(layer, dynamic=False)`` in the default mode
+  and in ``mode="reduce-overhead"`` (compile seconds in ``compile_s`` / ``compile_ro_s``, graph
+  breaks, and whether the compiled output has the eager bytes). Compiling costs seconds per
+  (mode, scheme, T), so by default it runs only for COMPILE_SHAPES x COMPILE_TOKENS (Qwen3 at
+  T 32 and 4096) for every scheme, on the "auto" layer (LL at 32, HT at 4096; the "ll" / "ht"
+  layer where "auto" is absent), after the shape's other cases and within ``--compile-budget-s``
+  (default COMPILE_BUDGET_S) of the run's budget, so the shapes after it still run.
+  ``--compile-all`` compiles every case, ``--no-compile`` none.
+- ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
+  points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
+  HT: the contiguous ones at the same M_sum with the same m_indices (reference permute at the
+  layer's alignment). Activations built outside the timing (fp8 scales in deep_gemm's MN-major
+  layout, as the layer passes them). int8 has no deep_gemm: its anchor is the fp8 raw GEMM on
+  the same routing (``raw_impl`` says so). bf16 without deep_gemm: torch._grouped_mm / torch.bmm.
+- ``grouped_mm_*``: transformers' ``Qwen3MoeExperts`` with ``_experts_implementation =
+  "grouped_mm"`` (built on the meta device, its ``gate_up_proj`` `[E, 2I, H]` / ``down_proj``
+  `[E, H, I]` set to the same global bf16 tensors: no copy), called as ``experts(x, ids,
+  w.bfloat16())``, eager and in a CUDA graph; ``rel_l2_vs_grouped_mm`` is the layer's eager output
+  against it (bf16 within GROUPED_MM_TOL: ``matches_grouped_mm``).
+- ``floor_ms``: bytes of the experts the routing touches (unique experts hit x (2I*H + H*I)
+  weights x 2 B bf16 / 1 B fp8, int8, plus their scales) over the copy bandwidth measured in the
+  same run (``_timing.copy_gbps``, bytes read + written, the bar the GEMM benchmarks use).
+- ``ratios``: layer graph / raw GEMMs, layer / grouped_mm (graph / graph, eager / eager), layer /
+  floor.
+
+Robustness: each measurement of a case runs in its own try/except (``errors`` maps the step to
+the error string) and the run goes on; a CUDA error that kills the context stops the run with a
+note. ``--budget-s`` (default 500) bounds the whole run: once spent, the remaining cases are
+recorded as skipped with a note, and a compile step starts only with COMPILE_RESERVE_S left. The
+JSON is rewritten after every case (a killed run keeps what it measured). A compact table is
+printed at the end. ``--cpu-smoke`` runs the tiny ``tiny-1rank`` shape on CPU through the same
+code (CUDA-only timings recorded as skipped); benchmarks/test_bench_one_gpu_cpu.py runs it.
+
+JSON: {"schema": 1, "command", "date", "device", "versions", "args", "copy_gbps",
+"copy_by_method", "budget_s", "elapsed_s", "complete", "notes": [...], "skipped": [case ids],
+"cases": [case records]}; a case record: {"id", "shape", "E", "H", "I", "K", "T", "scheme",
+"mode", "path" ("ll" | "ht"), "status" ("ok" | "error" | "skipped"), "errors": {step: str},
+"skips": {step: reason}, "step_s": {step: s}, "experts_hit", "weight_bytes", "flops", the timing
+keys above (absent when not measured), "raw_impl", "raw_layout", "ratios": {...}}.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(_HERE), _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _configs  # noqa: E402
+import _timing  # noqa: E402
+
+import epmoe  # noqa: E402
+from epmoe import reference  # noqa: E402
+from epmoe.ops import gemm  # noqa: E402
+
+SHAPES = ("qwen3-30b-a3b", "W", "dsv3-1gpu")
+SCHEMES = ("bf16", "fp8", "int8")
+MODES = ("ll", "ht", "auto")
+TOKENS = (1, 8, 32, 128, 512, 4096, 16384)
+QUICK_TOKENS = (1, 32, 128, 4096)
+LL_MAX_TOKENS = 512  # "ll" cases only up to here (decode sizes)
+COMPILE_SHAPES = ("qwen3-30b-a3b",)
+COMPILE_TOKENS = (32, 4096)  # one LL-sized and one HT-sized call per scheme
+COMPILE_RESERVE_S = 40.0  # a compile step starts only with this much of the run's budget left
+COMPILE_BUDGET_S = 180.0  # what compile steps may spend in all (default --compile-budget-s)
+W_STD = 0.02  # weight scale: GEMM outputs of O(1) at these sizes
+GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
+HOST_CALLS, HOST_REPEATS = 10, 3
+HOST_SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep at H200 clocks: covers HOST_CALLS calls
+CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
+WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
+_FATAL = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "illegal instruction",
+    "misaligned address",
+)
+
+
+class Skip(Exception):
+    """A measurement that does not apply here (recorded under ``skips``, not an error)."""
+
+
+class Fatal(Exception):
+    """The CUDA context is gone: nothing later can run."""
+
+
+# ------------------------------------------------------------------------------------------ timing
+class CudaTimer:
+    """Timings on the current CUDA device (CUDA events; graph replays via _timing)."""
+
+    device = "cuda"
+
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def _warm(self, fn) -> None:
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+
+    def eager(self, fn) -> float:
+        """Median ms of eager calls, each after an L2 flush (warm-up on the current stream)."""
+        self._warm(fn)
+        return _timing.time_cuda(fn, iters=self.iters, warmup=0, use_graph=False).ms
+
+    def loop(self, fn) -> float:
+        """Median ms of back-to-back eager calls (no flush, no sync between them)."""
+        self._warm(fn)
+        return _timing.launch_ms(fn, self.iters)
+
+    def graph(self, fn) -> float:
+        """Median ms of replays of a CUDA graph of one call, each after an L2 flush."""
+        t = _timing.time_cuda(fn, iters=self.iters, warmup=self.warmup)
+        if t.method != "cuda_graph":
+            raise RuntimeError(f"CUDA graph capture failed: {_capture_error(fn)}")
+        return t.ms
+
+    def host_us(self, fn) -> float:
+        """Host µs per eager call with the GPU kept busy (see module docstring)."""
+        fn()
+        torch.cuda.synchronize()
+        vals = []
+        for _ in range(HOST_REPEATS):
+            if hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(HOST_SLEEP_CYCLES)
+            t0 = time.perf_counter()
+            for _ in range(HOST_CALLS):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            vals.append((t1 - t0) / HOST_CALLS * 1e6)
+        return statistics.median(vals)
+
+    def launches(self, fn) -> dict:
+        """Device activities of one eager call (torch.profiler, CUDA activity)."""
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        acts = _timing._gpu_activities(prof)
+        kernels = [a[0] for a in acts if not a[0].startswith(("Memcpy", "Memset"))]
+        names = Counter(k[:80] for k in kernels)
+        return {"launches": len(kernels), "copies": len(acts) - len(kernels), "kernels": names}
+
+    def copy_gbps(self) -> dict:
+        return {"copy_gbps": _timing.copy_gbps(), "copy_by_method": _timing.copy_timings()}
+
+
+class CpuTimer:
+    """The CPU smoke run: wall-clock medians; CUDA-only measurements raise Skip."""
+
+    device = "cpu"
+
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+
+    def sync(self) -> None:
+        pass
+
+    def eager(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def loop(self, fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(self.iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.iters
+
+    def host_us(self, fn) -> float:
+        return self.loop(fn) * 1e3
+
+    def graph(self, fn) -> float:
+        raise Skip("needs CUDA")
+
+    def launches(self, fn) -> dict:
+        raise Skip("needs CUDA")
+
+    def copy_gbps(self) -> dict:
+        src = torch.empty(4 * 2**20, dtype=torch.float32).uniform_()
+        dst = torch.empty_like(src)
+        ms = self.eager(lambda: dst.copy_(src))
+        return {"copy_gbps": 2 * src.numel() * 4 / ms / 1e6, "copy_by_method": {"host": None}}
+
+
+def _capture_error(fn) -> str:
+    """Why a CUDA-graph capture of ``fn`` fails (``_timing`` only reports that it did)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        torch.cuda.synchronize()
+        return _err(e)
+    return "capture succeeded on retry"
+
+
+def _err(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" [{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else ""
+    return f"{type(e).__name__}: {str(e)[:1500]}{where}"
+
+
+# ----------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    scheme: str
+    mode: str
+    tokens: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.shape}/{self.scheme}/{self.mode}/T{self.tokens}"
+
+
+@dataclass
+class Routing:
+    x: torch.Tensor  # bf16 [T, H]
+    ids: torch.Tensor  # int64 [T, K], K distinct experts per token
+    weights: torch.Tensor  # float32 [T, K], softmax-normalised
+    experts_hit: int
+
+
+def make_routing(cfg, tokens: int, seed: int, device) -> Routing:
+    """Seeded uniform top-K routing over ``cfg.local_experts`` experts (ids and weights from a
+    CPU generator, x from one on ``device``)."""
+    E, K, H = cfg.local_experts, cfg.top_k, cfg.hidden
+    g = torch.Generator().manual_seed(seed * 1_000_003 + tokens)
+    ids = torch.rand((tokens, E), generator=g).argsort(dim=1)[:, :K].contiguous()
+    w = torch.softmax(torch.randn((tokens, K), generator=g), dim=1)
+    gx = torch.Generator(device=device).manual_seed(seed + tokens)
+    x = torch.randn((tokens, H), generator=gx, device=device, dtype=torch.bfloat16)
+    hit = int(torch.unique(ids).numel())
+    return Routing(x, ids.to(device), w.to(device=device, dtype=torch.float32), hit)
+
+
+def expert_weight_bytes(cfg, scheme: str) -> int:
+    """Bytes of one expert's weights and scales (both GEMMs) in ``scheme``."""
+    H, I = cfg.hidden, cfg.intermediate
+    n = 3 * H * I
+    if scheme == "bf16":
+        return 2 * n
+    if scheme == "fp8":  # 128x128 block scales
+        return n + 4 * ((2 * I // 128) * (H // 128) + (H // 128) * (I // 128))
+    return n + 4 * (2 * I + H)  # int8: one scale per output channel
+
+
+def masked_layout(x: torch.Tensor, ids: torch.Tensor, num_experts: int, capacity: int):
+    """Rows in the LL masked layout: a `[E, C, H]` (expert e's rows in (t, k) order, zeros past
+    its count), masked_m int32 `[E]` and each (t, k)'s slot int64 `[T * K]` (its row is
+    a[ids[t, k], slot]). Needs every count <= C."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    order = torch.sort(flat, stable=True).indices
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(flat)
+    slot[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    a = x.new_zeros((num_experts, capacity, x.shape[1]))
+    a[flat, slot] = x.repeat_interleave(K, dim=0)  # entry i is token i // K
+    return a, counts.to(torch.int32), slot
+
+
+def act_operands(a: torch.Tensor, scheme: str):
+    """Quantized GEMM activations of bf16 ``a`` `[..., Kd]` (reference quantizer): (q, scales),
+    fp8 scales on CUDA in deep_gemm's MN-major TMA-aligned layout (what the layer passes)."""
+    if scheme == "bf16":
+        return a, None
+    q, s = reference.quantize(a, scheme)
+    return q, _scales_like_layer(s, scheme)
+
+
+def _scales_like_layer(s: torch.Tensor, scheme: str) -> torch.Tensor:
+    """fp8 activation scales on CUDA in deep_gemm's MN-major layout (others as they are)."""
+    if scheme == "fp8" and s.is_cuda:
+        mn = gemm.empty_fp8_act_scales(tuple(s.shape[:-1]), s.shape[-1], s.device)
+        mn.copy_(s)
+        return mn
+    return s
+
+
+def _silu_mul(y: torch.Tensor) -> torch.Tensor:
+    return reference.silu_and_mul(y)
+
+
+# ---------------------------------------------------------------------------------------- raw GEMMs
+def _raw_impls(scheme: str, layout: str, device):
+    """(name, fn) of the raw grouped GEMM for ``scheme`` / ``layout`` on ``device``: fn(a, s, w,
+    ws, rows, em, out, offsets) writes ``out``. deep_gemm on CUDA (tests' raw baselines), the
+    reference on CPU (the smoke run: same operands, no timing)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+
+        def ref(a, s, w, ws, rows, em, out, offsets):
+            if layout == "masked":
+                out.copy_(reference.grouped_gemm_masked(a, w, rows, s, ws))
+            else:
+                out.copy_(reference.grouped_gemm_contiguous(a, w, rows, s, ws))
+
+        return "reference (CPU)", ref
+    if gemm._dg_role(f"{scheme}_{layout}", device):
+        from tests.ops.test_gemm_gpu import raw_deep_gemm_contiguous, raw_deep_gemm_masked
+
+        if layout == "masked":
+            return f"deep_gemm {scheme} masked", (
+                lambda a, s, w, ws, rows, em, out, offs: raw_deep_gemm_masked(
+                    scheme, a, s, w, ws, rows, em, out
+                )
+            )
+        return f"deep_gemm {scheme} contiguous", (
+            lambda a, s, w, ws, rows, em, out, offs: raw_deep_gemm_contiguous(
+                scheme, a, s, w, ws, rows, out
+            )
+        )
+    if scheme == "bf16" and layout == "masked":
+        return "torch.bmm (no deep_gemm bf16 masked)", (
+            lambda a, s, w, ws, rows, em, out, offs: torch.bmm(a, w.transpose(1, 2), out=out)
+        )
+    if scheme == "bf16" and hasattr(torch, "_grouped_mm"):
+        from tests.ops.test_gemm_gpu import raw_grouped_mm
+
+        return "torch._grouped_mm (no deep_gemm bf16 contiguous)", (
+            lambda a, s, w, ws, rows, em, out, offs: out.copy_(raw_grouped_mm(a, w, offs))
+        )
+    raise Skip(f"no raw {scheme} {layout} GEMM here (deep_gemm missing or unsupported GPU)")
+
+
+def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignment, timer):
+    """Time raw GEMM1 + GEMM2 (one CUDA graph) on the layer's layout of ``routing``.
+
+    Args:
+        weights: (w1, w1_scale, w2, w2_scale) prepared like the layer's (its own buffers).
+        path: "ll" (masked, `[E, capacity, *]`, ``expected_m``) or "ht" (contiguous, reference
+            permute at ``alignment``).
+    Returns:
+        dict of raw_ms (absent, and ``_skip`` set, where the timing needs CUDA), raw_impl,
+        raw_layout (C / M_sum), and ``_out``: GEMM2's rows combined per token with the routing
+        weights, bf16 `[T, H]` (the layer's output computed the raw way: checks the operands).
+    """
+    E, I = cfg.local_experts, cfg.intermediate
+    w1, w1s, w2, w2s = weights
+    x, ids = routing.x, routing.ids
+    dev = x.device
+    if path == "ll":
+        impl, fn = _raw_impls(scheme, "masked", dev)
+        a, rows, slot = masked_layout(x, ids, E, capacity)
+        lead, layout, offs = (E, capacity), {"C": capacity, "expected_m": expected_m}, None
+        a1, s1 = act_operands(a, scheme)
+        del a
+    else:
+        impl, fn = _raw_impls(scheme, "contiguous", dev)
+        xq, xs = (x, None) if scheme == "bf16" else reference.quantize(x, scheme)
+        a1, s1, rows, inv_perm, offs = reference.permute(xq, ids, E, alignment, xs)
+        s1 = None if scheme == "bf16" else _scales_like_layer(s1, scheme)
+        lead, layout = (a1.shape[0],), {"M_sum": int(a1.shape[0]), "alignment": alignment}
+    out1 = torch.empty((*lead, 2 * I), dtype=torch.bfloat16, device=dev)
+    fn(a1, s1, w1, w1s, rows, expected_m, out1, offs)
+    a2, s2 = act_operands(_silu_mul(out1), scheme)
+    out2 = torch.empty((*lead, cfg.hidden), dtype=torch.bfloat16, device=dev)
+    fn(a2, s2, w2, w2s, rows, expected_m, out2, offs)
+    timer.sync()
+
+    def both():
+        fn(a1, s1, w1, w1s, rows, expected_m, out1, offs)
+        fn(a2, s2, w2, w2s, rows, expected_m, out2, offs)
+
+    T, K = ids.shape
+    picked = out2[ids.reshape(-1), slot] if path == "ll" else out2[inv_perm.reshape(-1).long()]
+    combined = (picked.float().view(T, K, -1) * routing.weights.unsqueeze(-1)).sum(1)
+    res = {"raw_impl": impl, "raw_layout": layout, "_out": combined.to(torch.bfloat16)}
+    try:
+        res["raw_ms"] = timer.graph(both)
+    except Skip as e:
+        res["_skip"] = str(e)
+    return res
+
+
+# ------------------------------------------------------------------------------------ transformers
+def hf_grouped_mm_experts(cfg, w1: torch.Tensor, w2: torch.Tensor):
+    """transformers' Qwen3MoeExperts, grouped_mm backend, holding ``w1`` / ``w2`` themselves."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    conf = Qwen3MoeConfig(
+        hidden_size=cfg.hidden,
+        moe_intermediate_size=cfg.intermediate,
+        num_experts=cfg.local_experts,
+        num_experts_per_tok=cfg.top_k,
+    )
+    conf._experts_implementation = "grouped_mm"
+    with torch.device("meta"):  # no float32 allocation of E x 3IH parameters
+        experts = Qwen3MoeExperts(conf)
+    experts.gate_up_proj = torch.nn.Parameter(w1, requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return experts.eval()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# -------------------------------------------------------------------------------------- the layers
+def make_layer(cfg, scheme: str, mode: str, tokens: int, max_tokens: int, device):
+    kw = dict(quant=scheme, mode=mode, backend="local", device=device)
+    if mode == "ll":
+        kw["max_tokens_per_rank"] = tokens
+    else:
+        kw.update(worst_case=True, max_tokens_per_rank=max_tokens)
+    return epmoe.EPMoE(cfg.num_experts // cfg.ranks, cfg.hidden, cfg.intermediate, cfg.top_k, **kw)
+
+
+def _share_weights(dst, src) -> None:
+    """dst uses src's prepared weights (same scheme): no second quantization or copy."""
+    for name in WEIGHTS:
+        setattr(dst, name, getattr(src, name))
+
+
+def _path(layer, tokens: int) -> str:
+    if hasattr(layer, "uses_ll"):
+        return "ll" if layer.uses_ll(tokens) else "ht"
+    return layer.mode
+
+
+class ShapeRun:
+    """One shape's global weights, routings, transformers baseline and cached raw results; the
+    layers of one scheme at a time."""
+
+    def __init__(self, cfg, device, seed: int, max_tokens: int, timer):
+        self.cfg, self.device, self.seed, self.timer = cfg, torch.device(device), seed, timer
+        self.max_tokens = max_tokens
+        self.copy_gbps: Optional[float] = None  # the run's copy ceiling (GB/s), for floor_ms
+        E, H, I = cfg.local_experts, cfg.hidden, cfg.intermediate
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        self.w1 = torch.randn((E, 2 * I, H), generator=g, device=self.device, dtype=torch.bfloat16)
+        self.w1.mul_(W_STD)
+        self.w2 = torch.randn((E, H, I), generator=g, device=self.device, dtype=torch.bfloat16)
+        self.w2.mul_(W_STD)
+        self._routings: Dict[int, Routing] = {}
+        self._hf = None
+        self.hf: Dict[int, dict] = {}  # T -> grouped_mm results (or {"error": ...})
+        self.raw: Dict[tuple, dict] = {}  # (scheme, path, T, layout key) -> raw results
+        self.scheme: Optional[str] = None
+        self.layers: Dict[tuple, object] = {}
+        self._anchor = None  # fp8 layer holding the int8 cases' raw-GEMM anchor weights
+
+    def routing(self, tokens: int) -> Routing:
+        if tokens not in self._routings:
+            self._routings[tokens] = make_routing(self.cfg, tokens, self.seed, self.device)
+        return self._routings[tokens]
+
+    def use_scheme(self, scheme: str) -> None:
+        """Free the layers of the previous scheme (one scheme's weights in memory at a time)."""
+        if scheme != self.scheme:
+            self.layers.clear()
+            self._anchor = None
+            self.scheme = scheme
+            _free()
+
+    def layer(self, scheme: str, mode: str, tokens: int):
+        self.use_scheme(scheme)
+        key = (mode, tokens if mode == "ll" else None)
+        if key in self.layers:
+            return self.layers[key]
+        base = self.layers.get(("ht", None))
+        if base is None:
+            base = make_layer(self.cfg, scheme, "ht", tokens, self.max_tokens, self.device)
+            base.load_weights(self.w1, self.w2)
+            self.layers[("ht", None)] = base
+        if mode == "ht":
+            return base
+        if mode == "ll":  # one LL layer at a time: drop the previous T's
+            for k in [k for k in self.layers if k[0] == "ll"]:
+                del self.layers[k]
+        layer = make_layer(self.cfg, scheme, mode, tokens, self.max_tokens, self.device)
+        _share_weights(layer, base)
+        self.layers[key] = layer
+        return layer
+
+    def anchor_weights(self, scheme: str):
+        """Weights of the raw GEMM that anchors ``scheme``: its own layer's, fp8's for int8."""
+        if scheme != "int8":
+            base = self.layers[("ht", None)]
+        else:
+            if self._anchor is None:
+                self._anchor = make_layer(self.cfg, "fp8", "ht", 1, self.max_tokens, self.device)
+                self._anchor.load_weights(self.w1, self.w2)
+            base = self._anchor
+        return tuple(getattr(base, n) for n in WEIGHTS)
+
+    def experts(self):
+        if self._hf is None:
+            self._hf = hf_grouped_mm_experts(self.cfg, self.w1, self.w2)
+        return self._hf
+
+    def close(self) -> None:
+        self.layers.clear()
+        self._anchor = self._hf = None
+        self._routings.clear()
+        self.hf.clear()
+        self.w1 = self.w2 = None
+        _free()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- one case
+def new_record(case: Case, cfg) -> dict:
+    return {
+        "id": case.id,
+        "shape": case.shape,
+        "E": cfg.local_experts,
+        "H": cfg.hidden,
+        "I": cfg.intermediate,
+        "K": cfg.top_k,
+        "T": case.tokens,
+        "scheme": case.scheme,
+        "mode": case.mode,
+        "path": None,
+        "status": "running",
+        "errors": {},
+        "skips": {},
+        "step_s": {},
+    }
+
+
+def _step(rec: dict, name: str, fn: Callable[[], Optional[dict]]) -> None:
+    """Run one measurement: its dict merged into rec, or its error / skip recorded."""
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        if out:
+            rec.update(out)
+    except Skip as e:
+        rec["skips"][name] = str(e)
+    except Fatal:
+        raise
+    except Exception as e:  # noqa: BLE001 - record it and go on
+        rec["errors"][name] = _err(e)
+        _after_error(e)
+    finally:
+        rec["step_s"][name] = round(time.perf_counter() - t0, 3)
+
+
+def _after_error(e: BaseException) -> None:
+    """Raise Fatal when the CUDA context cannot run anything more."""
+    msg = str(e)
+    if any(s in msg for s in _FATAL):
+        raise Fatal(msg[:500])
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception as e2:  # noqa: BLE001 - a sticky error shows here
+            raise Fatal(_err(e2)) from e2
+        _free()
+
+
+def _grouped_mm(sr: ShapeRun, tokens: int, steps) -> dict:
+    """transformers grouped_mm at T (cached per shape): eager / graph ms, host µs, output."""
+    if tokens in sr.hf:
+        return sr.hf[tokens]
+    res: dict = {"errors": {}, "skips": {}}
+    r = sr.routing(tokens)
+    wb = r.weights.to(torch.bfloat16)
+    try:
+        experts = sr.experts()
+
+        def call():
+            return experts(r.x, r.ids, wb)
+
+        res["out"] = call()
+        sr.timer.sync()
+    except Exception as e:  # noqa: BLE001
+        res["errors"]["grouped_mm"] = _err(e)
+        _after_error(e)
+        sr.hf[tokens] = res
+        return res
+    for key, fn in (
+        ("grouped_mm_eager_ms", lambda: sr.timer.eager(call)),
+        ("grouped_mm_graph_ms", lambda: sr.timer.graph(call)),
+        ("grouped_mm_host_us", lambda: sr.timer.host_us(call) if "host" in steps else None),
+    ):
+        try:
+            v = fn()
+            if v is not None:
+                res[key] = v
+        except Skip as e:
+            res["skips"][key] = str(e)
+        except Exception as e:  # noqa: BLE001
+            res["errors"][key] = _err(e)
+            _after_error(e)
+    sr.hf[tokens] = res
+    return res
+
+
+def run_case(sr: ShapeRun, case: Case, steps, rec: Optional[dict] = None, budget=None) -> dict:
+    """Measure one case (the steps named in ``steps``) into ``rec`` (a new record by default).
+
+    Steps: "eager" (eager_ms, eager_loop_ms), "host", "launches", "graph", "compile", "raw",
+    "grouped_mm". The floor and ratios are always filled in.
+    """
+    cfg, timer, T = sr.cfg, sr.timer, case.tokens
+    rec = new_record(case, cfg) if rec is None else rec
+    rec["status"] = "running"
+    t_case = time.perf_counter()
+    try:
+        layer = sr.layer(case.scheme, case.mode, T)
+    except ValueError as e:
+        if case.mode == "auto":
+            rec["status"] = "skipped"
+            rec["skips"]["layer"] = f"mode='auto' not supported here: {_err(e)}"
+            return rec
+        rec["errors"]["layer"] = _err(e)
+        rec["status"] = "error"
+        return rec
+    except Exception as e:  # noqa: BLE001
+        rec["errors"]["layer"] = _err(e)
+        rec["status"] = "error"
+        _after_error(e)
+        return rec
+    rec["path"] = path = _path(layer, T)
+    r = sr.routing(T)
+    rec["experts_hit"] = r.experts_hit
+    rec["weight_bytes"] = r.experts_hit * expert_weight_bytes(cfg, case.scheme)
+    rec["flops"] = 2 * T * cfg.top_k * 3 * cfg.hidden * cfg.intermediate
+    x, ids, w = r.x, r.ids, r.weights
+
+    def call():
+        return layer(x, ids, w)
+
+    state: dict = {}
+
+    def warm():
+        if hasattr(layer, "warmup"):
+            layer.warmup([T])
+        state["out"] = call()
+        timer.sync()
+
+    _step(rec, "warmup", warm)
+    if "warmup" in rec["errors"]:
+        rec["status"] = "error"
+        return rec
+    if "eager" in steps:
+        _step(
+            rec, "eager", lambda: dict(eager_ms=timer.eager(call), eager_loop_ms=timer.loop(call))
+        )
+    if "host" in steps:
+        _step(rec, "host", lambda: {"host_us": timer.host_us(call)})
+    if "launches" in steps:
+        _step(rec, "launches", lambda: timer.launches(call))
+    if "graph" in steps:
+        _step(rec, "graph", lambda: {"graph_ms": timer.graph(call)})
+    if "raw" in steps:
+        _step(rec, "raw", lambda: _raw_step(sr, case, layer, path, rec, state["out"]))
+    if "grouped_mm" in steps:
+        _step(rec, "grouped_mm", lambda: _grouped_mm_step(sr, T, state["out"], case, steps))
+    if "compile" in steps:
+        for mode in (None, "reduce-overhead"):
+            name = "compile" if mode is None else "compile_ro"
+            _step(
+                rec,
+                name,
+                lambda m=mode: _compile_step(layer, (x, ids, w), state["out"], m, timer, budget),
+            )
+    rec["floor_ms"] = rec["weight_bytes"] / (sr.copy_gbps * 1e6) if sr.copy_gbps else None
+    rec["ratios"] = ratios(rec)
+    rec["status"] = "error" if rec["errors"] else "ok"
+    rec["case_s"] = round(rec.get("case_s", 0.0) + time.perf_counter() - t_case, 3)
+    return rec
+
+
+def _raw_step(sr: ShapeRun, case: Case, layer, path: str, rec: dict, out) -> dict:
+    """Raw GEMM1 + GEMM2 of the case's layout; cached per (anchor scheme, path, T, layout)."""
+    T = case.tokens
+    anchor = "fp8" if case.scheme == "int8" else case.scheme
+    if path == "ll":
+        block = gemm.masked_row_block(anchor, sr.device)
+        cap = getattr(layer, "ll_capacity", 0) or T
+        cap = reference.round_up(cap, block)
+        em = int(layer.expected_m()) if hasattr(layer, "expected_m") else T
+        key, args = (anchor, path, T, cap, em), (cap, em, None)
+    else:
+        align = int(getattr(layer, "alignment", 128))
+        key, args = (anchor, path, T, align), (None, 0, align)
+    if key not in sr.raw:
+        try:
+            res = raw_gemms(
+                sr.cfg, anchor, sr.anchor_weights(case.scheme), sr.routing(T), path, *args, sr.timer
+            )
+        except Skip as e:
+            res = {"_skip": str(e)}
+        except Exception as e:  # noqa: BLE001
+            res = {"_error": _err(e)}
+            _after_error(e)
+        sr.raw[key] = res
+    cached = sr.raw[key]
+    if "_error" in cached:
+        raise RuntimeError(cached["_error"])
+    if "_skip" in cached:
+        rec["skips"]["raw"] = cached["_skip"]
+    res = {k: v for k, v in cached.items() if not k.startswith("_")}
+    if "_out" in cached:
+        res["raw_rel_l2_vs_layer"] = rel_l2(out, cached["_out"])
+    if anchor != case.scheme and "raw_impl" in res:
+        res["raw_impl"] += f" (anchor for {case.scheme}: no deep_gemm {case.scheme})"
+    return res
+
+
+def _grouped_mm_step(sr: ShapeRun, tokens: int, out: torch.Tensor, case: Case, steps) -> dict:
+    res = _grouped_mm(sr, tokens, steps)
+    errors = dict(res["errors"])
+    rec = {k: v for k, v in res.items() if k.startswith("grouped_mm_")}
+    if "out" in res:
+        err = rel_l2(out, res["out"])
+        rec["rel_l2_vs_grouped_mm"] = err
+        if case.scheme == "bf16":
+            rec["matches_grouped_mm"] = err <= GROUPED_MM_TOL
+    if res["skips"]:
+        rec["grouped_mm_skips"] = dict(res["skips"])
+    if errors:
+        rec["grouped_mm_errors"] = errors
+        if "out" not in res:
+            raise RuntimeError(errors.get("grouped_mm", "grouped_mm failed"))
+    return rec
+
+
+def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
+    """torch.compile(layer) in ``mode`` (None: default) on ``args``: compile seconds, timing,
+    graph breaks and whether the output has the eager bytes."""
+    if timer.device != "cuda":
+        raise Skip("needs CUDA")
+    if budget is not None and budget.left() < COMPILE_RESERVE_S:
+        raise Skip(f"budget: {budget.left():.0f} s left, a compile needs ~{COMPILE_RESERVE_S:.0f}")
+    if budget is not None and budget.compile_left() <= 0:
+        raise Skip("compile budget spent (--compile-budget-s)")
+    import torch._dynamo
+
+    t_step = time.perf_counter()
+
+    prefix = "compile" if mode is None else "compile_ro"
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(layer, dynamic=False, **({} if mode is None else {"mode": mode}))
+
+    def run():
+        if mode == "reduce-overhead":  # each call a new step: earlier outputs are not kept
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    try:
+        t0 = time.perf_counter()
+        out = run().clone()
+        timer.sync()
+        res = {f"{prefix}_s": round(time.perf_counter() - t0, 2)}
+        res[f"{prefix}_ms"] = timer.eager(run)
+        res[f"{prefix}_graph_breaks"] = int(sum(counters["graph_break"].values()))
+        res[f"{prefix}_same_bytes"] = bool(torch.equal(out, eager_out))
+        return res
+    finally:
+        torch._dynamo.reset()
+        _free()
+        if budget is not None:
+            budget.compile_spent += time.perf_counter() - t_step
+
+
+def ratios(rec: dict) -> dict:
+    """Layer time over each baseline (None where a side is missing)."""
+
+    def q(a, b):
+        va, vb = rec.get(a), rec.get(b)
+        return va / vb if va is not None and vb else None
+
+    out = {
+        "graph_over_raw": q("graph_ms", "raw_ms"),
+        "eager_over_raw": q("eager_ms", "raw_ms"),
+        "graph_over_grouped_mm_graph": q("graph_ms", "grouped_mm_graph_ms"),
+        "eager_over_grouped_mm_eager": q("eager_ms", "grouped_mm_eager_ms"),
+        "graph_over_floor": q("graph_ms", "floor_ms"),
+        "eager_over_floor": q("eager_ms", "floor_ms"),
+        "raw_over_floor": q("raw_ms", "floor_ms"),
+        "compile_over_eager": q("compile_ms", "eager_ms"),
+        "compile_ro_over_graph": q("compile_ro_ms", "graph_ms"),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# ------------------------------------------------------------------------------------------- plan
+class Budget:
+    """The run's wall-clock budget, and the part of it compile steps may spend."""
+
+    def __init__(self, seconds: float, compile_seconds: float = 0.0):
+        self.seconds, self.t0 = seconds, time.perf_counter()
+        self.compile_seconds, self.compile_spent = compile_seconds, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def compile_left(self) -> float:
+        return self.compile_seconds - self.compile_spent
+
+
+def parse_only(items: List[str]) -> Dict[str, list]:
+    """``--only`` filters: ``key=v1,v2`` (keys shape, scheme, mode, T) or bare values (a shape,
+    scheme, mode name or a token count). Values of one key are OR-ed, keys AND-ed."""
+    keys = {"shape": "shape", "shapes": "shape", "scheme": "scheme", "schemes": "scheme"}
+    keys.update({"quant": "scheme", "mode": "mode", "modes": "mode", "t": "T", "tokens": "T"})
+    out: Dict[str, list] = {}
+    for item in items or []:
+        for part in item.split():
+            key, _, vals = part.partition("=")
+            if not vals:  # a bare value
+                vals, key = key, None
+            for v in (v for v in vals.split(",") if v):
+                k = keys.get(key.lower()) if key else _dimension_of(v)
+                if k is None:
+                    raise SystemExit(f"--only: unknown key or value {part!r}")
+                val = int(v) if k == "T" else v
+                if k == "shape" and val not in _configs.CONFIGS:
+                    raise SystemExit(f"--only: unknown shape {v!r}; known {list(_configs.CONFIGS)}")
+                if (k == "scheme" and val not in SCHEMES) or (k == "mode" and val not in MODES):
+                    raise SystemExit(f"--only: unknown {k} {v!r}")
+                out.setdefault(k, []).append(val)
+    return out
+
+
+def _dimension_of(v: str) -> Optional[str]:
+    if v in _configs.CONFIGS:
+        return "shape"
+    if v in SCHEMES:
+        return "scheme"
+    if v in MODES:
+        return "mode"
+    return "T" if v.isdigit() else None
+
+
+def plan_cases(shapes, schemes, modes, tokens) -> List[Case]:
+    return [
+        Case(s, q, m, t)
+        for s in shapes
+        for q in schemes
+        for m in modes
+        for t in tokens
+        if not (m == "ll" and t > LL_MAX_TOKENS)
+    ]
+
+
+def compile_targets(records: List[dict], args) -> List[dict]:
+    """The records to compile: every measured one (--compile-all) or, per (shape, scheme, T) of
+    COMPILE_SHAPES x COMPILE_TOKENS, the "auto" record, else "ll" (T <= LL_MAX_TOKENS) / "ht"."""
+    ok = [r for r in records if r["status"] in ("ok", "error") and "warmup" not in r["errors"]]
+    if args.compile_all:
+        return ok
+    shapes = args.compile_shapes.split(",") if args.compile_shapes else COMPILE_SHAPES
+    tokens = [int(t) for t in args.compile_tokens.split(",")] if args.compile_tokens else None
+    tokens = tokens or COMPILE_TOKENS
+    groups: Dict[tuple, Dict[str, dict]] = {}
+    for r in ok:
+        if r["shape"] in shapes and r["T"] in tokens:
+            groups.setdefault((r["shape"], r["scheme"], r["T"]), {})[r["mode"]] = r
+    out = []
+    for (_, _, t), by_mode in groups.items():
+        pick = by_mode.get("auto") or by_mode.get("ll" if t <= LL_MAX_TOKENS else "ht")
+        pick = pick or next(iter(by_mode.values()))
+        out.append(pick)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def _clean(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def write_json(path: str, report: dict) -> None:
+    """Atomic rewrite (a run killed mid-write keeps the previous file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean(report), f, indent=1)
+    os.replace(tmp, path)
+
+
+def _fmt(v, nd=3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+TABLE_COLUMNS = (
+    ("case", lambda r: f"{r['shape'][:13]} {r['scheme']:>4} {r['mode']:>4} {r['T']:>5}"),
+    ("path", lambda r: r.get("path")),
+    ("eager", lambda r: r.get("eager_ms")),
+    ("graph", lambda r: r.get("graph_ms")),
+    ("cmp", lambda r: r.get("compile_ms")),
+    ("cmp_ro", lambda r: r.get("compile_ro_ms")),
+    ("raw", lambda r: r.get("raw_ms")),
+    ("gmm_e", lambda r: r.get("grouped_mm_eager_ms")),
+    ("gmm_g", lambda r: r.get("grouped_mm_graph_ms")),
+    ("floor", lambda r: r.get("floor_ms")),
+    ("g/raw", lambda r: r.get("ratios", {}).get("graph_over_raw")),
+    ("g/gmm", lambda r: r.get("ratios", {}).get("graph_over_grouped_mm_graph")),
+    ("g/flr", lambda r: r.get("ratios", {}).get("graph_over_floor")),
+    ("host_us", lambda r: r.get("host_us")),
+    ("lnch", lambda r: r.get("launches")),
+    ("rel", lambda r: r.get("rel_l2_vs_grouped_mm")),
+    ("status", lambda r: r["status"] + (f" ({','.join(r['errors'])})" if r.get("errors") else "")),
+)
+
+
+def table(records: List[dict]) -> str:
+    rows = [[name for name, _ in TABLE_COLUMNS]]
+    for r in records:
+        rows.append([_fmt(fn(r), 4 if name == "rel" else 3) for name, fn in TABLE_COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    )
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__, "epmoe": getattr(epmoe, "__version__", None)}
+    for name in ("triton", "deep_gemm", "transformers"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"unavailable ({type(e).__name__})"
+    try:
+        out["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=_HERE,
+        ).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001
+        out["git"] = None
+    return out
+
+
+# -------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON path (rewritten after every case)")
+    ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}")
+    ap.add_argument("--only", nargs="*", default=[], help="shape=.. scheme=.. mode=.. T=..")
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-all", action="store_true")
+    ap.add_argument("--compile-budget-s", type=float, default=COMPILE_BUDGET_S)
+    ap.add_argument("--compile-shapes", default=None, help=f"default {','.join(COMPILE_SHAPES)}")
+    ap.add_argument("--compile-tokens", default=None, help=f"default {COMPILE_TOKENS}")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-raw", action="store_true")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per figure (>= 20 on GPU)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (no GPU timing)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark; returns the report (also written to ``--out``)."""
+    args = build_parser().parse_args(argv)
+    budget = Budget(args.budget_s, 0.0 if args.no_compile else args.compile_budget_s)
+    torch.set_grad_enabled(False)
+    only = parse_only(args.only)
+    if args.cpu_smoke:
+        device, timer = torch.device("cpu"), CpuTimer(CPU_SMOKE["iters"], CPU_SMOKE["warmup"])
+        shapes, tokens = [CPU_SMOKE["shape"]], CPU_SMOKE["tokens"]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_one_gpu: needs a CUDA GPU (or --cpu-smoke)")
+        device = torch.device("cuda", torch.cuda.current_device())
+        timer = CudaTimer(max(args.iters, 20), args.warmup)
+        shapes, tokens = list(SHAPES), QUICK_TOKENS if args.quick else TOKENS
+    shapes = only.get("shape", shapes)
+    tokens = sorted(set(only.get("T", tokens)))
+    cases = plan_cases(shapes, only.get("scheme", SCHEMES), only.get("mode", MODES), tokens)
+    steps = {"eager", "host", "launches", "graph", "raw", "grouped_mm"}
+    if args.no_raw:
+        steps.discard("raw")
+    if args.no_transformers:
+        steps.discard("grouped_mm")
+    report = {
+        "schema": 1,
+        "command": "python benchmarks/bench_one_gpu.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": _versions(),
+        "args": vars(args),
+        "budget_s": args.budget_s,
+        "elapsed_s": 0.0,
+        "complete": False,
+        "notes": [],
+        "skipped": [],
+        "cases": [],
+    }
+    run = _Run(args, report, budget, device, timer, steps, max(tokens))
+    try:
+        report.update(timer.copy_gbps())
+    except Exception as e:  # noqa: BLE001
+        report["notes"].append(f"copy bandwidth not measured: {_err(e)}")
+        report["copy_gbps"] = None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    run.save()
+    try:
+        by_shape: Dict[str, List[Case]] = {}
+        for c in cases:
+            by_shape.setdefault(c.shape, []).append(c)
+        for shape_cases in by_shape.values():
+            if "fatal" in report:
+                _skip_rest(shape_cases, report, "fatal")
+            elif budget.left() <= 0:
+                _skip_rest(shape_cases, report, "budget")
+            else:
+                _run_shape(run, shape_cases)
+        report["complete"] = not report["skipped"] and "fatal" not in report
+    except KeyboardInterrupt as e:
+        report["notes"].append(f"interrupted: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        run.save()
+        print(table(report["cases"]), flush=True)
+        for n in report["notes"]:
+            print("note:", n, flush=True)
+    return report
+
+
+@dataclass
+class _Run:
+    args: argparse.Namespace
+    report: dict
+    budget: "Budget"
+    device: torch.device
+    timer: object
+    steps: set
+    max_tokens: int
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = round(self.budget.elapsed(), 1)
+        write_json(self.args.out, self.report)
+
+
+def _run_shape(run: _Run, cases: List[Case]) -> None:
+    """One shape: its cases (weights built once), then torch.compile of its compile targets."""
+    report, budget = run.report, run.budget
+    shape = cases[0].shape
+    cfg = _configs.CONFIGS[shape]
+    try:
+        sr = ShapeRun(cfg, run.device, run.args.seed, run.max_tokens, run.timer)
+    except Exception as e:  # noqa: BLE001
+        report["notes"].append(f"{shape}: weights not built: {_err(e)}")
+        _skip_rest(cases, report, "weights not built")
+        _free()
+        return
+    sr.copy_gbps = report.get("copy_gbps")
+    mine: List[dict] = []
+    try:
+        for i, case in enumerate(cases):
+            if budget.left() <= 0:
+                _skip_rest(cases[i:], report, "budget")
+                break
+            rec = new_record(case, cfg)
+            report["cases"].append(rec)
+            mine.append(rec)
+            if not _guarded(run, sr, case, run.steps, rec):
+                _skip_rest(cases[i + 1 :], report, "fatal")
+                return
+        if budget.compile_left() > 0:
+            for rec in compile_targets(mine, run.args):
+                if budget.left() < COMPILE_RESERVE_S or budget.compile_left() <= 0:
+                    report["notes"].append(
+                        f"compile of {rec['id']} and later skipped: budget "
+                        f"({budget.left():.0f} s left, compile {budget.compile_left():.0f} s)"
+                    )
+                    break
+                case = Case(rec["shape"], rec["scheme"], rec["mode"], rec["T"])
+                if not _guarded(run, sr, case, {"compile"}, rec, compile_only=True):
+                    return
+    finally:
+        sr.close()
+        del sr
+        _free()
+
+
+def _guarded(run: _Run, sr, case: Case, steps, rec: dict, compile_only: bool = False) -> bool:
+    """run_case, then progress and the JSON; False when the CUDA context is gone."""
+    try:
+        run_case(sr, case, steps, rec, run.budget)
+    except Fatal as e:
+        rec["status"] = "error"
+        rec["errors"]["fatal"] = str(e)
+        run.report["fatal"] = f"{case.id}: {e}"
+        run.report["notes"].append(f"CUDA context lost at {case.id}; run stopped")
+        run.save()
+        return False
+    print(_progress(rec, run.budget, compile_only), flush=True)
+    run.save()
+    return True
+
+
+def _skip_rest(cases, report, why: str) -> None:
+    """Record ``cases`` as skipped (``why``) with one note."""
+    if not cases:
+        return
+    for c in cases:
+        rec = {"id": c.id, "shape": c.shape, "scheme": c.scheme, "mode": c.mode, "T": c.tokens}
+        rec.update(status="skipped", errors={}, skips={"case": why})
+        report["cases"].append(rec)
+        report["skipped"].append(c.id)
+    report["notes"].append(f"{len(cases)} case(s) skipped ({why}), from {cases[0].id}")
+
+
+def _progress(rec: dict, budget: Budget, compile_only: bool = False) -> str:
+    keys = ("compile_ms", "compile_ro_ms") if compile_only else ("eager_ms", "graph_ms", "raw_ms")
+    vals = " ".join(f"{k}={_fmt(rec.get(k))}" for k in keys)
+    errs = f" errors={list(rec['errors'])}" if rec.get("errors") else ""
+    return f"[{budget.elapsed():6.1f}s] {rec['id']} {rec['status']} {vals}{errs}"
+
+
+if __name__ == "__main__":
+    main()

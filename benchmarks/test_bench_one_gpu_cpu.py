@@ -1,0 +1,210 @@
+"""CPU smoke tests of benchmarks/bench_one_gpu.py: the script's cases run on the tiny shape on CPU
+through the same code paths as on the GPU (timings that need CUDA are recorded as skipped), so the
+benchmark cannot rot between device sessions.
+
+Run: ``python -m pytest -q benchmarks/test_bench_one_gpu_cpu.py``.
+"""
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import _configs
+import bench_one_gpu as bench
+import pytest
+import torch
+
+import epmoe
+from epmoe import reference
+
+TINY = _configs.CONFIGS[bench.CPU_SMOKE["shape"]]
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# the one-rank LL chain imports epmoe.comm.masked_layout (being written alongside this benchmark)
+HAS_LOCAL_LL = importlib.util.find_spec("epmoe.comm.masked_layout") is not None
+
+
+def _usable(case: dict) -> bool:
+    """Whether the case can run in this checkout (LL on one rank needs masked_layout)."""
+    return HAS_LOCAL_LL or case["path"] != "ll"
+
+
+def test_cpu_smoke_run(tmp_path, capsys):
+    out = tmp_path / "smoke.json"
+    argv = ["--cpu-smoke", "--out", str(out), "--only", "T=1,200"]
+    if not HAS_TRANSFORMERS:
+        argv.append("--no-transformers")
+    report = bench.main(argv)
+    on_disk = json.loads(out.read_text())
+    assert on_disk["schema"] == 1 and on_disk["complete"] and on_disk["device"] == "cpu"
+    assert on_disk["copy_gbps"] > 0 and len(on_disk["cases"]) == len(report["cases"])
+    # 3 schemes x (ll, ht, auto) x T {1, 200}
+    assert {(c["scheme"], c["mode"], c["T"]) for c in on_disk["cases"]} == {
+        (q, m, t) for q in bench.SCHEMES for m in bench.MODES for t in (1, 200)
+    }
+    for c in on_disk["cases"]:
+        assert c["path"] == ("ll" if c["mode"] == "ll" or (c["mode"] == "auto" and c["T"] <= 128)
+                             else "ht"), c["id"]  # fmt: skip
+        if not _usable(c):
+            assert "warmup" in c["errors"], c["id"]
+            continue
+        assert c["status"] == "ok" and not c["errors"], (c["id"], c["errors"])
+        assert c["eager_ms"] > 0 and c["eager_loop_ms"] > 0 and c["host_us"] > 0
+        assert c["skips"]["graph"] == c["skips"]["launches"] == "needs CUDA"
+        assert c["weight_bytes"] == c["experts_hit"] * bench.expert_weight_bytes(TINY, c["scheme"])
+        assert c["floor_ms"] == pytest.approx(c["weight_bytes"] / (on_disk["copy_gbps"] * 1e6))
+        assert c["ratios"]["eager_over_floor"] == pytest.approx(c["eager_ms"] / c["floor_ms"])
+        # the raw GEMMs' operands are the layer's: combined the raw way, the same output
+        tol = 1e-2 if c["scheme"] != "int8" else 0.12  # int8's anchor is the fp8 GEMM
+        assert c["raw_rel_l2_vs_layer"] < tol, c["id"]
+        assert ("anchor for int8" in c["raw_impl"]) == (c["scheme"] == "int8")
+        if HAS_TRANSFORMERS:
+            assert c["rel_l2_vs_grouped_mm"] < (1e-2 if c["scheme"] == "bf16" else 0.1), c["id"]
+            assert c.get("matches_grouped_mm", True) and c["grouped_mm_eager_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "g/raw" in printed and "tiny-1rank" in printed
+
+
+def test_budget_spent_skips_every_case_with_a_note(tmp_path):
+    out = tmp_path / "b.json"
+    report = bench.main(["--cpu-smoke", "--out", str(out), "--budget-s", "0", "--only", "ht"])
+    on_disk = json.loads(out.read_text())
+    assert not on_disk["complete"] and len(on_disk["skipped"]) == len(report["cases"]) == 9
+    assert all(c["status"] == "skipped" and c["skips"]["case"] == "budget" for c in report["cases"])
+    assert any("skipped (budget)" in n for n in on_disk["notes"])
+
+
+def test_a_failing_step_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    def broken(self, fn):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench.CpuTimer, "loop", broken)
+    out = tmp_path / "e.json"
+    argv = [
+        "--cpu-smoke",
+        "--out",
+        str(out),
+        "--only",
+        "ht",
+        "T=1",
+        "bf16,fp8",
+        "--no-transformers",
+    ]
+    bench.main(argv)
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["id"] for c in cases] == ["tiny-1rank/bf16/ht/T1", "tiny-1rank/fp8/ht/T1"]
+    for c in cases:
+        assert c["status"] == "error" and c["errors"]["eager"].startswith("RuntimeError: boom")
+        assert "raw_rel_l2_vs_layer" in c and "floor_ms" in c  # later steps still ran
+
+
+def _layer(scheme, mode, T):
+    layer = bench.make_layer(TINY, scheme, mode, T, 200, "cpu")
+    g = torch.Generator().manual_seed(3)
+    E, H, I = TINY.local_experts, TINY.hidden, TINY.intermediate
+    w1 = (torch.randn((E, 2 * I, H), generator=g) * bench.W_STD).bfloat16()
+    w2 = (torch.randn((E, H, I), generator=g) * bench.W_STD).bfloat16()
+    layer.load_weights(w1, w2)
+    return layer, w1, w2
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_raw_ll_operands_give_the_layer_output(scheme):
+    """The masked-layout raw GEMMs (built without the layer's LL path) reproduce the HT layer."""
+    T = 40
+    layer, w1, w2 = _layer(scheme, "ht", T)
+    r = bench.make_routing(TINY, T, 0, "cpu")
+    with torch.no_grad():
+        want = layer(r.x, r.ids, r.weights)
+    weights = tuple(getattr(layer, n) for n in bench.WEIGHTS)
+    timer = bench.CpuTimer(1, 0)
+    for path, args in (("ll", (T, T, None)), ("ht", (None, 0, layer.alignment))):
+        res = bench.raw_gemms(TINY, scheme, weights, r, path, *args, timer)
+        assert res["_skip"] == "needs CUDA" and "raw_ms" not in res
+        assert bench.rel_l2(res["_out"], want) < 1e-2, path
+    assert bench.rel_l2(want, reference.dense_moe(r.x, r.ids, r.weights, w1, w2)) < 0.1
+
+
+def test_masked_layout_places_every_choice():
+    ids = torch.tensor([[0, 2], [2, 1], [0, 1]])
+    x = torch.arange(3 * 4, dtype=torch.float32).reshape(3, 4).bfloat16()
+    a, counts, slot = bench.masked_layout(x, ids, 4, 5)
+    assert counts.tolist() == [2, 2, 2, 0] and counts.dtype == torch.int32
+    assert slot.tolist() == [0, 0, 1, 0, 1, 1]  # (t, k) order inside each expert
+    for i, (e, s) in enumerate(zip(ids.reshape(-1).tolist(), slot.tolist(), strict=True)):
+        assert torch.equal(a[e, s], x[i // 2])
+    live = torch.arange(5)[None, :] < counts[:, None]
+    assert not a[~live].any()
+
+
+def test_routing_is_seeded_distinct_and_normalised():
+    r1, r2 = bench.make_routing(TINY, 33, 0, "cpu"), bench.make_routing(TINY, 33, 0, "cpu")
+    assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.x, r2.x)
+    assert r1.ids.dtype == torch.int64 and r1.weights.dtype == torch.float32
+    assert all(len(set(row)) == TINY.top_k for row in r1.ids.tolist())
+    assert torch.allclose(r1.weights.sum(1), torch.ones(33))
+    assert r1.experts_hit == torch.unique(r1.ids).numel()
+
+
+def test_expert_weight_bytes():
+    cfg = _configs.CONFIGS["dsv3-1gpu"]
+    n = 3 * 7168 * 2048
+    assert bench.expert_weight_bytes(cfg, "bf16") == 2 * n
+    assert bench.expert_weight_bytes(cfg, "fp8") == n + 4 * (32 * 56 + 56 * 16)
+    assert bench.expert_weight_bytes(cfg, "int8") == n + 4 * (4096 + 7168)
+    # all 256 bf16 experts: the 22.5 GB the docstring plans memory around
+    assert cfg.local_experts * bench.expert_weight_bytes(cfg, "bf16") / 2**30 == pytest.approx(21.0)
+
+
+def test_plan_and_only_filters():
+    only = bench.parse_only(["shape=W", "fp8,int8", "ll", "T=1,512,4096"])
+    assert only == {"shape": ["W"], "scheme": ["fp8", "int8"], "mode": ["ll"], "T": [1, 512, 4096]}
+    cases = bench.plan_cases(only["shape"], only["scheme"], only["mode"], only["T"])
+    assert [c.id for c in cases] == [
+        "W/fp8/ll/T1",
+        "W/fp8/ll/T512",
+        "W/int8/ll/T1",
+        "W/int8/ll/T512",
+    ]
+    full = bench.plan_cases(bench.SHAPES, bench.SCHEMES, bench.MODES, bench.QUICK_TOKENS)
+    assert len(full) == 3 * 3 * (3 + 4 + 4)  # ll only up to LL_MAX_TOKENS
+    with pytest.raises(SystemExit):
+        bench.parse_only(["scheme=fp4"])
+    with pytest.raises(SystemExit):
+        bench.parse_only(["nonsense"])
+
+
+def test_compile_targets_default_to_auto_at_two_sizes():
+    def rec(shape, scheme, mode, T):
+        return {"id": f"{shape}/{scheme}/{mode}/T{T}", "shape": shape, "scheme": scheme,
+                "mode": mode, "T": T, "status": "ok", "errors": {}}  # fmt: skip
+
+    recs = [
+        rec(s, q, m, t)
+        for s in ("qwen3-30b-a3b", "W")
+        for q in bench.SCHEMES
+        for m in bench.MODES
+        for t in (1, 32, 4096)
+        if not (m == "ll" and t > bench.LL_MAX_TOKENS)
+    ]
+    args = SimpleNamespace(compile_all=False, compile_shapes=None, compile_tokens=None)
+    picked = sorted(r["id"] for r in bench.compile_targets(recs, args))
+    assert picked == sorted(
+        f"qwen3-30b-a3b/{q}/auto/T{t}" for q in bench.SCHEMES for t in bench.COMPILE_TOKENS
+    )
+    no_auto = [r for r in recs if r["mode"] != "auto"]
+    picked = sorted(r["id"] for r in bench.compile_targets(no_auto, args))
+    assert "qwen3-30b-a3b/fp8/ll/T32" in picked and "qwen3-30b-a3b/fp8/ht/T4096" in picked
+    assert len(picked) == 6
+    args.compile_all = True
+    assert len(bench.compile_targets(recs, args)) == len(recs)
+
+
+def test_weights_are_shared_between_mode_layers():
+    sr = bench.ShapeRun(TINY, "cpu", 0, 200, bench.CpuTimer(1, 0))
+    ht = sr.layer("fp8", "ht", 8)
+    auto = sr.layer("fp8", "auto", 8)
+    assert all(getattr(auto, n) is getattr(ht, n) for n in bench.WEIGHTS)
+    assert isinstance(auto, epmoe.EPMoE) and auto.mode == "auto"
+    sr.layer("int8", "ht", 8)  # a new scheme frees the previous one's layers
+    assert ("auto", None) not in sr.layers
+    sr.close()
