@@ -1,0 +1,432 @@
+"""Hugging Face transformers experts backends that run :class:`epmoe.EPMoE`.
+
+One call, then any model whose experts class uses ``@use_experts_implementation``::
+
+    import epmoe.integrations.transformers as et
+
+    et.register()
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="epmoe")
+    # or from_pretrained(..., experts_implementation="epmoe"), model.set_experts_implementation(...)
+
+Importing this module imports nothing from transformers; :func:`register` does. Backend names (the
+name picks the compute scheme):
+
+* ``"epmoe"``: bf16. A bf16 model's ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` are
+  epmoe's ``w1`` / ``w2`` already and are used in place (no second copy of the expert weights).
+* ``"epmoe_fp8"``: fp8 e4m3 W8A8 (weights per 128x128 block, activations per token per 128
+  channels), quantized once; H and I must be multiples of 128.
+* ``"epmoe_int8"``: int8 W8A8 (weights per output channel, activations per token), quantized once.
+
+FP8 checkpoints (FineGrainedFP8, 128x128 block scales) dispatch through transformers' second
+registry, ``ALL_FP8_EXPERTS_FUNCTIONS``, where the same names are registered: ``"epmoe"`` and
+``"epmoe_fp8"`` run the checkpoint's own float8_e4m3fn weights and float32 ``*_scale_inv`` block
+scales as they are (HF's ``scale_inv`` multiplies the fp8 code to dequantize, exactly epmoe's
+weight scale: :func:`epmoe.reference.dequantize_weights`), ``"epmoe_int8"`` re-quantizes them once.
+
+Per experts module the epmoe state (the :class:`~epmoe.EPMoE` layer, its quantized weights in the
+GEMM layout, the mode) is built on the first call and cached on the module (not as a submodule: it
+is in no ``state_dict`` and ``.to()`` does not see it). Every eager call compares the source
+parameters with what the cache was built from (object, ``data_ptr()``, ``_version``, dtype, device,
+shape: no data read, no host sync) and rebuilds on a change: ``load_state_dict`` (in-place copies
+bump ``_version``), ``.to()``, reassigned parameters. A rebuild of a quantized cache with unchanged
+shapes writes into the same buffers, so captured CUDA graphs stay valid. Not detectable without
+reading the data: writes through ``param.data`` (a tensor with its own version counter); bf16 caches
+see those anyway (they are the parameters), quantized ones need :func:`refresh`. Under
+``torch.compile`` the check runs when a graph is traced (the build happens then, outside the graph,
+so ``fullgraph=True`` holds); after changing the weights of a compiled model call :func:`refresh`.
+
+Each call picks LL (masked layout) for at most ``ll_max_tokens`` tokens and HT (contiguous) above
+(``EPMoE(mode="auto")``, a choice from the shape, so a captured decode graph stays valid), on one
+process with the local backend. transformers' expert parallelism (``_is_expert_parallel``: the
+module holds its rank's experts, routes to other ranks carry ids >= ``num_experts``) maps to -1
+routing.
+
+Experts epmoe cannot run exactly (biases, transposed or interleaved gate/up weights, no gate, an
+activation other than SiLU, a model-specific gate such as gpt-oss's clamped SwiGLU, a post-expert
+norm, FP8 checkpoints with other block sizes or static activation scales...) run transformers' own
+backend (``fallback``, "grouped_mm" by default) with one warning per experts class naming the
+reason. So do calls that need gradients (epmoe's ops have no backward): run inference under
+``torch.no_grad()`` / ``torch.inference_mode()`` (``generate()`` does).
+
+Activations: EPMoE computes on bf16 ``[T, H]``; other input dtypes are converted in and out (a
+float32 model's experts then run with bf16 weights and activations; the rest of the model stays
+float32).
+"""
+
+import inspect
+import warnings
+import weakref
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from epmoe import _checks, reference
+from epmoe.layer import EPMoE
+from epmoe.ops import gemm
+
+OP = "epmoe.integrations.transformers"
+# backend name -> compute scheme
+NAMES: Dict[str, str] = {"epmoe": "bf16", "epmoe_fp8": "fp8", "epmoe_int8": "int8"}
+FALLBACKS = ("grouped_mm", "batched_mm", "eager")
+FP8_BLOCK = (reference.FP8_WEIGHT_BLOCK, reference.FP8_WEIGHT_BLOCK)
+_STATE = "_epmoe_state"  # attribute of the experts module holding its _State
+_CONFIG = {"fallback": "grouped_mm", "ll_max_tokens": None}
+_REGISTRIES: Dict[bool, object] = {}  # fp8 registry? -> transformers' ExpertsInterface instance
+_DEFAULT_GATE: Optional[Callable] = None  # transformers' _default_apply_gate
+_SILU_TYPES: Tuple[type, ...] = (torch.nn.SiLU,)
+_WARNED = set()  # (experts class, reason) already warned about
+_LOAD_TAKES_COPY = "copy" in inspect.signature(EPMoE.load_weights).parameters
+# gate attributes of transformers' FP8Experts that change SiLU(gate) * up
+_FP8_GATE_ATTRS = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap")
+
+
+def register(fallback: str = "grouped_mm", ll_max_tokens: Optional[int] = None) -> Tuple[str, ...]:
+    """Register the epmoe experts backends with transformers (idempotent; a later call updates
+    the settings).
+
+    Args:
+        fallback: transformers' backend for experts epmoe cannot run exactly: "grouped_mm"
+            (transformers' default), "batched_mm" or "eager" (the class's own forward).
+        ll_max_tokens: calls of at most this many tokens take the LL (masked) path, larger ones
+            HT (default: the layer's, :data:`epmoe.layer.AUTO_LL_MAX_TOKENS`).
+    Returns:
+        The registered names: ("epmoe", "epmoe_fp8", "epmoe_int8").
+    """
+    global _DEFAULT_GATE, _SILU_TYPES
+    _checks.check_choice("register", "fallback", fallback, FALLBACKS)
+    if ll_max_tokens is not None:
+        _checks.check_positive_int("register", "ll_max_tokens", ll_max_tokens)
+    from transformers import activations
+    from transformers.integrations import moe
+
+    _CONFIG.update(fallback=fallback, ll_max_tokens=ll_max_tokens)
+    _DEFAULT_GATE = moe._default_apply_gate
+    _SILU_TYPES = (torch.nn.SiLU, activations.SiLUActivation)
+    _REGISTRIES[False] = moe.ALL_EXPERTS_FUNCTIONS
+    for name, scheme in NAMES.items():
+        moe.ExpertsInterface.register(name, _make_backend(name, scheme, fp8=False))
+    try:
+        from transformers.integrations import finegrained_fp8
+    except ImportError:  # a transformers build without the FP8 integration
+        finegrained_fp8 = None
+    fp8_registry = getattr(finegrained_fp8, "ALL_FP8_EXPERTS_FUNCTIONS", None)
+    if fp8_registry is not None:
+        _REGISTRIES[True] = fp8_registry
+        for name, scheme in NAMES.items():
+            type(fp8_registry).register(name, _make_backend(name, scheme, fp8=True))
+    return tuple(NAMES)
+
+
+def refresh(model: torch.nn.Module) -> int:
+    """Rebuild the epmoe state of every experts module of ``model`` that has one, now (after
+    weights changed in a way the per-call check cannot see, or under torch.compile). Quantized
+    weights are written into the existing buffers when their shapes are unchanged.
+
+    Returns:
+        The number of experts modules rebuilt.
+    """
+    n = 0
+    for m in model.modules():
+        st = m.__dict__.get(_STATE)
+        if st is not None and st.layer is not None:
+            st.snapshot = None
+            _prepare(m, st.name, NAMES[st.name], st.fp8, st.layer.top_k, False)
+            n += 1
+    return n
+
+
+def cached_layer(module: torch.nn.Module) -> Optional[EPMoE]:
+    """The EPMoE layer cached on an experts module, or None (not built yet, or a fallback)."""
+    st = module.__dict__.get(_STATE)
+    return None if st is None else st.layer
+
+
+class _State:
+    """What one experts module runs: an EPMoE layer, or transformers' fallback (reason set)."""
+
+    def __init__(self, name: str, fp8: bool):
+        self.name, self.fp8 = name, fp8
+        self.layer: Optional[EPMoE] = None
+        self.key = None  # the layer's configuration
+        self.reason: Optional[str] = None
+        self.snapshot = None  # the source parameters the state was built from
+        self.fallback: Optional[Callable] = None
+
+    def __deepcopy__(self, memo):
+        # a copied model has other parameters: its copy rebuilds on the first call
+        return _State(self.name, self.fp8)
+
+    def __getstate__(self):
+        return {"name": self.name, "fp8": self.fp8}
+
+    def __setstate__(self, d):
+        self.__init__(d["name"], d["fp8"])
+
+
+def _make_backend(name: str, scheme: str, fp8: bool) -> Callable:
+    def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        """transformers experts backend: hidden_states float `[T, H]`, top_k_index int `[T, K]`,
+        top_k_weights float `[T, K]` -> `[T, H]` in hidden_states' dtype."""
+        needs_grad = torch.is_grad_enabled() and _wants_grad(self, hidden_states, fp8)
+        use = _prepare(self, name, scheme, fp8, top_k_index.shape[-1], needs_grad)
+        st = getattr(self, _STATE)
+        if not use:
+            return st.fallback(self, hidden_states, top_k_index, top_k_weights)
+        return _run(st.layer, self, hidden_states, top_k_index, top_k_weights)
+
+    experts_forward.__name__ = experts_forward.__qualname__ = f"{name}_experts_forward"
+    experts_forward.__doc__ += f" (epmoe scheme {scheme!r}{', FP8 checkpoint' if fp8 else ''})"
+    return experts_forward
+
+
+def _wants_grad(module, hidden_states, fp8: bool) -> bool:
+    if hidden_states.requires_grad:
+        return True
+    if fp8:  # FP8 checkpoint weights are not trained through
+        return False
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            return True
+    return False
+
+
+def _run(layer: EPMoE, module, x, top_k_index, top_k_weights):
+    shape, dtype = x.shape, x.dtype
+    x = x.reshape(-1, shape[-1])
+    if dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    T = x.shape[0]
+    ids = top_k_index.reshape(T, -1).to(torch.int64).contiguous()
+    w = top_k_weights.reshape(T, -1).to(torch.float32).contiguous()
+    if getattr(module, "_is_expert_parallel", False):  # routes to other ranks' experts
+        ids = ids.masked_fill(ids >= module.num_experts, -1)
+    pad = layer.top_k - ids.shape[1]
+    if pad > 0:  # fewer choices than the layer was built for (e.g. an EP placeholder call)
+        ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
+        w = torch.nn.functional.pad(w, (0, pad))
+    out = layer(x.contiguous(), ids, w)
+    if dtype != torch.bfloat16:
+        out = out.to(dtype)
+    return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------- state
+@torch._dynamo.assume_constant_result  # under torch.compile: runs once at trace time, not traced
+def _prepare(module, name: str, scheme: str, fp8: bool, top_k: int, needs_grad: bool) -> bool:
+    """Make sure ``module`` has a current _State for backend ``name``; True: run its EPMoE layer,
+    False: run its fallback."""
+    st = module.__dict__.get(_STATE)
+    if st is None or st.name != name or st.fp8 != fp8:  # a new name drops the old layer
+        st = _State(name, fp8)
+        object.__setattr__(module, _STATE, st)  # a plain attribute: no submodule, no state_dict
+    st.fallback = _fallback_fn(module, fp8)
+    if needs_grad:
+        _warn_once(
+            type(module),
+            "this call needs gradients and epmoe's ops have no backward (run inference under "
+            "torch.no_grad() or torch.inference_mode())",
+        )
+        return False
+    snap = _snapshot(module, fp8)
+    if st.snapshot == snap and (st.layer is None or st.layer.top_k >= top_k):
+        return st.reason is None
+    st.reason = _unsupported(module, scheme, fp8)
+    if st.reason is not None:
+        st.layer, st.key, st.snapshot = None, None, snap
+        _warn_once(type(module), st.reason)
+        return False
+    _build(st, module, scheme, fp8, top_k)
+    st.snapshot = snap
+    return True
+
+
+def _sources(module, fp8: bool):
+    names = ("gate_up_proj", "down_proj")
+    if fp8:
+        names += ("gate_up_proj_scale_inv", "down_proj_scale_inv")
+    return tuple(getattr(module, n, None) for n in names)
+
+
+def _snapshot(module, fp8: bool):
+    """What the cache depends on, read without touching the data."""
+    out = []
+    for t in _sources(module, fp8):
+        if not isinstance(t, torch.Tensor):
+            out.append(None)
+            continue
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            version = None
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:  # e.g. a DTensor
+            ptr = None
+        out.append((weakref.ref(t), ptr, version, t.dtype, t.device, tuple(t.shape)))
+    return tuple(out)
+
+
+def _fallback_fn(module, fp8: bool) -> Callable:
+    name = _CONFIG["fallback"]
+    if name == "eager":
+        return type(module).forward.__wrapped__  # the class's own forward, under the decorator
+    return _REGISTRIES[fp8][name]
+
+
+def _warn_once(cls: type, reason: str) -> None:
+    if (cls, reason) in _WARNED:
+        return
+    _WARNED.add((cls, reason))
+    warnings.warn(
+        f"epmoe: {cls.__name__} runs transformers' {_CONFIG['fallback']!r} experts backend "
+        f"instead: {reason}",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _unsupported(module, scheme: str, fp8: bool) -> Optional[str]:
+    """Why ``module`` cannot run as SiLU(x W_gate^T) * (x W_up^T) W_down^T on EPMoE, or None."""
+    flags = (
+        ("has_gate", False, "no gate projection (has_gate=False)"),
+        ("has_bias", True, "expert biases (has_bias=True)"),
+        ("is_transposed", True, "transposed expert weights (is_transposed=True)"),
+        ("is_concatenated", False, "interleaved gate/up rows (is_concatenated=False)"),
+        ("has_post_expert_norm", True, "a post-expert norm (has_post_expert_norm=True)"),
+    )
+    for attr, bad, reason in flags:
+        if bool(getattr(module, attr, not bad)) == bad:
+            return reason
+    cls = type(module).__name__
+    if fp8:
+        custom = [a for a in _FP8_GATE_ATTRS if getattr(module, a, None) is not None]
+        if custom:
+            return f"a clamped or soft-capped SwiGLU ({', '.join(custom)} set)"
+    elif getattr(type(module), "_apply_gate", _DEFAULT_GATE) is not _DEFAULT_GATE:
+        return f"its own gate function ({cls}._apply_gate), not SiLU(gate) * up"
+    act = getattr(module, "act_fn", None)
+    if type(act) not in _SILU_TYPES and act is not torch.nn.functional.silu:
+        return f"activation {getattr(act, '__name__', type(act).__name__)}, not SiLU"
+    w1, w2 = _sources(module, False)
+    if not (isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)):
+        return "no gate_up_proj / down_proj tensors"
+    if type(w1).__name__ == "DTensor" or type(w2).__name__ == "DTensor":
+        return "sharded (DTensor) expert weights"
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2:
+        return f"gate_up_proj {tuple(w1.shape)} / down_proj {tuple(w2.shape)} not 3-D [E, 2I, H]"
+    E, H, I = w1.shape[0], w1.shape[2], w1.shape[1] // 2
+    if tuple(w2.shape) != (E, H, I):
+        return f"down_proj {tuple(w2.shape)} is not [E, H, I] = {(E, H, I)}"
+    if getattr(module, "num_experts", E) != E:
+        return f"{E} experts in gate_up_proj but num_experts={module.num_experts}"
+    if w1.device.type not in ("cpu", "cuda") or w1.device != w2.device:
+        return f"weights on {w1.device} / {w2.device}"
+    if fp8:
+        why = _fp8_unsupported(module, E, H, I)
+        if why:
+            return why
+    elif w1.dtype not in _checks.FLOAT_DTYPES or w2.dtype not in _checks.FLOAT_DTYPES:
+        return f"expert weights of dtype {w1.dtype} / {w2.dtype}"
+    if (scheme == "fp8" or fp8 and scheme == "bf16") and (H % 128 or I % 128):
+        return f"fp8 needs hidden and intermediate sizes that are multiples of 128, got {H}, {I}"
+    return None
+
+
+def _fp8_unsupported(module, E: int, H: int, I: int) -> Optional[str]:
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return f"activation_scheme={module.activation_scheme!r} (epmoe quantizes per token)"
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != FP8_BLOCK:
+        return f"FP8 weight blocks {block}, not 128x128"
+    w1, w2, s1, s2 = _sources(module, True)
+    if w1.dtype != reference.FP8_DTYPE or w2.dtype != reference.FP8_DTYPE:
+        return f"FP8 checkpoint weights of dtype {w1.dtype} (epmoe takes float8_e4m3fn)"
+    b = reference.FP8_WEIGHT_BLOCK
+    for s, want in ((s1, (E, 2 * I // b, H // b)), (s2, (E, H // b, I // b))):
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != want or s.device != w1.device:
+            got = None if not isinstance(s, torch.Tensor) else tuple(s.shape)
+            return f"weight scales {got}, not {want} on {w1.device}"
+        if s.dtype not in (torch.float32, getattr(torch, "float8_e8m0fnu", torch.float32)):
+            return f"weight scales of dtype {s.dtype}"
+    return None
+
+
+def _build(st: _State, module, scheme: str, fp8: bool, top_k: int) -> None:
+    """(Re)build st.layer from the module's current weights; reuse the layer and its buffers when
+    the configuration is unchanged."""
+    w1, w2 = module.gate_up_proj, module.down_proj
+    E, H, I = w1.shape[0], w1.shape[2], w1.shape[1] // 2
+    quant = ("int8" if scheme == "int8" else "fp8") if fp8 else scheme
+    k = max(top_k, st.layer.top_k if st.layer is not None else 0)
+    key = (E, H, I, k, quant, w1.device, _CONFIG["ll_max_tokens"])
+    if st.layer is None or st.key != key:
+        st.layer, st.key = None, None  # free the old weights first
+        st.layer, st.key = _new_layer(E, H, I, k, quant, w1.device), key
+    layer = st.layer
+    if fp8 and quant == "fp8":  # the checkpoint's own codes and scales, as they are
+        s1 = module.gate_up_proj_scale_inv.detach()
+        s2 = module.down_proj_scale_inv.detach()
+        for n, q, s in (("w1", w1, s1), ("w2", w2, s2)):
+            q, s = gemm.prepare_weights(q.detach(), s, "fp8", layer.device)
+            setattr(layer, n, q)
+            setattr(layer, n + "_scale", s)
+        return
+    old = {n: getattr(layer, n) for n in ("w1", "w1_scale", "w2", "w2_scale")}
+    if fp8:  # int8 from the checkpoint's fp8: dequantize one expert at a time
+        _load_int8_from_fp8(layer, module)
+    elif _LOAD_TAKES_COPY:
+        layer.load_weights(w1, w2, copy=False)  # bf16 and contiguous: HF's tensors, in place
+    else:
+        layer.load_weights(w1, w2)
+    if quant == "bf16":
+        return
+    for n, t in old.items():  # same shapes: write into the old buffers (graphs keep pointers)
+        new = getattr(layer, n)
+        if t is not None and new is not None and t.shape == new.shape and t.dtype == new.dtype:
+            t.copy_(new)
+            setattr(layer, n, t)
+
+
+@torch.no_grad()
+def _load_int8_from_fp8(layer: EPMoE, module) -> None:
+    for n, q, s in (
+        ("w1", module.gate_up_proj, module.gate_up_proj_scale_inv),
+        ("w2", module.down_proj, module.down_proj_scale_inv),
+    ):
+        E, N, K = q.shape
+        wq = torch.empty((E, N, K), dtype=torch.int8, device=layer.device)
+        ws = torch.empty((E, N), dtype=torch.float32, device=layer.device)
+        for e in range(E):
+            w = reference.dequantize_weights(q[e : e + 1].detach(), s[e : e + 1].detach().float())
+            wq[e : e + 1], ws[e : e + 1] = reference.quantize_weights(w.to(layer.device), "int8")
+        wq, ws = gemm.prepare_weights(wq, ws, "int8", layer.device)
+        setattr(layer, n, wq)
+        setattr(layer, n + "_scale", ws)
+
+
+def _new_layer(E: int, H: int, I: int, top_k: int, quant: str, device) -> EPMoE:
+    kw = dict(
+        num_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        top_k=top_k,
+        quant=quant,
+        backend="local",
+        device=device,
+        # the smallest row alignment the grouped GEMM takes: padding rows are computed
+        alignment=gemm.contiguous_row_block(quant, device),
+    )
+    if _ll_local_available():
+        try:
+            return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)
+        except ValueError:  # a layer without mode="auto"
+            pass
+    return EPMoE(mode="ht", worst_case=True, **kw)
+
+
+def _ll_local_available() -> bool:
+    # TEMP: the layer's one-rank LL path imports epmoe.comm.masked_layout, which lands separately
+    import importlib.util
+
+    return importlib.util.find_spec("epmoe.comm.masked_layout") is not None
