@@ -299,3 +299,89 @@ def quantized_moe(
         h = h.float() if scheme == "bf16" else dequantize(*quantize(h, scheme))
         out = out + coef * (h @ w2d[e].t())
     return out
+
+
+# ------------------------------------------------------------------------- LL masked layout (comm)
+def ll_scatter(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    quant: str = "bf16",
+    expert_lo: int = 0,
+    num_global_experts: Optional[int] = None,
+):
+    """Scatter tokens into the masked `[E, C, H]` layout, quantized per ``quant``.
+
+    Args:
+        x: bf16 `[T, H]`. topk_ids: int32/int64 `[T, K]`, global id in [0, num_global_experts)
+            or -1. Entry (t, k) goes to local expert id - expert_lo when that lies in [0, E),
+            else nowhere (another rank's expert).
+        num_experts: E. capacity: C, slots per expert. quant: "bf16", "fp8" (1x128 groups) or
+            "int8" (per token). num_global_experts: defaults to E.
+    Returns:
+        (xo `[E, C, H]` (bf16 / float8_e4m3fn / int8), scales float32 `[E, C, G]` (G = H/128,
+        1, 0), masked_m int32 `[E]` = min(entries, C), rows int32 `[T, K]` = e*C + slot or -1).
+        Slots inside an expert follow the flat (t, k) order; entries past C are dropped (and an
+        error); rows of xo / scales past masked_m are zero here (unspecified in the contract).
+    """
+    E, C = num_experts, capacity
+    NG = num_experts if num_global_experts is None else num_global_experts
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    dev = x.device
+    ids = topk_ids.long()
+    ok = ((ids >= -1) & (ids < NG)).all()
+    _checks.check_values(ok, "ll_scatter", "topk_ids", f"ids in [0, {NG}) or -1")
+    loc = ids - expert_lo
+    live = (ids >= 0) & (ids < NG) & (loc >= 0) & (loc < E)
+    flat = torch.where(live, loc, E).reshape(-1)  # bucket E: skipped entries
+    onehot = flat.unsqueeze(1) == torch.arange(E + 1, device=dev)  # [T*K, E+1]
+    slot = (torch.cumsum(onehot.long(), dim=0) - 1).gather(1, flat.unsqueeze(1)).squeeze(1)
+    counts = onehot[:, :E].sum(dim=0)
+    _checks.check_values(
+        (counts <= C).all(),
+        "ll_scatter",
+        "topk_ids",
+        f"at most capacity={C} entries per expert",
+        "an expert over capacity",
+    )
+    kept = (flat < E) & (slot < C)
+    dst = torch.where(kept, flat * C + slot, E * C)  # E*C: a dump row
+    rows = torch.where(kept, dst, -1).to(torch.int32).reshape(T, K)
+    if quant == "bf16":
+        q, s = x, torch.empty((T, 0), dtype=torch.float32, device=dev)
+    else:
+        q, s = quantize(x, quant)
+    src = torch.arange(T, device=dev).repeat_interleave(K)
+    qr = q.view(torch.uint8) if q.element_size() == 1 else q  # fp8 has no index_copy kernel
+    xo = qr.new_zeros((E * C + 1, H))
+    xo.index_copy_(0, dst, qr[src])
+    so = s.new_zeros((E * C + 1, s.shape[1]))
+    so.index_copy_(0, dst, s[src])
+    xo = xo[: E * C].view(q.dtype).view(E, C, H)
+    masked_m = counts.clamp(max=C).to(torch.int32)
+    return xo, so[: E * C].view(E, C, s.shape[1]), masked_m, rows
+
+
+def ll_gather(
+    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]] (rows -1 skipped; w = 1 when
+    topk_weights is None), float32 sum in k order, rounded once to bf16 `[T, H]`.
+
+    y bf16 `[E, C, H]`; rows int32/int64 `[T, K]` in [0, E*C) or -1; topk_weights float32 `[T, K]`.
+    """
+    E, C, H = y.shape
+    R = E * C
+    ok = ((rows >= -1) & (rows < R)).all()
+    _checks.check_values(ok, "ll_gather", "rows", f"rows in [0, {R}) or -1")
+    live = (rows >= 0) & (rows < R)
+    g = y.reshape(R, H)[rows.clamp(0, max(R - 1, 0)).long()].float()  # [T, K, H]
+    g = torch.where(live.unsqueeze(-1), g, 0.0)  # rows past masked_m may hold anything
+    if topk_weights is not None:
+        g = g * torch.where(live, topk_weights.float(), 0.0).unsqueeze(-1)
+    out = torch.zeros((rows.shape[0], H), dtype=torch.float32, device=y.device)
+    for k in range(rows.shape[1]):  # k ascending, as the kernel sums
+        out = out + g[:, k]
+    return out.to(torch.bfloat16)

@@ -1,0 +1,559 @@
+"""The LL (decode) masked layout: scatter tokens into `[E, C, H]` per local expert, gather back.
+
+Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``E`` local experts, ``C`` slots per expert
+(capacity), ``G`` scale groups per row.
+
+Contract: ``xo, scales, masked_m, rows = ll_scatter(x, topk_ids, num_experts, capacity,
+quant="bf16", expert_lo=0, num_global_experts=None, scale_layout="row")``
+
+- x: bf16 `[T, H]` (any strides); topk_ids: int32/int64 `[T, K]` (any strides), global expert id in
+  [0, num_global_experts) or -1 (num_global_experts defaults to num_experts). Entry (t, k) goes to
+  local expert id - expert_lo when that lies in [0, E) (else it is another rank's: skipped).
+- xo `[E, C, H]`: bf16 copies, or quantized as :func:`epmoe.reference.quantize` does (byte-exact):
+  float8_e4m3fn with 1x128 per-token-group scales (G = H/128) or int8 with one scale per token
+  (G = 1); scales float32 `[E, C, G]` (G = 0 for bf16), contiguous ("row") or in DeepGEMM's
+  MN-major, TMA-aligned layout ("deepgemm", strides (G * round_up(C, 4), 1, round_up(C, 4))).
+- masked_m int32 `[E]`: entries per expert, at most C; rows int32 `[T, K]`: e*C + slot of entry
+  (t, k), or -1. Slots inside an expert follow the flat (t, k) order (deterministic).
+- Rows of xo / scales at or past masked_m are unspecified (never written: no zero fill).
+
+Contract: ``out = ll_gather(y, rows, topk_weights=None, out=None)``
+
+- y: bf16 `[E, C, H]` (any strides; rows past masked_m never read); rows: int32/int64 `[T, K]` in
+  [0, E*C) or -1; topk_weights: float32 `[T, K]` or None.
+- out bf16 `[T, H]`: out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]] (w = 1 when None), float32
+  accumulation in k order, rounded once. With ``out`` (bf16 `[T, H]`, contiguous) the result is
+  written there (``epmoe::ll_gather_out``, which mutates ``out``) and ``out`` is returned.
+
+Both are one kernel and CUDA-graph safe (static shapes, fixed grids, no host sync, no atomics).
+Bad ids (outside [0, num_global_experts) other than -1), an expert given more than C entries, and
+rows outside [0, E*C) other than -1 are errors: ValueError on CPU; on CUDA a device assert inside
+the kernel on direct launches (ValueError in debug mode), an async assert after the kernel under
+torch.compile. A bad entry is skipped, and entries past capacity are never written, so masked_m
+never exceeds C and a masked GEMM never reads out of bounds.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from epmoe import _checks, _eager, reference
+from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
+    _INTERPRET,
+    _int8_scale,
+    _quant_fp8_groups,
+    _quant_int8,
+    round_float,
+)
+
+QUANTS = ("bf16", "fp8", "int8")
+SCALE_LAYOUTS = ("row", "deepgemm")
+_QCODE = {"bf16": 0, "fp8": 1, "int8": 2}
+_QDTYPE = {"bf16": torch.bfloat16, "fp8": reference.FP8_DTYPE, "int8": torch.int8}
+
+# ------------------------------------------------------------------------------ launch heuristics
+GROUP = 128  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
+TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
+INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
+BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
+GATHER_BYTES = 4096  # output bytes per gather program: 2048 bf16 columns, 16 a thread
+TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
+_assert_in_kernel = _checks.assert_in_kernel  # (module attribute: scripts/compile_kernels.py)
+
+
+# -------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _local_ids(ids_ptr, t, k, T, K, stride_it, stride_ik, LO, E, NG):
+    """(local expert of entries (t, k) as int32, -1 when skipped: id -1, another rank's expert, a
+    bad id, t >= T or k >= K; bad-id mask). t may be a scalar next to a vector k."""
+    inb = (t + k * 0 < T) & (k < K)
+    v = tl.load(ids_ptr + t.to(tl.int64) * stride_it + k * stride_ik, mask=inb, other=-1)
+    bad = inb & ((v < -1) | (v >= NG))
+    loc = v - LO
+    live = inb & (v >= 0) & (v < NG) & (loc >= 0) & (loc < E)
+    return tl.where(live, loc, -1).to(tl.int32), bad
+
+
+@triton.jit
+def _ll_scatter_kernel(
+    # tensors
+    x_ptr, ids_ptr, xo_ptr, s_ptr, mm_ptr, rows_ptr, ok_ptr,
+    # sizes
+    T, H, C, E, LO, NG, G, CHUNKS,
+    # strides (elements)
+    stride_xt, stride_xh, stride_it, stride_ik, stride_se, stride_sc, stride_sg,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
+    W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
+    ASSERT: tl.constexpr,
+):  # fmt: skip
+    """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
+    W = 128 channels; bf16 / int8: one row piece of W), to each of its slots; a slot is the
+    number of entries of the same expert before it in flat (t, k) order, counted by the program
+    itself from the ids (a few KiB, read from L2), so no program waits on another. Chunk 0 also
+    writes rows[t]. The last program writes masked_m and checks the ids and capacities: with
+    ASSERT (a debug=True build) it asserts them, else it writes ok[0] (ids) and ok[1] (capacity)."""
+    pid = tl.program_id(0)
+    if pid >= T * CHUNKS:
+        bins = tl.arange(0, NUM_BINS)
+        tot = tl.zeros([NUM_BINS], dtype=tl.int32)
+        n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for b0 in range(0, T * K_PAD, BLOCK_N):
+            pos = b0 + tl.arange(0, BLOCK_N)
+            e, bad = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
+                                LO, E, NG)  # fmt: skip
+            tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
+            n_bad += bad.to(tl.int32)
+        tot = tl.where(bins < E, tot, 0)
+        tl.store(mm_ptr + bins, tl.minimum(tot, C), mask=bins < E)
+        bad_ids = tl.sum(n_bad, axis=0)
+        over = tl.sum((tot > C).to(tl.int32), axis=0)
+        if ASSERT:
+            tl.device_assert(bad_ids == 0, "ll_scatter: topk_ids expected ids in [0, Et) or -1")
+            tl.device_assert(over == 0, "ll_scatter: topk_ids expected at most C per expert")
+        else:
+            two = tl.arange(0, 2)
+            tl.store(ok_ptr + two, tl.where(two == 0, bad_ids == 0, over == 0))
+    else:
+        t = pid // CHUNKS
+        c = pid % CHUNKS
+        kk = tl.arange(0, K_PAD)
+        e, _ = _local_ids(ids_ptr, t, kk, T, K, stride_it, stride_ik, LO, E, NG)
+        any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
+        # the row's load goes first (it needs the token's own ids only); tokens without a local
+        # expert read nothing
+        ri = tl.arange(0, R)
+        groups = c * R + ri  # fp8: scale groups of the tile; bf16 / int8: the chunk (R = 1)
+        cols = groups[:, None] * W + tl.arange(0, W)[None, :]
+        hi = tl.where(any_live, H, 0)
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
+        # slot of each own entry: entries of its expert earlier in flat (t, k) order
+        own = t * K_PAD + kk
+        cnt = tl.zeros([K_PAD], dtype=tl.int32)
+        for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
+            pos = b0 + tl.arange(0, BLOCK_N)
+            eb, _ = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
+                               LO, E, NG)  # fmt: skip
+            same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+            cnt += tl.sum(same.to(tl.int32), axis=1)
+        kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
+        rows = tl.where(kept, e * C + cnt, -1)
+        if c == 0:
+            tl.store(rows_ptr + t.to(tl.int64) * K + kk, rows, mask=kk < K)
+        if QUANT == 0:
+            q = v
+        elif QUANT == 1:
+            q, s = _quant_fp8_groups(v.to(tl.float32))
+        else:
+            xf = v.to(tl.float32)
+            if SINGLE:
+                amax = tl.max(tl.abs(xf), axis=1)
+            else:  # the rest of the row too (a second read, from L2): one scale per token
+                m = tl.zeros([R, W], dtype=tl.float32)
+                for h0 in range(0, H, W):
+                    cc = h0 + cols - c * W
+                    xc = tl.load(x_row + cc * stride_xh, mask=cc < hi, other=0.0)
+                    m = tl.maximum(m, tl.abs(xc.to(tl.float32)))
+                amax = tl.max(m, axis=1)
+            s = _int8_scale(amax)
+            q = _quant_int8(xf, s)
+        for k in tl.static_range(K):
+            r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+            live = r >= 0
+            r64 = r.to(tl.int64)
+            tl.store(xo_ptr + r64 * H + cols, q, mask=cols < tl.where(live, H, 0))
+            if QUANT != 0:  # int8: G = 1, so only chunk 0 (groups == 0) stores its scale
+                s_off = (r64 // C) * stride_se + (r64 % C) * stride_sc + groups * stride_sg
+                tl.store(s_ptr + s_off, s, mask=groups < tl.where(live, G, 0))
+
+
+@triton.jit
+def _ll_gather_kernel(
+    # tensors
+    y_ptr, rows_ptr, w_ptr, out_ptr, ok_ptr,
+    # sizes
+    H, C, NROWS,
+    # strides (elements)
+    stride_ye, stride_yc, stride_yh, stride_rt, stride_rk, stride_wt, stride_wk,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr,
+    ASSERT: tl.constexpr,
+):  # fmt: skip
+    """Program (t, c): column chunk c of out[t]. Chunk 0 also checks t's rows: it clears ok on a
+    row outside [0, E*C) other than -1, or with ASSERT (a debug=True build) asserts them."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):  # k ascending, as the reference sums
+        r = tl.load(rows_ptr + t * stride_rt + k * stride_rk).to(tl.int64)
+        live = (r >= 0) & (r < NROWS)  # out-of-range rows are reported below, never read
+        r = tl.where(live, r, 0)
+        src = y_ptr + (r // C) * stride_ye + (r % C) * stride_yc
+        v = tl.load(src + cols * stride_yh, mask=cols < tl.where(live, H, 0), other=0.0)
+        if HAS_W:
+            w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=live, other=0.0)
+            acc += v.to(tl.float32) * w
+        else:
+            acc += v.to(tl.float32)
+    tl.store(out_ptr + t * H + cols, round_float(acc, out_ptr.dtype.element_ty), mask=cols < H)
+    if c == 0:
+        kk = tl.arange(0, K_PAD)
+        rr = tl.load(rows_ptr + t * stride_rt + kk * stride_rk, mask=kk < K, other=-1)
+        bad = (rr < -1) | (rr >= NROWS)
+        if ASSERT:
+            n_bad = tl.sum(bad.to(tl.int32), axis=0)
+            tl.device_assert(n_bad == 0, "ll_gather: rows expected rows in [0, E*C) or -1")
+        else:
+            tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
+
+
+# ----------------------------------------------------------------------------- host-side helpers
+def _kernel(k):
+    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors).
+    (Module attribute: scripts/compile_kernels.py patches it to record the launches.)"""
+    return k if _INTERPRET else wrap_triton(k)
+
+
+def alloc_scales(lead: Tuple[int, int], groups: int, layout: str, device) -> torch.Tensor:
+    """Uninitialized float32 scales `[E, C, groups]` in ``layout``: the layout of
+    :func:`epmoe.ops.quantize.alloc_scales` for 3-D inputs (deepgemm: MN-major, C padded to
+    TMA_ALIGN, strides (groups * padded, 1, padded)). Not a view: kernels write it directly."""
+    if layout == "row" or groups == 0:
+        return torch.empty((*lead, groups), dtype=torch.float32, device=device)
+    padded = reference.round_up(lead[1], TMA_ALIGN)
+    return torch.empty_strided(
+        (lead[0], lead[1], groups), (groups * padded, 1, padded), dtype=torch.float32, device=device
+    )
+
+
+def scatter_tiling(H: int, quant: str) -> Tuple[int, int, int]:
+    """(R, W, chunks) of the scatter: each program copies an [R, W] tile of a row."""
+    if quant == "fp8":
+        groups = H // GROUP
+        r = min(triton.next_power_of_2(max(groups, 1)), TILE // GROUP)
+        return r, GROUP, max(triton.cdiv(groups, r), 1)
+    limit = INT8_SINGLE_MAX if quant == "int8" else TILE
+    w = min(triton.next_power_of_2(max(H, 1)), limit)
+    return 1, w, max(triton.cdiv(H, w), 1)  # (H = 0: one chunk still writes rows)
+
+
+def _warps(elements: int) -> int:
+    return 8 if elements > 4096 else 4
+
+
+@_eager.on_input_device
+def _ll_scatter_triton(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    quant: str = "bf16",
+    expert_lo: int = 0,
+    num_global_experts: Optional[int] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ll_scatter on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    E, C = num_experts, capacity
+    NG = num_experts if num_global_experts is None else num_global_experts
+    dev = x.device
+    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    xo = torch.empty((E, C, H), dtype=_QDTYPE[quant], device=dev)
+    s = alloc_scales((E, C), G, scale_layout, dev)
+    masked_m = torch.empty((E,), dtype=torch.int32, device=dev)
+    rows = torch.empty((T, K), dtype=torch.int32, device=dev)
+    # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
+    # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
+    in_kernel = _assert_in_kernel(_checks.direct_launch(x))
+    ok = masked_m if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
+    R, W, chunks = scatter_tiling(H, quant)
+    k_pad = triton.next_power_of_2(max(K, 1))
+    # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
+    # masked_m program
+    _kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
+        x, topk_ids, xo, s, masked_m, rows, ok,
+        T, H, C, E, expert_lo, NG, G, chunks,
+        x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+        s.stride(0), s.stride(1), s.stride(2),
+        K=K, K_PAD=k_pad, QUANT=_QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
+        BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=triton.next_power_of_2(E + 1), ASSERT=in_kernel,
+        num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
+    )  # fmt: skip
+    if not in_kernel:
+        _checks.check_values(ok[0], "ll_scatter", "topk_ids", f"ids in [0, {NG}) or -1")
+        _checks.check_values(
+            ok[1],
+            "ll_scatter",
+            "topk_ids",
+            f"at most capacity={C} entries per expert",
+            "an expert over capacity",
+        )
+    return xo, s, masked_m, rows
+
+
+@_eager.on_input_device
+def _ll_gather_launch(
+    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor], out: torch.Tensor
+) -> None:
+    """ll_gather into a contiguous bf16 ``out`` on CUDA (or CPU tensors under the interpreter)."""
+    T, K = rows.shape
+    E, C, H = y.shape
+    in_kernel = _assert_in_kernel(_checks.direct_launch(y))
+    ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
+    w = topk_weights if topk_weights is not None else rows  # placeholder, never read
+    sw = topk_weights.stride() if topk_weights is not None else (0, 0)
+    block = min(triton.next_power_of_2(max(H, 1)), GATHER_BYTES // 2)
+    _kernel(_ll_gather_kernel)[(T, triton.cdiv(H, block))](
+        y, rows, w, out, ok, H, C, E * C,
+        y.stride(0), y.stride(1), y.stride(2), rows.stride(0), rows.stride(1), sw[0], sw[1],
+        K=K, K_PAD=triton.next_power_of_2(max(K, 1)), BLOCK_H=block,
+        HAS_W=topk_weights is not None, ASSERT=in_kernel, num_warps=4,
+        **_checks.assert_build(in_kernel),
+    )  # fmt: skip
+    if not in_kernel:
+        _checks.check_values(ok, "ll_gather", "rows", f"rows in [0, {E * C}) or -1")
+
+
+# ------------------------------------------------------------------------------ ll_scatter op
+def _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> bool:
+    """The common all-good case in one pass (every eager call pays for validation); any False
+    falls through to the full checks, which say what is wrong."""
+    try:
+        xs, ids = x.shape, topk_ids.shape
+        ng = E if NG is None else NG
+        return (
+            x.dtype is torch.bfloat16
+            and len(xs) == 2
+            and len(ids) == 2
+            and ids[0] == xs[0]
+            and topk_ids.dtype in _checks.INDEX_DTYPES
+            and topk_ids.device == x.device
+            and type(E) is int
+            and E > 0
+            and type(C) is int
+            and C > 0
+            and type(lo) is int
+            and lo >= 0
+            and type(ng) is int
+            and lo + E <= ng
+            and quant in _QCODE
+            and scale_layout in SCALE_LAYOUTS
+            and (quant != "fp8" or xs[1] % GROUP == 0)
+        )
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
+def _validate_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> None:
+    if _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout):
+        return
+    op = "ll_scatter"
+    _checks.check_dtype(op, "x", x, (torch.bfloat16,))
+    _checks.check_ndim(op, "x", x, (2,))
+    _checks.check_dtype(op, "topk_ids", topk_ids, _checks.INDEX_DTYPES)
+    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
+    _checks.check_device(op, "topk_ids", topk_ids, x)
+    _checks.check_positive_int(op, "num_experts", E)
+    _checks.check_positive_int(op, "capacity", C)
+    _checks.check_choice(op, "quant", quant, QUANTS)
+    _checks.check_choice(op, "scale_layout", scale_layout, SCALE_LAYOUTS)
+    if isinstance(lo, bool) or not isinstance(lo, int) or lo < 0:
+        raise _checks.fail(op, "expert_lo", "a non-negative int", repr(lo))
+    ng = E if NG is None else NG
+    _checks.check_positive_int(op, "num_global_experts", ng)
+    if lo + E > ng:
+        raise _checks.fail(
+            op, "num_global_experts", f"at least expert_lo + num_experts = {lo + E}", ng
+        )
+    if quant == "fp8":
+        _checks.check_multiple(op, "x.shape[1]", x.shape[1], GROUP, "(fp8 groups)")
+
+
+def _scatter_reference(x, topk_ids, E, C, quant, lo, NG, scale_layout):
+    xo, s, masked_m, rows = reference.ll_scatter(x, topk_ids, E, C, quant, lo, NG)
+    if scale_layout == "deepgemm" and s.shape[2]:
+        out = alloc_scales((E, C), s.shape[2], scale_layout, s.device)
+        out.copy_(s)
+        s = out
+    return xo, s, masked_m, rows
+
+
+def _ll_scatter_impl(x, topk_ids, E, C, quant="bf16", lo=0, NG=None, scale_layout="row"):
+    _validate_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout)
+    if x.is_cuda:
+        return _ll_scatter_triton(x, topk_ids, E, C, quant, lo, NG, scale_layout)
+    return _scatter_reference(x, topk_ids, E, C, quant, lo, NG, scale_layout)
+
+
+@triton_op("epmoe::ll_scatter", mutates_args=())
+def _ll_scatter_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    quant: str = "bf16",
+    expert_lo: int = 0,
+    num_global_experts: Optional[int] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ll_scatter_impl(
+        x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout
+    )
+
+
+# CPU kernel: the same function, which takes its reference branch for CPU tensors
+_ll_scatter_op.register_kernel("cpu")(_ll_scatter_impl)
+
+
+def ll_scatter(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    quant: str = "bf16",
+    expert_lo: int = 0,
+    num_global_experts: Optional[int] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter (and quantize) tokens into the masked layout; see the module docstring.
+
+    Args:
+        x: bf16 `[T, H]` (any strides).
+        topk_ids: int32/int64 `[T, K]` (any strides), global id or -1.
+        num_experts: E, local experts (ids expert_lo .. expert_lo + E - 1).
+        capacity: C, slots per expert.
+        quant: "bf16", "fp8" (H a multiple of 128) or "int8".
+        expert_lo: the first local expert's global id.
+        num_global_experts: ids must be below it (default num_experts).
+        scale_layout: "row" (contiguous scales) or "deepgemm" (MN-major, TMA-aligned).
+    Returns:
+        (xo bf16/float8_e4m3fn/int8 `[E, C, H]`, scales float32 `[E, C, G]` (G = H/128, 1 or 0),
+        masked_m int32 `[E]`, rows int32 `[T, K]` = e*C + slot or -1).
+    """
+    args = (x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout)
+    if _eager.direct(x, topk_ids):
+        return _eager.run(_ll_scatter_impl, *args)
+    # the schema would reject a non-int before our message could say what was expected
+    _checks.check_positive_int("ll_scatter", "num_experts", num_experts)
+    _checks.check_positive_int("ll_scatter", "capacity", capacity)
+    return _ll_scatter_op(*args)
+
+
+# ------------------------------------------------------------------------------- ll_gather ops
+def _valid_gather(y, rows, topk_weights) -> bool:
+    """The common all-good case in one pass; any False falls through to the full checks."""
+    try:
+        rs = rows.shape
+        dev = y.device
+        return (
+            y.dtype is torch.bfloat16
+            and y.dim() == 3
+            and rows.dtype in _checks.INDEX_DTYPES
+            and len(rs) == 2
+            and rows.device == dev
+            and (
+                topk_weights is None
+                or (
+                    topk_weights.dtype is torch.float32
+                    and topk_weights.shape == rs
+                    and topk_weights.device == dev
+                )
+            )
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
+def _validate_gather(y, rows, topk_weights) -> None:
+    if _valid_gather(y, rows, topk_weights):
+        return
+    op = "ll_gather"
+    _checks.check_dtype(op, "y", y, (torch.bfloat16,))
+    _checks.check_ndim(op, "y", y, (3,))
+    _checks.check_dtype(op, "rows", rows, _checks.INDEX_DTYPES)
+    _checks.check_ndim(op, "rows", rows, (2,))
+    _checks.check_device(op, "rows", rows, y)
+    if topk_weights is not None:
+        _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
+        _checks.check_shape(op, "topk_weights", topk_weights, tuple(rows.shape))
+        _checks.check_device(op, "topk_weights", topk_weights, y)
+
+
+def _validate_out(y, rows, out) -> None:
+    op = "ll_gather"
+    _checks.check_dtype(op, "out", out, (torch.bfloat16,))
+    _checks.check_shape(op, "out", out, (rows.shape[0], y.shape[2]))
+    _checks.check_device(op, "out", out, y)
+    if not out.is_contiguous():
+        raise _checks.fail(op, "out", "a contiguous tensor", f"strides {out.stride()}")
+
+
+def _ll_gather_impl(y, rows, topk_weights=None):
+    _validate_gather(y, rows, topk_weights)
+    if y.is_cuda:
+        out = torch.empty((rows.shape[0], y.shape[2]), dtype=torch.bfloat16, device=y.device)
+        _ll_gather_launch(y, rows, topk_weights, out)
+        return out
+    return reference.ll_gather(y, rows, topk_weights)
+
+
+def _ll_gather_out_impl(y, rows, topk_weights, out) -> None:
+    _validate_gather(y, rows, topk_weights)
+    _validate_out(y, rows, out)
+    if y.is_cuda:
+        _ll_gather_launch(y, rows, topk_weights, out)
+    else:
+        out.copy_(reference.ll_gather(y, rows, topk_weights))
+
+
+@triton_op("epmoe::ll_gather", mutates_args=())
+def _ll_gather_op(
+    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    return _ll_gather_impl(y, rows, topk_weights)
+
+
+@triton_op("epmoe::ll_gather_out", mutates_args=("out",))
+def _ll_gather_out_op(
+    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor], out: torch.Tensor
+) -> None:
+    _ll_gather_out_impl(y, rows, topk_weights, out)
+
+
+# CPU kernels: the same functions, which take their reference branch for CPU tensors
+_ll_gather_op.register_kernel("cpu")(_ll_gather_impl)
+_ll_gather_out_op.register_kernel("cpu")(_ll_gather_out_impl)
+
+
+def ll_gather(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gather each token's slots back and take the (weighted) top-k sum.
+
+    Args:
+        y: bf16 `[E, C, H]` (any strides), the masked layout.
+        rows: int32/int64 `[T, K]` slot e*C + c of each (t, k) or -1 (ll_scatter's rows).
+        topk_weights: float32 `[T, K]`, or None for an unweighted sum.
+        out: optional contiguous bf16 `[T, H]` to write into.
+    Returns:
+        bf16 `[T, H]` (``out`` when given), float32 accumulation.
+    """
+    direct = _eager.direct(y, rows, topk_weights, out)
+    if out is None:
+        if direct:
+            return _eager.run(_ll_gather_impl, y, rows, topk_weights)
+        return _ll_gather_op(y, rows, topk_weights)
+    if direct:
+        _eager.run(_ll_gather_out_impl, y, rows, topk_weights, out)
+    else:
+        _ll_gather_out_op(y, rows, topk_weights, out)
+    return out
