@@ -58,6 +58,7 @@ def test_cpu_smoke_run(tmp_path, capsys):
         assert c["raw_rel_l2_vs_layer"] < tol, c["id"]
         assert ("anchor for int8" in c["raw_impl"]) == (c["scheme"] == "int8")
         if HAS_TRANSFORMERS:
+            assert c["skips"]["grouped_mm/grouped_mm_graph_ms"] == "needs CUDA"
             assert c["rel_l2_vs_grouped_mm"] < (1e-2 if c["scheme"] == "bf16" else 0.1), c["id"]
             assert c.get("matches_grouped_mm", True) and c["grouped_mm_eager_ms"] > 0
     printed = capsys.readouterr().out
@@ -95,6 +96,18 @@ def test_a_failing_step_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     for c in cases:
         assert c["status"] == "error" and c["errors"]["eager"].startswith("RuntimeError: boom")
         assert "raw_rel_l2_vs_layer" in c and "floor_ms" in c  # later steps still ran
+
+
+def test_missing_transformers_is_a_skip(tmp_path, monkeypatch):
+    def missing(*args):
+        raise ImportError("No module named 'transformers'")
+
+    monkeypatch.setattr(bench, "hf_grouped_mm_experts", missing)
+    out = tmp_path / "t.json"
+    report = bench.main(["--cpu-smoke", "--out", str(out), "--only", "ht", "T=1", "bf16"])
+    (c,) = report["cases"]
+    assert c["status"] == "ok" and not c["errors"]
+    assert "not importable" in c["skips"]["grouped_mm"] and "rel_l2_vs_grouped_mm" not in c
 
 
 def _layer(scheme, mode, T):
