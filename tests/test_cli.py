@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,7 +123,9 @@ def test_env_gpu_lines_say_why_not(monkeypatch):
 
 # --------------------------------------------------------------------------------------------- demo
 def test_demo_two_gloo_ranks_passes():
+    t0 = time.perf_counter()
     p = _epmoe("demo", "--device", "cpu", "--world", "2", timeout=150)
+    wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "2 rank(s) on cpu, backend torch (gloo)" in out
@@ -136,7 +140,22 @@ def test_demo_two_gloo_ranks_passes():
         for line in out.splitlines()
         if line.split()[:1] and line.split()[0] in demo.STAGES and line.endswith("  ok")
     )
-    assert f"all {n_rows} checks passed on 2 ranks" in out
+    verdict = re.search(rf"all {n_rows} checks passed on 2 ranks \(([\d.]+) s\)\n", out)
+    assert verdict and float(verdict.group(1)) <= wall + 0.1, out[-300:]
+
+
+def test_demo_reports_the_whole_run_time(monkeypatch, capsys):
+    """The verdict's time covers the ranks' whole run (spawn, start-up, checks), not one rank's."""
+
+    def ranks(fn, args, nprocs, join, start_method):
+        time.sleep(0.5)  # the ranks' start-up and checks
+        args[2].put((True, "epmoe demo: all 3 checks passed on 2 ranks"))
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", ranks)
+    assert demo.run_demo(world=2, device="cpu", quants=("bf16",))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    secs = re.fullmatch(r"epmoe demo: all 3 checks passed on 2 ranks \(([\d.]+) s\)", last)
+    assert secs and float(secs.group(1)) >= 0.5, last
 
 
 def test_demo_corrupted_stage_fails():

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -512,12 +512,12 @@ def _fmt_err(e: float, tol: float) -> str:
     return f"{e:.2e}"
 
 
-def _report(per_rank: List[List[Row]], cfg: DemoConfig, seconds: float) -> bool:
-    """Print the per-stage tables (worst error over ranks) and the verdict; True when all passed."""
+def _report(per_rank: List[List[Row]], cfg: DemoConfig) -> Tuple[bool, str]:
+    """Print the per-stage tables (worst error over ranks) and the failures; returns (True when all
+    passed, the verdict line without its time: run_demo prints it with the run's wall time)."""
     n = len(per_rank[0])
     if any(len(r) != n for r in per_rank):
-        print("epmoe demo: ranks ran different checks", flush=True)
-        return False
+        return False, "epmoe demo: ranks ran different checks"
     width = max([len(r.check) for r in per_rank[0]] + [5])
     header = (
         f"{'stage':<12}{'shape (rank 0)':<18}{'dtype':<15}{'check':<{width + 2}}"
@@ -544,16 +544,13 @@ def _report(per_rank: List[List[Row]], cfg: DemoConfig, seconds: float) -> bool:
         )
         if not ok:
             failed.append(f"{r0.mode}/{r0.quant} {r0.stage}: {r0.check}")
-    total = n
     print()
-    if failed:
-        print(f"epmoe demo: FAILED {len(failed)} of {total} checks on {cfg.plan.world} ranks:")
-        for f in failed:
-            print(f"  - {f}")
-    else:
-        print(f"epmoe demo: all {total} checks passed on {cfg.plan.world} ranks ({seconds:.1f} s)")
+    for f in failed:
+        print(f"  - {f}")
     sys.stdout.flush()
-    return not failed
+    if failed:
+        return False, f"epmoe demo: FAILED {len(failed)} of {n} checks on {cfg.plan.world} ranks"
+    return True, f"epmoe demo: all {n} checks passed on {cfg.plan.world} ranks"
 
 
 def _worker(rank: int, cfg: DemoConfig, port: int, results) -> None:
@@ -566,7 +563,6 @@ def _worker(rank: int, cfg: DemoConfig, port: int, results) -> None:
         torch.cuda.set_device(rank)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    t0 = time.perf_counter()
     dist.init_process_group(
         cfg.plan.dist_backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -579,7 +575,7 @@ def _worker(rank: int, cfg: DemoConfig, port: int, results) -> None:
         gathered = [None] * cfg.plan.world if rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
-            results.put(_report(gathered, cfg, time.perf_counter() - t0))
+            results.put(_report(gathered, cfg))
         dist.barrier()
     finally:
         if cfg.plan.backend == "deepep":
@@ -621,6 +617,7 @@ def run_demo(
     """
     from epmoe.cli import env
 
+    started = time.perf_counter()  # the verdict reports the whole run: spawn, ranks, exit
     plan = default_plan(device, world, backend, experts)
     err = _validate(plan, experts, top_k, tokens, modes, corrupt)
     if not err and start_method not in ("spawn", "fork"):
@@ -700,7 +697,11 @@ def run_demo(
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed demo, reported as such
         print(f"epmoe demo: a rank failed: {e}", file=sys.stderr)
         return False
-    return bool(results.get()) if not results.empty() else False
+    if results.empty():
+        return False
+    ok, verdict = results.get()
+    print(f"{verdict} ({time.perf_counter() - started:.1f} s)", flush=True)
+    return ok
 
 
 def _validate(plan: Plan, experts, top_k, tokens, modes, corrupt) -> Optional[str]:
