@@ -64,12 +64,22 @@ JSON is rewritten after every case (a killed run keeps what it measured). A comp
 printed at the end. ``--cpu-smoke`` runs the tiny ``tiny-1rank`` shape on CPU through the same
 code (CUDA-only timings recorded as skipped); benchmarks/test_bench_one_gpu_cpu.py runs it.
 
-JSON: {"schema": 1, "command", "date", "device", "versions", "args", "copy_gbps",
-"copy_by_method", "budget_s", "elapsed_s", "complete", "notes": [...], "skipped": [case ids],
-"cases": [case records]}; a case record: {"id", "shape", "E", "H", "I", "K", "T", "scheme",
-"mode", "path" ("ll" | "ht"), "status" ("ok" | "error" | "skipped"), "errors": {step: str},
-"skips": {step: reason}, "step_s": {step: s}, "experts_hit", "weight_bytes", "flops", the timing
-keys above (absent when not measured), "raw_impl", "raw_layout", "ratios": {...}}.
+JSON: {"schema": 1, "command", "date", "device", "versions" (torch, triton, deep_gemm,
+transformers, epmoe, git), "args", "copy_gbps", "copy_by_method", "budget_s", "elapsed_s",
+"complete", "notes": [str], "skipped": [case id], "fatal" (only when the run stopped), "cases":
+[record]}. A record: "id" ("shape/scheme/mode/T<T>"), "shape", "E", "H", "I", "K", "T", "scheme",
+"mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
+"errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
+"case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
+"host_us", "launches", "copies", "kernels" {name: count}, "graph_ms"; "compile_s", "compile_ms",
+"compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips",
+"compile_same_bytes" and the same with "compile_ro_"; "raw_ms", "raw_impl", "raw_layout" ({"C",
+"expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per
+token vs the layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
+"grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
+"ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
+eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
+compile_over_eager, compile_ro_over_graph}. A figure that was not measured is absent.
 """
 
 import argparse
