@@ -1,4 +1,4 @@
-"""The README as written: its quickstart and API blocks run, and CI runs its install and test lines."""
+"""The README as written: its quickstart and API blocks run; CI runs its install and test lines."""
 
 import re
 from pathlib import Path
