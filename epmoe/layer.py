@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from epmoe import _checks, comm, reference
+from epmoe.comm.masked_layout import ll_gather, ll_scatter
 from epmoe.ops import (
     gemm,
     grouped_gemm,
@@ -400,8 +401,6 @@ class EPMoE(nn.Module):
                 x.shape[0],
             )
         if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
-            from epmoe.comm.masked_layout import ll_gather, ll_scatter  # TEMP until it lands
-
             a, s, masked_m, rows = ll_scatter(
                 x,
                 topk_ids,
