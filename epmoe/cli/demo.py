@@ -34,8 +34,11 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from epmoe.cli import env
+from epmoe.cli._plan import EXPERTS, Plan, default_plan, gpu_count
+
 # Model shape of the demo. H and I are multiples of 128 so that fp8 (1x128 / 128x128 groups) runs.
-EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, TOKENS = 8, 256, 128, 2, 32
+HIDDEN, INTERMEDIATE, TOP_K, TOKENS = 256, 128, 2, 32  # and EXPERTS (8, from _plan)
 # DeepEP's low-latency kernels are compiled for a fixed set of hidden sizes; 2048 is the smallest.
 DEEPEP_HIDDEN, DEEPEP_INTERMEDIATE = 2048, 512
 MODES = ("ht", "ll")
@@ -52,13 +55,6 @@ TOL_BF16_OUT = 1e-2  # one bf16 rounding of the output (<= 2^-8 relative per ele
 TOL_SAME_VALUES = 1e-6  # float64 sums of the same values in another order
 TOL_QUANT_CODES = 1e-3  # dequantized payload vs the reference quantizer: rare 1-ulp ties only
 TOL_FP8_LL_PAYLOAD = 1e-2  # LL dispatch casts to fp8 itself (a backend may round ties differently)
-
-
-class Plan(NamedTuple):
-    world: int
-    device: str  # "cpu" or "cuda"
-    backend: str  # EPMoE backend: "local", "torch" or "deepep"
-    dist_backend: str  # torch.distributed backend: "gloo" or "nccl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,47 +82,6 @@ class Row(NamedTuple):
     error: float
     tol: float
     ok: bool
-
-
-# ----------------------------------------------------------------------------------------- planning
-def _deepep_here() -> bool:
-    import importlib.util
-
-    from epmoe.cli import env
-
-    if importlib.util.find_spec("epmoe.comm.deepep") is None:
-        return False
-    return env.package("deep_ep").importable
-
-
-def _gpu_count() -> int:
-    try:
-        return torch.cuda.device_count() if torch.version.cuda else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def default_plan(
-    device: Optional[str] = None,
-    world: Optional[int] = None,
-    backend: Optional[str] = None,
-    experts: int = EXPERTS,
-) -> Plan:
-    """Pick the ranks, device and backends the demo uses here (see module docstring)."""
-    ngpu = _gpu_count()
-    if device is None:
-        device = "cuda" if ngpu >= 2 and _deepep_here() else "cpu"
-    if world is None:
-        if device == "cuda":
-            world = max((w for w in (8, 4, 2, 1) if w <= ngpu and experts % w == 0), default=1)
-        else:
-            world = 2
-    if backend is None:
-        if device == "cuda" and world >= 2 and _deepep_here():
-            backend = "deepep"
-        else:
-            backend = "torch" if world > 1 else "local"
-    return Plan(world, device, backend, "nccl" if device == "cuda" else "gloo")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -615,8 +570,6 @@ def run_demo(
     ``start_method="fork"`` (CPU only) starts the ranks without re-importing torch in each: about
     twice as fast on a small machine, but only safe from a process that has not run torch work.
     """
-    from epmoe.cli import env
-
     started = time.perf_counter()  # the verdict reports the whole run: spawn, ranks, exit
     plan = default_plan(device, world, backend, experts)
     err = _validate(plan, experts, top_k, tokens, modes, corrupt)
@@ -707,8 +660,8 @@ def run_demo(
 def _validate(plan: Plan, experts, top_k, tokens, modes, corrupt) -> Optional[str]:
     if plan.device not in ("cpu", "cuda"):
         return f"--device expected cpu or cuda, got {plan.device!r}"
-    if plan.device == "cuda" and _gpu_count() < plan.world:
-        return f"--world {plan.world} on cuda needs {plan.world} GPUs, found {_gpu_count()}"
+    if plan.device == "cuda" and gpu_count() < plan.world:
+        return f"--world {plan.world} on cuda needs {plan.world} GPUs, found {gpu_count()}"
     if plan.world < 1:
         return f"--world expected a positive int, got {plan.world}"
     if experts % plan.world:

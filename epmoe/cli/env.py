@@ -17,6 +17,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from epmoe.cli import _plan
+
 # Hopper is the oldest architecture DeepGEMM's grouped GEMMs (bf16 and fp8) support.
 DEEP_GEMM_MIN_CC = (9, 0)
 # Top-level module -> pip distributions that may provide it (prebuilt wheels first).
@@ -304,9 +306,7 @@ def render() -> str:
             st = quant_status(scheme, dev)
             name = scheme if i == 0 else ""
             lines.append(f"  {name:<6}{dev:<6}{'yes' if st.ok else 'no '}  {st.why}")
-    from epmoe.cli import demo
-
-    plan = demo.default_plan()
+    plan = _plan.default_plan()
     lines += [
         "",
         f"`epmoe demo` here: {plan.world} {plan.dist_backend} rank(s) on {plan.device}, "
