@@ -10,6 +10,7 @@ import torch
 from epmoe import _checks
 from epmoe.comm import _registry
 from epmoe.comm.base import Communicator
+from epmoe.comm.local import LocalComm
 from epmoe.comm.torch_dist import TorchComm
 
 BACKENDS = ("auto", "local", "torch", "deepep")
@@ -48,7 +49,7 @@ def create(
             raise _checks.fail(
                 "EPMoE", "backend", "'torch' or 'deepep' for a group of >1 ranks", "'local'"
             )
-        comm = TorchComm(None, num_experts, hidden_size, max_tokens_per_rank)
+        comm = LocalComm(num_experts, hidden_size, max_tokens_per_rank)
     elif name == "torch":
         comm = TorchComm(group, num_experts, hidden_size, max_tokens_per_rank)
     else:
@@ -63,4 +64,4 @@ def get(key: int) -> Communicator:
     return _registry.get(key)
 
 
-__all__ = ["BACKENDS", "Communicator", "TorchComm", "create", "get", "resolve_backend"]
+__all__ = ["BACKENDS", "Communicator", "LocalComm", "TorchComm", "create", "get", "resolve_backend"]

@@ -1,14 +1,17 @@
 """Dispatch/combine over torch.distributed ``all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
-With no process group (or a group of one) no collective runs: this is also the ``"local"`` backend.
-Every row travels as raw bytes (payload, scales, ids, weights packed into one uint8 row), so any
-payload dtype (bf16, fp8, int8) works on any backend and each dispatch is one collective.
+With no process group (or a group of one) no collective runs (the ``"local"`` backend is
+:class:`epmoe.comm.local.LocalComm`, which uses this class for HT). Every row travels as raw bytes
+(payload, scales, ids, weights packed into one uint8 row), so any payload dtype (bf16, fp8, int8)
+works on any backend and each dispatch is one collective.
 
 Worst-case HT dispatch sends T slots to every peer (static: N = P*T, unused slots have ids -1);
 exact HT dispatch exchanges counts first (one host sync) and sends only rows that have an expert on
-the peer. LL dispatch all-gathers the (padded) tokens and builds the `[E, C, H]` layout locally; LL
-combine returns each (token, k) row to its source with one all-to-all and applies the weights
-there.
+the peer. LL dispatch all-gathers the (padded) tokens and ids and scatters them into the `[E, C, H]`
+layout locally (:func:`epmoe.comm.masked_layout.ll_scatter`, one kernel, fp8 quantization fused;
+handle = [slots int32 `[P*maxT, K]` of every gathered entry, or -1]); LL combine gathers each
+gathered (token, k) row into a send buffer (one kernel), returns them to their sources with one
+all-to-all and takes the weighted sum there (one kernel).
 """
 
 import torch
@@ -16,6 +19,7 @@ import torch.distributed as dist
 
 from epmoe import _checks
 from epmoe.comm.base import Communicator
+from epmoe.comm.masked_layout import ll_gather, ll_scatter
 
 _U8 = torch.uint8
 
@@ -110,7 +114,7 @@ class TorchComm(Communicator):
         packed = torch.cat(
             [
                 common.unsqueeze(0).expand(P, -1, -1),
-                local_ids.to(torch.int32).view(_U8).reshape(P, T, 4 * K),
+                _as_bytes(local_ids.to(torch.int32).reshape(P * T, K)).reshape(P, T, 4 * K),
                 _as_bytes(topk_weights.float()).unsqueeze(0).expand(P, -1, -1),
             ],
             dim=2,
@@ -194,77 +198,61 @@ class TorchComm(Communicator):
 
     # ------------------------------------------------------------------------------------------ LL
     def ll_dispatch(self, x, topk_ids, x_scales, use_fp8):
-        _checks.check_ids(topk_ids, self.num_experts, "ll_dispatch", "topk_ids")
+        if x_scales is not None:
+            raise _checks.fail("ll_dispatch", "x_scales", "None (LL quantizes itself)", "a tensor")
         P, E, maxT = self.world_size, self.num_local_experts, self.max_tokens_per_rank
         T, K = topk_ids.shape
         H = x.shape[1]
-        if use_fp8:
-            from epmoe.ops.quantize import quantize
-
-            x, x_scales = quantize(x, "fp8")
-        s = x_scales if x_scales is not None else x.new_empty((T, 0), dtype=torch.float32)
-        lay = _Layout(H, x.dtype, s.shape[1], K, with_weights=False)
-        rows = torch.full((maxT, lay.width), 255, dtype=_U8, device=x.device)  # pad: ids -1
-        rows[:T, : lay.s_end] = torch.cat([_as_bytes(x), _as_bytes(s)], dim=1)
-        rows[:T, lay.s_end :] = topk_ids.to(torch.int32).view(_U8).reshape(T, 4 * K)
-        allrows = self._all_gather(rows).reshape(P * maxT, lay.width)  # [C, B]
-        ax, ascales, aids, _ = lay.unpack(allrows)
-        C = P * maxT
-        lid = aids - self.rank * E  # [C, K]
-        experts = torch.arange(E, device=x.device).view(E, 1, 1)
-        onehot = (lid.unsqueeze(0) == experts) & (aids >= 0).unsqueeze(0)  # [E, C, K]
-        flat = onehot.reshape(E, C * K)
-        pos = torch.cumsum(flat.int(), dim=1) - 1
-        masked_m = flat.sum(dim=1, dtype=torch.int32)
-        _checks.check_values(
-            (masked_m <= C).all(),
-            "ll_dispatch",
-            "topk_ids",
-            f"at most {C} rows per expert (each token names an expert once)",
-            "an expert over LL capacity",
+        # one all_gather of packed rows: ids int32 | x bf16, 16-byte rows (the views below need
+        # widths divisible by 4); padding tokens carry ids -1 and are never read
+        ib, xb = 4 * K, 2 * H
+        width = -(-(ib + xb) // 16) * 16
+        rows = torch.empty((maxT, width), dtype=_U8, device=x.device)
+        rows[:T, :ib] = _as_bytes(topk_ids.to(torch.int32))
+        rows[T:, :ib] = 255
+        rows[:T, ib : ib + xb] = _as_bytes(x)
+        allrows = self._all_gather(rows).reshape(P * maxT, width)  # [C, width]
+        xo, s, masked_m, slots = ll_scatter(
+            allrows[:, ib : ib + xb].view(torch.bfloat16),
+            allrows[:, :ib].view(torch.int32),
+            E,
+            P * maxT,
+            "fp8" if use_fp8 else "bf16",
+            expert_lo=self.rank * E,
+            num_global_experts=self.num_experts,
         )
-        e_idx = torch.arange(E, device=x.device).view(E, 1).expand(E, C * K)
-        dst = torch.where(flat & (pos < C), e_idx * C + pos, E * C)  # dump row E*C
-        src = torch.arange(C * K, device=x.device).view(1, C * K).expand(E, C * K)
-        axr = ax.view(_U8) if ax.element_size() == 1 else ax  # fp8 has no index_copy kernel
-        recv_x = axr.new_zeros((E * C + 1, H))
-        recv_x.index_copy_(0, dst.reshape(-1), axr[src.reshape(-1) // K])
-        recv_x = recv_x.view(ax.dtype)
-        S = ascales.shape[1]
-        recv_s = ascales.new_zeros((E * C + 1, S))
-        if S:
-            recv_s.index_copy_(0, dst.reshape(-1), ascales[src.reshape(-1) // K])
-        src_slot = torch.full((E * C + 1,), -1, dtype=torch.int64, device=x.device)
-        src_slot.index_copy_(0, dst.reshape(-1), src.reshape(-1))
-        return [
-            recv_x[: E * C].view(E, C, H),
-            recv_s[: E * C].view(E, C, S),
-            masked_m,
-            src_slot[: E * C].view(E, C),
-        ]
+        return [xo, s, masked_m, slots]
 
     def ll_dispatch_fake(self, x, topk_ids, x_scales, use_fp8):
         E, C, H = self.num_local_experts, self.ll_capacity, x.shape[1]
         dtype = torch.float8_e4m3fn if use_fp8 else x.dtype
-        S = H // 128 if use_fp8 else (0 if x_scales is None else x_scales.shape[1])
+        S = H // 128 if use_fp8 else 0
         return [
             x.new_empty((E, C, H), dtype=dtype),
             x.new_empty((E, C, S), dtype=torch.float32),
             x.new_empty((E,), dtype=torch.int32),
-            x.new_empty((E, C), dtype=torch.int64),
+            x.new_empty((C, topk_ids.shape[1]), dtype=torch.int32),  # every gathered entry's slot
         ]
 
-    def ll_combine(self, y, topk_ids, topk_weights, handle):
-        P, maxT = self.world_size, self.max_tokens_per_rank
+    def _ll_send_back(self, y, topk_ids, handle):
+        """-> (y' bf16 `[P, maxT*K, H]`: each of this rank's (token, k) rows from every rank, 0
+        where that rank holds none of it; rows int64 `[T, K]` of each (t, k) in y', or -1)."""
+        P, E, maxT = self.world_size, self.num_local_experts, self.max_tokens_per_rank
         T, K = topk_ids.shape
         H = y.shape[2]
-        src_slot = handle[0].reshape(-1)  # [E*C] = s*K + k of the source (token, choice), or -1
-        n = P * maxT * K
-        back = y.new_zeros((n + 1, H))
-        back.index_copy_(0, torch.where(src_slot >= 0, src_slot, n), y.reshape(-1, H))
-        send = _as_bytes(back[:n].view(P, maxT * K * H))
-        recv = self._all_to_all(torch.empty_like(send), send)
-        rows = _from_bytes(recv, y.dtype, maxT * K * H).view(P, maxT, K, H)[:, :T]
-        w = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)  # [T, K]
-        out = (rows.float().sum(dim=0) * w.unsqueeze(-1)).sum(dim=1)
-        return out.to(y.dtype)
+        # each gathered (token, k) entry's row, unweighted (0 where its expert is elsewhere)
+        send = ll_gather(y, handle[0].reshape(-1, 1))  # [P * maxT * K, H]
+        recv = torch.empty((P * maxT * K, 2 * H), dtype=_U8, device=y.device)
+        self._all_to_all(recv, send.view(_U8))
+        base = torch.arange(T * K, device=y.device).view(T, K)
+        owner = topk_ids.div(E, rounding_mode="floor")
+        rows = torch.where(topk_ids >= 0, owner * (maxT * K) + base, -1)
+        return recv.view(torch.bfloat16).view(P, maxT * K, H), rows
+
+    def ll_combine(self, y, topk_ids, topk_weights, handle):
+        back, rows = self._ll_send_back(y, topk_ids, handle)
+        return ll_gather(back, rows, topk_weights)
+
+    def ll_combine_out(self, out, y, topk_ids, topk_weights, handle):
+        back, rows = self._ll_send_back(y, topk_ids, handle)
+        ll_gather(back, rows, topk_weights, out=out)
