@@ -102,7 +102,7 @@ def _cases():
     w8, w8s = reference.quantize_weights(torch.randn((E, H, H), generator=gen), "int8")
     w8, w8s = w8.cuda(), w8s.cuda()
     # bf16 masked grouped GEMM (deep_gemm when installed, else bmm): its counts are checked by the
-    # one-program range kernel (epmoe/ops/_range.py) before the GEMM
+    # one-program range kernel (epmoe/_range.py) before the GEMM
     ab = y3[..., :H].contiguous()
     wb = torch.randn((E, H, H), generator=gen).to(torch.bfloat16).cuda()
     return {

@@ -20,6 +20,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from epmoe import _range
+
 _DEBUG = os.environ.get("EPMOE_DEBUG", "0") not in ("", "0")
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -178,7 +180,5 @@ def check_values(
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:
     """Ids must be -1 or in [0, hi)."""
-    from epmoe.ops._range import range_ok  # (epmoe.ops imports this module)
-
-    ok = range_ok(ids, -1, hi)
+    ok = _range.range_ok(ids, -1, hi)
     check_values(ok, op, arg, f"ids in [0, {hi}) or -1")

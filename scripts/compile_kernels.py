@@ -39,7 +39,7 @@ A = importlib.import_module("epmoe.ops.activation")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
 G = importlib.import_module("epmoe.ops.gemm")
-R = importlib.import_module("epmoe.ops._range")
+R = importlib.import_module("epmoe._range")
 
 TARGET = GPUTarget("cuda", 90, 32)
 _DTYPES = {

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from epmoe import _checks, _deps, _eager, reference
-from epmoe.ops._range import range_ok
+from epmoe._range import range_ok
 
 OP = "grouped_gemm"
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)

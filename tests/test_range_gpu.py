@@ -1,10 +1,10 @@
-"""epmoe.ops._range on CUDA: the one-program kernel agrees with the torch expression, runs only
+"""epmoe._range on CUDA: the one-program kernel agrees with the torch expression, runs only
 when nothing traces, and a CUDA graph replays it on fresh values."""
 
 import pytest
 import torch
 
-from epmoe.ops import _range
+from epmoe import _range
 
 pytestmark = pytest.mark.gpu
 

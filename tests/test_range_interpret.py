@@ -1,6 +1,6 @@
-"""epmoe.ops._range: the one-program range check, on CPU tensors under TRITON_INTERPRET=1.
+"""epmoe._range: the one-program range check, on CPU tensors under TRITON_INTERPRET=1.
 
-Run: TRITON_INTERPRET=1 pytest -m interpret tests/ops/test_range_interpret.py
+Run: TRITON_INTERPRET=1 pytest -m interpret tests/test_range_interpret.py
 """
 
 import os
@@ -15,7 +15,7 @@ pytestmark = [
     ),
 ]
 
-from epmoe.ops import _range  # noqa: E402
+from epmoe import _range  # noqa: E402
 
 
 def _kernel_ok(x: torch.Tensor, lo: int, hi: int) -> bool:
