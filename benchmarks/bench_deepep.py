@@ -33,7 +33,7 @@ import _timing  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.comm._mp import run_ranks  # noqa: E402
+from epmoe._multiproc import run_ranks  # noqa: E402
 
 # Model shapes live here, not in the benchmark bodies.
 WORKLOADS = {

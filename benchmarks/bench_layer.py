@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._configs import CONFIGS  # noqa: E402
-from tests.comm._mp import run_ranks  # noqa: E402
+from epmoe._multiproc import run_ranks  # noqa: E402
 
 
 def _time_ms(fn, iters=30, warmup=5):

@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import math
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -34,6 +33,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from epmoe import _multiproc
 from epmoe.cli import env
 from epmoe.cli._plan import EXPERTS, Plan, default_plan, gpu_count
 
@@ -540,12 +540,6 @@ def _worker(rank: int, cfg: DemoConfig, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_demo(
     world: Optional[int] = None,
     device: Optional[str] = None,
@@ -642,7 +636,7 @@ def run_demo(
     try:
         mp.start_processes(
             _worker,
-            args=(cfg, _free_port(), results),
+            args=(cfg, _multiproc.free_port(), results),
             nprocs=plan.world,
             join=True,
             start_method=start_method,

@@ -33,11 +33,11 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 import epmoe
 from epmoe import comm as epcomm
 from epmoe import ops, reference
+from epmoe._multiproc import run_ranks
 from tests._moe import check_layer_output, global_weights, tokens
 from tests._opcheck import opcheck
 from tests._routing import random_ids, random_weights
 from tests._tol import LAYER_VS_QUANT_AWARE, assert_close, rel_l2
-from tests.comm._mp import run_ranks
 
 # LL needs one of deep_ep's compiled hidden sizes; E = 8 global experts keeps the test small.
 CFG = dict(num_experts=8, hidden_size=2048, intermediate_size=256, top_k=3)

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 import epmoe
 from epmoe import ops
+from epmoe._multiproc import run_ranks
 from tests._moe import SMALL, check_layer_output, global_weights, tokens
-from tests.comm._mp import run_ranks
 
 MODES = [("ht", False), ("ht", True), ("ll", False)]
 QUANTS = ["bf16", "fp8", "int8"]

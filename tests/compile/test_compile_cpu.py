@@ -7,9 +7,9 @@ import torch._dynamo
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from epmoe._multiproc import run_ranks
 from tests._moe import SMALL, check_layer_output, global_weights, small_layer, tokens
 from tests._tol import rel_l2
-from tests.comm._mp import run_ranks
 
 CONFIGS = [("ht", False), ("ht", True), ("ll", False)]
 

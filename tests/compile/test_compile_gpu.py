@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 import epmoe
 import epmoe.compile
+from epmoe._multiproc import run_ranks
 from tests._moe import check_layer_output, global_weights, tokens
 from tests._tol import rel_l2
-from tests.comm._mp import run_ranks
 
 GPU_MOE = dict(num_experts=16, hidden_size=2048, intermediate_size=256, top_k=4)
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import epmoe
+from epmoe._multiproc import run_ranks
 from epmoe.graphs import DecodeGraphRunner, PrefillGraphRunner
 from tests._moe import check_layer_output, global_weights, tokens
-from tests.comm._mp import run_ranks
 
 # DeepEP LL supports a fixed set of hidden sizes; 2048 is the smallest.
 GPU_MOE = dict(num_experts=16, hidden_size=2048, intermediate_size=256, top_k=4)

@@ -1,15 +1,14 @@
-"""Run a test function on N ranks (one process each) and surface every rank's failure in pytest.
+"""Run a function on N local ranks, one process each (the multi-process tests and benchmarks).
 
 ``run_ranks(fn, world_size, backend, *args)`` spawns ``world_size`` processes, initializes the
 default process group (gloo on CPU, nccl with one GPU per rank) and calls ``fn(rank, world_size,
-*args)``. ``fn`` must be importable (module level). Exceptions travel back as formatted tracebacks.
+*args)``. ``fn`` must be importable (module level). A rank's exception travels back as its
+formatted traceback. Importing this module imports nothing beyond the standard library.
 """
 
 import os
 import socket
 import traceback
-
-import torch.multiprocessing as mp
 
 # NVLink multicast stays off on shared GPU hosts.
 SAFE_ENV = {
@@ -20,7 +19,8 @@ SAFE_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -49,8 +49,11 @@ def _worker(rank, world_size, backend, port, fn, args, queue):
 def run_ranks(fn, world_size: int, backend: str = "gloo", *args, timeout: float = 240.0):
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results (rank order).
 
-    Raises AssertionError with each failing rank's traceback.
+    Raises AssertionError with each failing rank's traceback (pytest shows them as the failure), or
+    when a rank has not answered within ``timeout`` seconds.
     """
+    import torch.multiprocessing as mp
+
     os.environ.update(SAFE_ENV)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -68,7 +71,7 @@ def run_ranks(fn, world_size: int, backend: str = "gloo", *args, timeout: float 
             if err:
                 errors.append(f"rank {rank}:\n{err}")
             results[rank] = res
-    except Exception as e:  # queue.Empty on timeout
+    except Exception as e:  # noqa: BLE001 - queue.Empty on timeout
         errors.append(f"timed out after {timeout}s waiting for ranks: {e!r}")
     finally:
         for p in procs:
