@@ -230,6 +230,8 @@ def _prepare(module, name: str, scheme: str, fp8: bool, top_k: int, needs_grad: 
         return False
     snap = _snapshot(module, fp8)
     if st.snapshot == snap and (st.layer is None or st.layer.top_k >= top_k):
+        if st.reason is not None:
+            _warn_once(type(module), st.reason)
         return st.reason is None
     st.reason = _unsupported(module, scheme, fp8)
     if st.reason is not None:
@@ -275,9 +277,10 @@ def _fallback_fn(module, fp8: bool) -> Callable:
 
 
 def _warn_once(cls: type, reason: str) -> None:
-    if (cls, reason) in _WARNED:
+    key = (cls, reason, _CONFIG["fallback"])
+    if key in _WARNED:
         return
-    _WARNED.add((cls, reason))
+    _WARNED.add(key)
     warnings.warn(
         f"epmoe: {cls.__name__} runs transformers' {_CONFIG['fallback']!r} experts backend "
         f"instead: {reason}",

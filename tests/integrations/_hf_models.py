@@ -21,6 +21,7 @@ REQUIRED = (
     "OlmoeForCausalLM",
 )
 VOCAB = 128
+MAX_PARAMS = 4_000_000  # a tiny config that still builds a larger model is not tiny: skipped
 
 
 class Family(NamedTuple):
@@ -65,10 +66,13 @@ def sizes(hidden=64, intermediate=32, experts=8, top_k=2, layers=2) -> Dict[str,
         sliding_window=64,
         decoder_sparse_step=1,
         moe_layer_freq=1,
+        enable_moe_block=True,
+        top_k_experts=top_k,
+        vocab_size_per_layer_input=VOCAB,
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wrapper_code():
     from transformers.integrations import moe
 
@@ -92,7 +96,7 @@ def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if is_experts_class(type(m))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def discover() -> Tuple[Family, ...]:
     """Every modeling module of the installed transformers whose source uses the decorator."""
     import transformers.models as tm
@@ -158,6 +162,10 @@ def build_tiny(
     for layers in (kw.pop("layers", None) or 2, 4, 8):
         try:
             cfg = tiny_config(lm_class.config_class, layers=layers, **kw)
+            with torch.device("meta"):
+                probe = lm_class._from_config(cfg, experts_implementation=impl)
+            if sum(p.numel() for p in probe.parameters()) > MAX_PARAMS:
+                return None
             torch.manual_seed(seed)
             model = lm_class._from_config(cfg, dtype=dtype, experts_implementation=impl).eval()
             if not experts_modules(model):
