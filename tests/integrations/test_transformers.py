@@ -101,7 +101,7 @@ def test_from_config_one_call():
     assert all(isinstance(layer, et.EPMoE) for layer in layers(model))
 
 
-# ------------------------------------------------------------------------------- every experts class
+# ---------------------------------------------------------------------------- every experts class
 @pytest.mark.parametrize("family,cls", EXPERTS, ids=[c.__name__ for _, c in EXPERTS])
 def test_every_experts_class(family, cls):
     """Each decorated experts class: epmoe within the bf16 / int8 tolerance of the class's own
@@ -150,7 +150,7 @@ class SameRouting:
     def hook(self, module, args, kwargs):
         args = list(args)
         names = ("hidden_states", "top_k_index", "top_k_weights")
-        for i, n in enumerate(names[len(args) :], start=len(args)):  # keyword call
+        for n in names[len(args) :]:  # a keyword call
             args.append(kwargs.pop(n))
         if not self.replay:
             self.calls.append((args[1].clone(), args[2].clone()))
@@ -286,7 +286,7 @@ def test_compile_fullgraph_cold(name):
 # ------------------------------------------------------------------------------------ fallbacks
 def test_fallback_warns_once_and_is_exact():
     """gpt-oss (biases, interleaved and transposed weights, clamped SwiGLU): one warning for its
-    experts class (two layers), exactly grouped_mm's logits; with fallback="eager" exactly eager's."""
+    experts class (two layers), exactly grouped_mm's logits; with fallback="eager", eager's."""
     model = build(lm_named("GptOssForCausalLM"))
     ids = H.sample_ids(model)
     out, msgs = run_model(model, ids, "epmoe")
@@ -387,7 +387,7 @@ def test_state_is_not_model_state():
     assert list(model.state_dict()) == keys
     twin = copy.deepcopy(model)
     assert torch.equal(logits(twin, ids, "epmoe"), out)
-    for m, t in zip(H.experts_modules(model), H.experts_modules(twin)):
+    for m, t in zip(H.experts_modules(model), H.experts_modules(twin), strict=True):
         assert et.cached_layer(t) is not et.cached_layer(m)
         assert et.cached_layer(t).w1.data_ptr() != m.gate_up_proj.data_ptr()
 
