@@ -24,6 +24,23 @@ def test_lean_import():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+LAZY_INTEGRATIONS = """
+import sys
+import epmoe
+assert "epmoe.integrations" not in sys.modules, "import epmoe imported the integrations"
+import epmoe.integrations.transformers as et
+assert "transformers" not in sys.modules, "the integration imported transformers before register()"
+assert et.NAMES
+print("ok")
+"""
+
+
+def test_integrations_are_lazy():
+    code = LAZY_INTEGRATIONS
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_missing_backend_hint(monkeypatch):
     import builtins
 
