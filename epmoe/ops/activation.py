@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, _eager, _library, reference
 
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
@@ -257,7 +257,8 @@ def _rows(y, masked_m, expert_offsets) -> _Rows:
     if masked_m is not None:
         return _Rows(E, T, strides, masked_m, True, True)
     if expert_offsets is not None:  # rows >= expert_offsets[-1] (the unused tail) are skipped
-        return _Rows(E, T, strides, expert_offsets[-1:], True, False)
+        # (narrow, not [-1:]: a dispatcher op, which fake CUDA tensors take without CUDA)
+        return _Rows(E, T, strides, expert_offsets.narrow(0, -1, 1), True, False)
     return _Rows(E, T, strides, y, False, False)  # placeholder pointer, never read
 
 
@@ -266,10 +267,12 @@ def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
     expert_offsets, a fixed number of programs loops over the row blocks (prefetching the next
     block's m_indices); programs past the bound (the unused tail) then never start."""
     slots = _q.num_slots(rows.E, rows.T, rows.masked, block_m)
+    # (sym_min: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
+    # would guard on it)
     if rows.has_bound and not rows.masked:
-        return min(slots, OFFSETS_PROGRAMS)
+        return torch.sym_min(slots, OFFSETS_PROGRAMS)
     if m_indices is not None and ROW_PROGRAMS:
-        return min(slots, ROW_PROGRAMS)
+        return torch.sym_min(slots, ROW_PROGRAMS)
     return slots
 
 
@@ -503,6 +506,8 @@ def _silu_and_mul_op(
 
 # CPU kernels: the same functions, which take their reference branch for CPU tensors
 _silu_and_mul_op.register_kernel("cpu")(_silu_and_mul_impl)
+# compiled CPU graphs call them (Inductor would recompile the reference's SiLU and rounding)
+_library.cpu_opaque(_silu_and_mul_op)
 
 
 @triton_op("epmoe::silu_and_mul_quant", mutates_args=())
@@ -521,6 +526,7 @@ def _silu_and_mul_quant_op(
 
 
 _silu_and_mul_quant_op.register_kernel("cpu")(_silu_and_mul_quant_impl)
+_library.cpu_opaque(_silu_and_mul_quant_op)
 
 
 def silu_and_mul(

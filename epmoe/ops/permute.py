@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, _eager, _library, reference
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
 _q = importlib.import_module("epmoe.ops.quantize")
@@ -893,6 +893,7 @@ def _permute_op(
 
 # CPU kernel: the same function, which takes its reference branch for CPU tensors
 _permute_op.register_kernel("cpu")(_permute_impl)
+_library.cpu_opaque(_permute_op)  # compiled CPU graphs call it: the same bytes as eager
 
 
 def _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, _eager, _library, reference
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
     _FP8_MAX,
@@ -214,7 +214,8 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
     blocks = triton.cdiv(t, block_m)
     if not masked:
         return blocks
-    return min(blocks, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
+    # (sym_min: t may be an unbacked size under torch.compile, and min() would guard on it)
+    return torch.sym_min(blocks, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
 
 
 def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:
@@ -364,6 +365,7 @@ def _quantize_op(
 
 # CPU kernel: the same function, which takes its reference branch for CPU tensors
 _quantize_op.register_kernel("cpu")(_quantize_impl)
+_library.cpu_opaque(_quantize_op)  # compiled CPU graphs call it: the same bytes as eager
 
 
 def quantize(

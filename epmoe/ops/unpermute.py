@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, _eager, _library, reference
 from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
@@ -156,6 +156,7 @@ def _unpermute_op(
 
 # CPU kernel: the same function, which takes its reference branch for CPU tensors
 _unpermute_op.register_kernel("cpu")(_unpermute_impl)
+_library.cpu_opaque(_unpermute_op)  # compiled CPU graphs call it: the same bytes as eager
 
 
 def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
