@@ -40,6 +40,7 @@ P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
 G = importlib.import_module("epmoe.ops.gemm")
 R = importlib.import_module("epmoe._range")
+ML = importlib.import_module("epmoe.comm.masked_layout")
 
 TARGET = GPUTarget("cuda", 90, 32)
 _DTYPES = {
@@ -62,7 +63,9 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
     saved = (Q._kernel, _checks.check_values, G._int8_masked_kernel, G._int8_contiguous_kernel)
+    saved_ml = ML._kernel
     Q._kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through Q._kernel
+    ML._kernel = Q._kernel  # (the comm floor's masked-layout kernels: their own launcher)
     _checks.check_values = lambda *a, **k: None
     # the INT8 GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)
@@ -70,6 +73,7 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     try:
         launch()
     finally:
+        ML._kernel = saved_ml
         Q._kernel, _checks.check_values = saved[:2]
         G._int8_masked_kernel, G._int8_contiguous_kernel = saved[2:]
     return calls
@@ -155,7 +159,25 @@ def cases() -> Dict[str, Callable[[], object]]:
         (torch.float8_e4m3fn, torch.empty((8192, 56)), "deepgemm"),
         (torch.int8, torch.empty((8192, 1)), "row"),
     ]
+    ll_y = torch.randn((8, 128, 512), generator=g).to(torch.bfloat16)
+    ll_rows = torch.zeros((64, 4), dtype=torch.int32)
     return {
+        "ll_scatter bf16/fp8/int8 (row, deepgemm, two-pass int8), ll_gather": lambda: (
+            [
+                ML._ll_scatter_triton(xx, ids, 8, 128, q, 0, None, lay)
+                for xx in (bf, torch.randn((64, 20000)).to(torch.bfloat16)[:, :16384])
+                for q in ("bf16", "fp8", "int8")
+                for lay in ("row", "deepgemm")
+            ]
+            + [ML._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :512].clone()) for ww in (w, None)]
+        ),
+        "ll_scatter / ll_gather, asserting": lambda: [
+            (
+                ML._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
+                ML._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone()),
+            )
+            for _ in _patched(ML, _assert_in_kernel=lambda direct: True)
+        ],
         "quantize fp8 2d/3d masked": lambda: (
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
             Q._quantize_triton(y3, "fp8", 128, mm, "deepgemm"),

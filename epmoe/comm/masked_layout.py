@@ -121,7 +121,7 @@ def _ll_scatter_kernel(
         t = pid // CHUNKS
         c = pid % CHUNKS
         kk = tl.arange(0, K_PAD)
-        e, _ = _local_ids(ids_ptr, t, kk, T, K, stride_it, stride_ik, LO, E, NG)
+        e, bad_own = _local_ids(ids_ptr, t, kk, T, K, stride_it, stride_ik, LO, E, NG)
         any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
         # the row's load goes first (it needs the token's own ids only); tokens without a local
         # expert read nothing
@@ -136,7 +136,7 @@ def _ll_scatter_kernel(
         cnt = tl.zeros([K_PAD], dtype=tl.int32)
         for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            eb, _ = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
+            eb, bad_b = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
                                LO, E, NG)  # fmt: skip
             same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
             cnt += tl.sum(same.to(tl.int32), axis=1)
