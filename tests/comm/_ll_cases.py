@@ -1,0 +1,84 @@
+"""Inputs, a loop-by-loop oracle and comparisons shared by the ll_scatter / ll_gather tests (CPU,
+interpreter, GPU)."""
+
+from typing import Optional
+
+import torch
+
+from epmoe import reference
+from tests._routing import random_ids
+
+
+def tokens(T: int, H: int, gen: torch.Generator, stride_pad: int = 0) -> torch.Tensor:
+    """bf16 `[T, H]`; with stride_pad > 0 rows of a wider tensor (row stride H + stride_pad)."""
+    x = (torch.randn((T, H + stride_pad), generator=gen) * 4).to(torch.bfloat16)
+    return x[:, :H]
+
+
+def ids(T: int, K: int, NG: int, gen, p_none=0.2, dtype=torch.int64, col_major=False):
+    """`[T, K]` global ids in [0, NG) or -1 (distinct per token), in ``dtype``, optionally
+    column-major (strides (1, T))."""
+    out = random_ids(T, K, NG, p_none, gen).to(dtype)
+    return out.t().contiguous().t() if col_major else out
+
+
+def naive_slots(topk_ids: torch.Tensor, E: int, C: int, lo: int = 0, NG: Optional[int] = None):
+    """The contract, one entry at a time in flat (t, k) order: (rows int32 `[T, K]`, counts
+    int64 `[E]` before clamping)."""
+    NG = E if NG is None else NG
+    T, K = topk_ids.shape
+    rows = torch.full((T, K), -1, dtype=torch.int32)
+    counts = [0] * E
+    for t in range(T):
+        for k in range(K):
+            g = int(topk_ids[t, k])
+            e = g - lo
+            if 0 <= g < NG and 0 <= e < E:
+                if counts[e] < C:
+                    rows[t, k] = e * C + counts[e]
+                counts[e] += 1
+    return rows, torch.tensor(counts, dtype=torch.int64)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def check_scatter(out, x, topk_ids, E, C, quant, lo=0, NG=None) -> None:
+    """Exact: rows and masked_m against the oracle; every written slot of xo and scales against
+    reference.quantize of its source token (bytes). Rows past masked_m are not compared."""
+    xo, s, mm, rows = (t.cpu() for t in out)
+    x, topk_ids = x.cpu(), topk_ids.cpu()
+    want_rows, counts = naive_slots(topk_ids, E, C, lo, NG)
+    assert torch.equal(rows, want_rows), (rows, want_rows)
+    assert mm.dtype == torch.int32 and torch.equal(mm, counts.clamp(max=C).int()), (mm, counts)
+    H = x.shape[1]
+    G = {"bf16": 0, "fp8": H // 128, "int8": 1}[quant]
+    assert xo.shape == (E, C, H) and s.shape == (E, C, G)
+    if quant == "bf16":
+        q, qs = x, torch.empty((x.shape[0], 0))
+    else:
+        q, qs = reference.quantize(x, quant)
+    T, K = topk_ids.shape
+    for t in range(T):
+        for k in range(K):
+            r = int(rows[t, k])
+            if r < 0:
+                continue
+            e, c = divmod(r, C)
+            assert torch.equal(as_bytes(xo[e, c]), as_bytes(q[t])), (quant, t, k, e, c)
+            assert torch.equal(s[e, c], qs[t]), (quant, t, k, e, c)
+
+
+def gather_oracle(y, rows, w=None) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]], float32 in k order, one loop."""
+    E, C, H = y.shape
+    flat = y.cpu().reshape(E * C, H).float()
+    rows = rows.cpu()
+    out = torch.zeros((rows.shape[0], H))
+    for t in range(rows.shape[0]):
+        for k in range(rows.shape[1]):
+            r = int(rows[t, k])
+            if r >= 0:
+                out[t] += flat[r] * (1.0 if w is None else float(w[t, k]))
+    return out.to(torch.bfloat16)

@@ -1,0 +1,141 @@
+"""ll_scatter / ll_gather Triton kernels on CPU tensors under TRITON_INTERPRET=1, against the
+contract (exact: rows, masked_m, every written slot's bytes; the gather's sum)."""
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from epmoe import reference  # noqa: E402
+from epmoe.comm import masked_layout as M  # noqa: E402
+from tests._routing import random_weights  # noqa: E402
+from tests.comm import _ll_cases as L  # noqa: E402
+from tests.ops._stage_cases import POISON_BYTES, poisoned_empty  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+QUANTS = ("bf16", "fp8", "int8")
+
+
+@pytest.fixture(params=["default", "small_blocks"])
+def blocks(request, monkeypatch):
+    """Default tiling, and tiny blocks: the slot count loops over several id blocks, rows span
+    several chunks (fp8: 2 groups a program; int8: the two-read path for the token's scale)."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(M, "BLOCK_N", 8)
+        monkeypatch.setattr(M, "TILE", 256)
+        monkeypatch.setattr(M, "INT8_SINGLE_MAX", 128)
+        monkeypatch.setattr(M, "GATHER_BYTES", 128)
+    return request.param
+
+
+def _scatter(x, topk, E, C, quant, lo=0, NG=None, layout="row"):
+    out = None
+    for byte in POISON_BYTES:
+        with poisoned_empty(byte):
+            out = M._ll_scatter_triton(x, topk, E, C, quant, lo, NG, layout)
+        L.check_scatter(out, x, topk, E, C, quant, lo, NG)
+    return out
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("dtype,col_major", [(torch.int64, True), (torch.int32, False)])
+def test_scatter_random(quant, dtype, col_major, blocks):
+    gen = torch.Generator().manual_seed(0)
+    T, K, H, E, C = 9, 3, 640, 5, 9  # K = 3: padded to 4; H = 640: 5 fp8 groups
+    x = L.tokens(T, H, gen, stride_pad=16)
+    topk = L.ids(T, K, E, gen, dtype=dtype, col_major=col_major)
+    _scatter(x, topk, E, C, quant)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_scatter_one_rank_of_several_deepgemm(quant, blocks):
+    gen = torch.Generator().manual_seed(1)
+    T, K, H, E, P = 8, 4, 256, 3, 2
+    x = L.tokens(T, H, gen)
+    topk = L.ids(T, K, E * P, gen, col_major=True)
+    for rank in range(P):
+        xo, s, mm, rows = _scatter(x, topk, E, T, quant, rank * E, E * P, "deepgemm")
+        _, s_ref, _, _ = reference.ll_scatter(x, topk, E, T, quant, rank * E, E * P)
+        if s.shape[2]:
+            want = M.alloc_scales((E, T), s.shape[2], "deepgemm", "cpu")
+            assert s.stride() == want.stride()
+        live = torch.arange(T)[None, :] < mm[:, None]
+        assert torch.equal(s[live], s_ref[live])
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_exact_capacity_and_zero_tokens(quant, blocks):
+    gen = torch.Generator().manual_seed(2)
+    C, H = 6, 256
+    x = L.tokens(C, H, gen)
+    topk = torch.full((C, 2), -1)
+    topk[:, 1] = 2  # every token on expert 2: exactly C entries, the last slot included
+    topk[1::2, 0] = 0
+    xo, s, mm, rows = _scatter(x, topk, 3, C, quant)
+    assert mm.tolist() == [C // 2, 0, C] and rows[:, 1].tolist() == [2 * C + c for c in range(C)]
+    xo, s, mm, rows = _scatter(x[:0], topk[:0], 3, C, quant)
+    assert mm.tolist() == [0, 0, 0] and rows.shape == (0, 2)
+    _scatter(x, torch.full((C, 2), -1), 3, C, quant)  # all -1
+
+
+def test_overflow_and_bad_ids_raise_and_stay_in_bounds(blocks, monkeypatch):
+    x = L.tokens(5, 128, torch.Generator().manual_seed(3))
+    topk = torch.tensor([[0, 1], [0, -1], [0, 1], [1, -1], [0, -1]])
+    with pytest.raises(ValueError, match="ll_scatter: topk_ids expected at most capacity=3"):
+        M._ll_scatter_triton(x, topk, 2, 3)
+    # the kernel itself: masked_m clamped to C, entries past capacity get no row and write
+    # nothing (token 4's program runs last: a write to expert 0's slot 3, expert 1's slot 0,
+    # would replace token 0 there)
+    with monkeypatch.context() as mp:
+        mp.setattr(M._checks, "check_values", lambda *a, **k: None)
+        out = _scatter(x, topk, 2, 3, "bf16")
+    assert out[2].tolist() == [3, 3]
+    assert out[3].tolist() == [[0, 3], [1, -1], [2, 4], [5, -1], [-1, -1]]
+    for bad in (6, -2):  # an id == num_global_experts, one below -1
+        topk = torch.tensor([[0, -1], [5, bad]])
+        with pytest.raises(ValueError, match=r"ll_scatter: topk_ids expected ids in \[0, 6\)"):
+            M._ll_scatter_triton(x[:2], topk, 3, 4, "bf16", 3, 6)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather(weighted, blocks):
+    gen = torch.Generator().manual_seed(4)
+    E, C, H, T, K = 3, 4, 200, 7, 3  # H = 200: a partial chunk
+    y = torch.randn((E, C + 1, H), generator=gen).bfloat16()[:, 1:]  # strided slots
+    rows = torch.randint(-1, E * C, (T, K), generator=gen, dtype=torch.int32)
+    rows = rows.t().contiguous().t()
+    w = random_weights(T, K, gen) if weighted else None
+    out = torch.empty((T, H), dtype=torch.bfloat16)
+    M._ll_gather_launch(y, rows, w, out)
+    assert torch.equal(out, L.gather_oracle(y, rows, w))
+    assert torch.equal(out, reference.ll_gather(y, rows, w))
+    M._ll_gather_launch(y, rows.long(), w, out)
+    assert torch.equal(out, L.gather_oracle(y, rows, w))
+
+
+def test_gather_bad_row_raises():
+    y = torch.zeros((2, 3, 16), dtype=torch.bfloat16)
+    out = torch.empty((2, 16), dtype=torch.bfloat16)
+    for bad in (6, -2):
+        rows = torch.tensor([[0, 5], [-1, bad]], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"ll_gather: rows expected rows in \[0, 6\) or -1"):
+            M._ll_gather_launch(y, rows, None, out)
+
+
+def test_roundtrip(blocks):
+    gen = torch.Generator().manual_seed(5)
+    x = L.tokens(6, 256, gen)
+    topk = L.ids(6, 4, 8, gen)
+    w = random_weights(6, 4, gen)
+    xo, _, _, rows = M._ll_scatter_triton(x, topk, 8, 6)
+    out = torch.empty((6, 256), dtype=torch.bfloat16)
+    M._ll_gather_launch(xo, rows, w, out)
+    keep = torch.where(topk >= 0, w, 0.0)
+    want = torch.zeros((6, 256))
+    for k in range(4):
+        want += x.float() * keep[:, k : k + 1]
+    assert torch.equal(out, want.bfloat16())
