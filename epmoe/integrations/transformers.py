@@ -420,16 +420,7 @@ def _new_layer(E: int, H: int, I: int, top_k: int, quant: str, device) -> EPMoE:
         # the smallest row alignment the grouped GEMM takes: padding rows are computed
         alignment=gemm.contiguous_row_block(quant, device),
     )
-    if _ll_local_available():
-        try:
-            return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)
-        except ValueError:  # a layer without mode="auto"
-            pass
-    return EPMoE(mode="ht", worst_case=True, **kw)
-
-
-def _ll_local_available() -> bool:
-    # TEMP: the layer's one-rank LL path imports epmoe.comm.masked_layout, which lands separately
-    import importlib.util
-
-    return importlib.util.find_spec("epmoe.comm.masked_layout") is not None
+    try:
+        return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)
+    except ValueError:  # a layer without mode="auto": HT, static on one rank
+        return EPMoE(mode="ht", worst_case=True, **kw)

@@ -1,0 +1,440 @@
+"""transformers end to end: a Qwen3-30B-A3B-shaped model through transformers' compiled static-cache
+step, per experts backend, with the experts' own cost isolated by a no-op experts backend.
+
+    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --out OUT.json [--layers 8]
+        [--impls grouped_mm,epmoe,epmoe_fp8,epmoe_int8] [--batches 1,8,64,128]
+        [--prefill 4096,16384] [--context 512] [--budget-s 540] [--iters 30] [--no-compile]
+    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --cpu-smoke --out smoke.json
+
+Model: Qwen3-30B-A3B's architecture (QWEN3_30B_A3B: its HF config; the MoE sizes H 2048, I 768,
+128 experts, top-8 from ``_configs.CONFIGS["qwen3-30b-a3b"]``) with ``--layers`` of its 48
+layers (same per-layer shapes), random init, bf16, built once on the GPU; every backend runs the
+same weights (``model.set_experts_implementation``). Backends: "noop" (an experts backend that
+returns zeros, registered here: the step without the experts' work) and ``--impls``.
+
+Cases: decode steps at batch B (``--batches``: B sequences of one token at position ``--context``
+of a static cache) and prefill of T tokens (``--prefill``: one sequence, positions 0..T-1, a
+static cache of T). The step is ``model(input_ids, position_ids, cache_position, cache=...,
+logits_to_keep=1)`` (what generate() runs per step), compiled with ``torch.compile(fullgraph=True,
+dynamic=False)`` (``fullgraph=False`` if that fails: noted), then timed by ``_timing.time_cuda``:
+captured once in a CUDA graph and replayed ``--iters`` times (median ms), eager launches where
+capture fails (``method``). ``torch._dynamo.reset()`` before every compile (no recompile limits).
+
+Per case and backend: ``step_ms`` (whole step), ``experts_ms`` = step_ms - the no-op step_ms
+of the same case in this run, ``experts_us_per_layer``; per case ``ratios`` of every epmoe
+backend's experts_ms to grouped_mm's, and ``targets`` (issue 20: bf16 <= 0.6x at batch 1 and
+<= 0.15x at batch 64; fp8 <= 0.45x at batch 1, <= 0.1x at batch 64, <= 0.5x at prefill 4096;
+int8 <= 0.5x at batch 1) with ``met`` where both sides were measured.
+
+Robustness: every (backend, case) runs in its own try/except (``errors``), the JSON is rewritten
+after each, ``--budget-s`` bounds the run (the rest is recorded as skipped), SIGTERM stops it
+cleanly. Order: backends outer (each epmoe backend builds and quantizes its weights once), cases
+inner in the order of the targets (batch 1, 64, prefill 4096 first). A compact table is printed.
+
+JSON: {"schema": 1, "command", "date", "device", "versions", "args", "model" (config fields,
+layers, parameters), "budget_s", "elapsed_s", "complete", "notes", "skipped": [id], "runs":
+[{"id" ("<backend>/<case>"), "backend", "case", "kind" ("decode" | "prefill"), "tokens", "status",
+"error", "step_ms", "min_ms", "method", "compile_s", "fullgraph" (+ "fullgraph_error"),
+"epmoe_mode" (the layer's mode), "epmoe_path" ("ll" | "ht": the path this call size takes)}],
+"cases": {case: {"noop_ms", backend: {"step_ms", "experts_ms", "experts_us_per_layer"},
+"ratios": {backend: x}}}, "targets": [{"backend", "case", "max_ratio", "ratio", "met"}]}.
+"""
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(_HERE), _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _configs  # noqa: E402
+
+_MOE = _configs.CONFIGS["qwen3-30b-a3b"]
+# Qwen/Qwen3-30B-A3B's config.json (the MoE sizes from the named config)
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=_MOE.hidden,
+    intermediate_size=6144,
+    moe_intermediate_size=_MOE.intermediate,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=_MOE.num_experts,
+    num_experts_per_tok=_MOE.top_k,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# a tiny model with the same structure for --cpu-smoke (fp8 needs H and I multiples of 128)
+TINY = dict(
+    QWEN3_30B_A3B,
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=1024,
+)
+IMPLS = ("grouped_mm", "epmoe", "epmoe_fp8", "epmoe_int8")
+BATCHES = (1, 64, 8, 128)  # target cases first
+PREFILL = (4096, 16384)
+NOOP = "noop"
+# (backend, case, max experts' cost relative to grouped_mm's), issue 20
+TARGETS = (
+    ("epmoe", "decode_b1", 0.6),
+    ("epmoe", "decode_b64", 0.15),
+    ("epmoe_fp8", "decode_b1", 0.45),
+    ("epmoe_fp8", "decode_b64", 0.1),
+    ("epmoe_fp8", "prefill_t4096", 0.5),
+    ("epmoe_int8", "decode_b1", 0.5),
+)
+CPU_SMOKE = dict(layers=2, batches=(1, 4), prefill=(32,), context=16, iters=2, warmup=0)
+
+
+def noop_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An experts backend that does no work: the step's cost without the experts."""
+    return torch.zeros_like(hidden_states)
+
+
+def build_model(fields: dict, layers: int, device: torch.device):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**dict(fields, num_hidden_layers=layers))
+    torch.manual_seed(0)
+    with torch.device(device):  # initialized where it runs
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, experts_implementation="grouped_mm"
+        )
+    return model.eval().requires_grad_(False)
+
+
+def case_inputs(model, kind: str, tokens: int, context: int, device):
+    """(kwargs of one step, cache): decode: ``tokens`` sequences of one token at position
+    ``context``; prefill: one sequence of ``tokens`` tokens."""
+    from transformers import StaticCache
+
+    g = torch.Generator().manual_seed(tokens)
+    vocab = model.config.vocab_size
+    if kind == "decode":
+        ids = torch.randint(0, vocab, (tokens, 1), generator=g)
+        pos = torch.full((tokens, 1), context)
+        cache_position = torch.tensor([context])
+        cache = StaticCache(config=model.config, max_cache_len=context + 1)
+    else:
+        ids = torch.randint(0, vocab, (1, tokens), generator=g)
+        pos = torch.arange(tokens)[None]
+        cache_position = torch.arange(tokens)
+        cache = StaticCache(config=model.config, max_cache_len=tokens)
+    kw = dict(
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        cache_position=cache_position.to(device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return kw
+
+
+class CpuTimer:
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+
+    def __call__(self, fn) -> dict:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"step_ms": statistics.median(times), "min_ms": min(times), "method": "cpu"}
+
+
+class CudaTimer:
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+
+    def __call__(self, fn) -> dict:
+        import _timing
+
+        t = _timing.time_cuda(fn, iters=self.iters, warmup=self.warmup)
+        return {"step_ms": t.ms, "min_ms": t.min_ms, "method": t.method}
+
+
+def _err(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" [{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else ""
+    return f"{type(e).__name__}: {str(e)[:400]}{where}"
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__}
+    for name in ("transformers", "triton", "deep_gemm", "epmoe"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", "?")
+        except Exception:  # noqa: BLE001 - absent is a value here
+            out[name] = None
+    try:
+        out["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        out["git"] = None
+    return out
+
+
+def case_name(kind: str, tokens: int) -> str:
+    return f"decode_b{tokens}" if kind == "decode" else f"prefill_t{tokens}"
+
+
+def run_one(model, backend: str, kind: str, tokens: int, args, timer, device) -> dict:
+    """Compile and time one step of ``backend`` on one case."""
+    import epmoe.integrations.transformers as et
+
+    rec = {"backend": backend, "kind": kind, "tokens": tokens}
+    model.set_experts_implementation(backend)
+    kw = case_inputs(model, kind, tokens, args.context, device)
+    step = model.forward
+    step(**kw)  # eager: initializes the static cache (a compile before would retrace after it)
+    # the static cache advances its own write position every step: put it back before each (one
+    # tiny fill per layer, in the captured graph too; the same for every backend, so it cancels)
+    start = args.context if kind == "decode" else 0
+    lengths = [layer.cumulative_length for layer in kw["cache"].layers]
+
+    def one_step():
+        for n in lengths:
+            n.fill_(start)
+        return step(**kw)
+
+    t0 = time.perf_counter()
+    if args.compile:
+        torch._dynamo.reset()
+        rec["fullgraph"] = True
+        try:
+            step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.backend)
+            one_step()
+        except Exception as e:  # noqa: BLE001 - a break outside the experts: compile without
+            rec["fullgraph"] = False
+            rec["fullgraph_error"] = _err(e)
+            torch._dynamo.reset()
+            step = torch.compile(model.forward, dynamic=False, backend=args.backend)
+            one_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    rec.update(timer(one_step))
+    layer = next((et.cached_layer(m) for m in _experts(model) if et.cached_layer(m)), None)
+    if layer is not None:
+        rec["epmoe_mode"] = layer.mode
+        # decode: B sequences of one token; prefill: one of T, so each call has `tokens` rows
+        rec["epmoe_path"] = "ll" if layer.uses_ll(tokens) else "ht"
+    return rec
+
+
+def _experts(model):
+    return [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
+
+
+def _drop_states(model) -> None:
+    import epmoe.integrations.transformers as et
+
+    for m in _experts(model):
+        m.__dict__.pop(et._STATE, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def summarize(report: dict, layers: int) -> None:
+    cases: Dict[str, dict] = {}
+    for r in report["runs"]:
+        if r.get("status") == "ok":
+            cases.setdefault(r["case"], {})[r["backend"]] = r["step_ms"]
+    out = {}
+    for case, ms in cases.items():
+        row: Dict[str, object] = {"ratios": {}}
+        noop = ms.get(NOOP)
+        row["noop_ms"] = noop
+        for b, v in ms.items():
+            if b == NOOP:
+                continue
+            e = {"step_ms": v}
+            if noop is not None:
+                e["experts_ms"] = v - noop
+                e["experts_us_per_layer"] = (v - noop) * 1e3 / layers
+            row[b] = e
+        base = row.get("grouped_mm", {}).get("experts_ms")
+        for b in ms:
+            if b.startswith("epmoe") and base and "experts_ms" in row[b]:
+                row["ratios"][b] = row[b]["experts_ms"] / base
+        out[case] = row
+    report["cases"] = out
+    report["targets"] = []
+    for b, case, limit in TARGETS:
+        ratio = out.get(case, {}).get("ratios", {}).get(b)
+        t = {"backend": b, "case": case, "max_ratio": limit, "ratio": ratio}
+        t["met"] = None if ratio is None else bool(ratio <= limit)
+        report["targets"].append(t)
+
+
+def table(report: dict) -> str:
+    lines = ["case            backend       step_ms  experts_ms  us/layer  x grouped_mm"]
+    for case, row in report.get("cases", {}).items():
+        lines.append(f"{case:15s} {'noop':12s} {row.get('noop_ms') or float('nan'):8.3f}")
+        for b, e in row.items():
+            if b in ("ratios", "noop_ms"):
+                continue
+            r = row["ratios"].get(b)
+            lines.append(
+                f"{case:15s} {b:12s} {e['step_ms']:8.3f}  {e.get('experts_ms', float('nan')):10.3f}"
+                f"  {e.get('experts_us_per_layer', float('nan')):8.1f}"
+                + (f"  {r:.3f}" if r is not None else "")
+            )
+    for t in report.get("targets", []):
+        lines.append(
+            f"target {t['backend']} {t['case']} <= {t['max_ratio']}: {t['ratio']} {t['met']}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--batches", default=None, help=f"decode batches (default {BATCHES})")
+    p.add_argument("--prefill", default=None, help=f"prefill lengths (default {PREFILL})")
+    p.add_argument("--context", type=int, default=512, help="decode position in the cache")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, dynamo only")
+    return p
+
+
+def _ints(s: str) -> List[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    from transformers.integrations import moe
+
+    import epmoe.integrations.transformers as et
+
+    et.register()
+    moe.ExpertsInterface.register(NOOP, noop_experts_forward)
+    torch.set_grad_enabled(False)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        fields, s = TINY, CPU_SMOKE
+        args.layers, args.context = s["layers"], s["context"]
+        args.batches = args.batches or ",".join(map(str, s["batches"]))
+        args.prefill = args.prefill or ",".join(map(str, s["prefill"]))
+        args.backend = args.backend or "eager"
+        timer = CpuTimer(s["iters"], s["warmup"])
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_hf: needs a CUDA GPU (or --cpu-smoke)")
+        args.batches = args.batches or ",".join(map(str, BATCHES))
+        args.prefill = args.prefill or ",".join(map(str, PREFILL))
+        device = torch.device("cuda", torch.cuda.current_device())
+        fields = QWEN3_30B_A3B
+        args.backend = args.backend or "inductor"
+        timer = CudaTimer(args.iters, args.warmup)
+    backends = [NOOP] + [b for b in args.impls.split(",") if b]
+    cases = [("decode", b) for b in _ints(args.batches)]
+    cases += [("prefill", t) for t in _ints(args.prefill)]
+    t_start = time.perf_counter()
+    report = {
+        "schema": 1,
+        "command": "python benchmarks/bench_hf.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": _versions(),
+        "args": vars(args),
+        "budget_s": args.budget_s,
+        "elapsed_s": 0.0,
+        "complete": False,
+        "notes": [],
+        "skipped": [],
+        "runs": [],
+    }
+
+    def save():
+        report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        summarize(report, args.layers)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        os.replace(tmp, args.out)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        model = build_model(fields, args.layers, device)
+        report["model"] = dict(
+            {k: v for k, v in fields.items() if k != "mlp_only_layers"},
+            num_hidden_layers=args.layers,
+            parameters=sum(p.numel() for p in model.parameters()),
+        )
+        save()
+        for backend in backends:
+            for kind, tokens in cases:
+                rid = f"{backend}/{case_name(kind, tokens)}"
+                if time.perf_counter() - t_start > args.budget_s:
+                    report["skipped"].append(rid)
+                    continue
+                rec = {"id": rid, "case": case_name(kind, tokens)}
+                try:
+                    rec.update(run_one(model, backend, kind, tokens, args, timer, device))
+                    rec["status"] = "ok"
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    rec.update(backend=backend, kind=kind, tokens=tokens, status="error")
+                    rec["error"] = _err(e)
+                    if device.type == "cuda" and "illegal" in str(e):
+                        report["notes"].append(f"stopped after a CUDA error in {rid}")
+                        report["runs"].append(rec)
+                        raise KeyboardInterrupt("CUDA error") from e
+                report["runs"].append(rec)
+                print(rid, rec.get("step_ms", rec.get("error")), flush=True)
+                save()
+            _drop_states(model)
+        report["complete"] = not report["skipped"]
+    except KeyboardInterrupt as e:
+        report["notes"].append(f"interrupted: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        torch._dynamo.reset()
+        save()
+        print(table(report), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
