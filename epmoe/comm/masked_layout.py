@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, _eager, _library, reference
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _INTERPRET,
     _int8_scale,
@@ -409,6 +409,7 @@ def _ll_scatter_op(
 
 # CPU kernel: the same function, which takes its reference branch for CPU tensors
 _ll_scatter_op.register_kernel("cpu")(_ll_scatter_impl)
+_library.cpu_opaque(_ll_scatter_op)  # compiled CPU graphs call it: the same bytes as eager
 
 
 def ll_scatter(
@@ -529,6 +530,8 @@ def _ll_gather_out_op(
 # CPU kernels: the same functions, which take their reference branch for CPU tensors
 _ll_gather_op.register_kernel("cpu")(_ll_gather_impl)
 _ll_gather_out_op.register_kernel("cpu")(_ll_gather_out_impl)
+_library.cpu_opaque(_ll_gather_op)
+_library.cpu_opaque(_ll_gather_out_op)
 
 
 def ll_gather(

@@ -283,3 +283,24 @@ def test_local_ht_copies_with_column_major_ids(worst):
     assert len(got) == n and got == sorted(x[(topk >= 0).any(1)].float().tolist())
     back = ops.ht_combine(d.x, d.handle, c.key)
     assert torch.equal(back, torch.where((topk >= 0).any(1, keepdim=True), x, 0))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_compiled_equals_eager(quant):
+    """fullgraph torch.compile on CPU: the same bytes as eager (the CPU kernels stay opaque)."""
+    gen = torch.Generator().manual_seed(12)
+    x = L.tokens(6, 256, gen)
+    topk = L.ids(6, 2, 4, gen, col_major=True)
+    w = random_weights(6, 2, gen)
+
+    def step(x, topk, w):
+        xo, s, mm, rows = ll_scatter(x, topk, 4, 6, quant)
+        y = xo.float() if quant == "bf16" else reference.dequantize(xo, s)
+        y = y.bfloat16()
+        out = torch.empty((6, 256), dtype=torch.bfloat16)
+        ll_gather(y, rows, w, out=out)
+        return out, ll_gather(y, rows), mm, rows
+
+    torch._dynamo.reset()
+    for a, b in zip(step(x, topk, w), torch.compile(step, fullgraph=True)(x, topk, w), strict=True):
+        assert torch.equal(a, b)
