@@ -257,8 +257,7 @@ def _rows(y, masked_m, expert_offsets) -> _Rows:
     if masked_m is not None:
         return _Rows(E, T, strides, masked_m, True, True)
     if expert_offsets is not None:  # rows >= expert_offsets[-1] (the unused tail) are skipped
-        # (narrow, not [-1:]: a dispatcher op, which fake CUDA tensors take without CUDA)
-        return _Rows(E, T, strides, expert_offsets.narrow(0, -1, 1), True, False)
+        return _Rows(E, T, strides, expert_offsets[-1:], True, False)
     return _Rows(E, T, strides, y, False, False)  # placeholder pointer, never read
 
 

@@ -33,6 +33,7 @@ _q = importlib.import_module("epmoe.ops.quantize")
 _p = importlib.import_module("epmoe.ops.permute")
 _a = importlib.import_module("epmoe.ops.activation")
 _u = importlib.import_module("epmoe.ops.unpermute")
+_ml = importlib.import_module("epmoe.comm.masked_layout")
 
 KINDS = ("static", "dyn", "unbacked")  # row counts: int, backed symbol, unbacked symbol
 
@@ -171,6 +172,26 @@ for H in (512, _u.BLOCK_BYTES, 7168):
                  [("_unpermute_kernel", {})],
                  kinds=ALL if M == 300 and dt == "bfloat16" else STATIC)  # fmt: skip
 
+# ll_scatter / ll_gather (epmoe.comm.masked_layout, the one-rank LL chain): scatter rows in column
+# chunks past TILE (bf16), 32 groups (fp8), INT8_SINGLE_MAX (int8, else one program a row), both
+# scale layouts; gather chunks of GATHER_BYTES, weighted or not
+for quant, H in (("bf16", 512), ("bf16", _ml.TILE + 128), ("fp8", 4096), ("fp8", 7168),
+                 ("int8", _ml.INT8_SINGLE_MAX), ("int8", _ml.INT8_SINGLE_MAX + 128)):  # fmt: skip
+    chunks = _ml.scatter_tiling(H, quant)[2]
+    want = [("_ll_scatter_kernel", {"QUANT": _ml._QCODE[quant], "SINGLE": chunks == 1})]
+    for layout in ("row",) if quant == "bf16" else _ml.SCALE_LAYOUTS:
+        for T in (1, 300):
+            args = [_t((_rows(T), H), "bfloat16"), _t((_rows(T), 8), "int64"), 16, 512, quant, 16,
+                    64, layout]  # fmt: skip
+            kinds = ALL if T == 300 and layout == "row" else STATIC
+            case(f"ll_scatter-{quant}-H{H}-{layout}-T{T}", "ll_scatter", args, want, kinds=kinds)
+for H in (512, _ml.GATHER_BYTES // 2 + 128):
+    for weighted in (True, False):
+        w = _t((_rows(300), 8), "float32") if weighted else None
+        case(f"ll_gather-H{H}-w{weighted}", "ll_gather",
+             [_t((16, 512, H), "bfloat16"), _t((_rows(300), 8), "int32"), w],
+             [("_ll_gather_kernel", {"HAS_W": weighted})])  # fmt: skip
+
 # grouped GEMMs: custom ops, opaque to the compiler (their fakes run; the CUDA kernels, deep_gemm
 # or the int8 Triton GEMMs, never see a fake tensor): both layouts, every scheme, trusted or not
 for scheme in ("bf16", "fp8", "int8"):
@@ -200,13 +221,28 @@ def _run_all() -> dict:  # pragma: no cover - runs in the subprocess
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    import epmoe.ops  # noqa: F401 (registers the ops)
+    import epmoe.comm.masked_layout  # noqa: F401 (registers the ops)
+    import epmoe.ops  # noqa: F401
 
     # Without a GPU: no CUDA device index to ask for (the fake tensors say cuda:0), and no Triton
     # driver for the TTIR mutation analysis (it then assumes every argument is written, quietly)
     if not hasattr(torch._C, "_cuda_getDevice"):
         torch._C._cuda_getDevice = lambda: 0
     tkw.log.disabled = True
+    if not torch.cuda.is_available():
+        # Python indexing of a CUDA tensor takes a CUDA device guard, which a CPU-only torch
+        # lacks (also for fake tensors): the simple index forms as the dispatcher ops they are
+        getitem = torch.Tensor.__getitem__
+
+        def cuda_getitem(self, idx):
+            if self.device.type == "cuda":
+                if isinstance(idx, int):
+                    return torch.ops.aten.select.int(self, 0, idx)
+                if isinstance(idx, slice) and idx.step in (None, 1):
+                    return torch.ops.aten.slice.Tensor(self, 0, idx.start, idx.stop)
+            return getitem(self, idx)
+
+        torch.Tensor.__getitem__ = cuda_getitem
     warnings.filterwarnings("error", message=".*data pointer of FakeTensor.*")
 
     lib = torch.library.Library("epmoe_fake_paths", "FRAGMENT")
@@ -348,6 +384,8 @@ _N_OUT = {
     "silu_and_mul": 1,
     "silu_and_mul_quant": 2,
     "unpermute": 1,
+    "ll_scatter": 4,
+    "ll_gather": 1,
     "grouped_gemm_contiguous": 1,
     "grouped_gemm_masked": 1,
 }
