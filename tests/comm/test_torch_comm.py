@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe import ops
+from epmoe import ops, reference
 from epmoe._multiproc import run_ranks
 from tests._moe import SMALL, check_layer_output, global_weights, tokens
 
@@ -107,3 +107,54 @@ def _routing_rank(rank, world):
 @pytest.mark.slow
 def test_dispatch_routing_two_ranks():
     assert run_ranks(_routing_rank, 2, "gloo") == [True, True]
+
+
+def _ll_and_col_major_rank(rank, world):
+    """LL dispatch == reference.ll_scatter of every rank's padded tokens (this rank's experts),
+    combine returns each token's weighted sum; HT and LL take column-major ids (any strides)."""
+    from epmoe.comm.masked_layout import ll_scatter
+
+    E, H, K, maxT = SMALL["num_experts"], SMALL["hidden_size"], SMALL["top_k"], 8
+    comm = epmoe.comm.create("torch", dist.group.WORLD, E, H, max_tokens_per_rank=maxT)
+    E_local = E // world
+    Ts = [5, 0, 8, 3][:world]
+    all_tok = [tokens(Ts[r], seed=40 + r, **SMALL) for r in range(world)]
+    x, ids, w = all_tok[rank]
+    ids = ids.t().contiguous().t()  # column-major
+    w = w.t().contiguous().t()
+    gx = torch.zeros((world * maxT, H), dtype=torch.bfloat16)
+    gids = torch.full((world * maxT, K), -1, dtype=torch.int64)
+    for r, (xs, ids_s, _) in enumerate(all_tok):
+        gx[r * maxT : r * maxT + xs.shape[0]] = xs
+        gids[r * maxT : r * maxT + xs.shape[0]] = ids_s
+    for use_fp8 in (False, True):
+        d = ops.ll_dispatch(x, ids, comm.key, use_fp8=use_fp8)
+        quant = "fp8" if use_fp8 else "bf16"
+        want = ll_scatter(gx, gids, E_local, world * maxT, quant, rank * E_local, E)
+        assert torch.equal(d.masked_m, want[2]) and torch.equal(d.handle[0], want[3])
+        live = torch.arange(world * maxT)[None, :] < want[2][:, None]
+        assert torch.equal(d.x[live].view(torch.uint8), want[0][live].view(torch.uint8))
+        if use_fp8:
+            assert torch.equal(d.x_scales[live], want[1][live])
+        # identity experts: combine gives each token's weighted sum of its (quantized) row
+        y = d.x.float() if not use_fp8 else reference.dequantize(d.x, d.x_scales)
+        out = ops.ll_combine(y.bfloat16(), ids, w, d.handle, comm.key)
+        src = x.float() if not use_fp8 else reference.dequantize(*reference.quantize(x, "fp8"))
+        src = src.bfloat16().float()
+        want_out = (src.unsqueeze(1) * torch.where(ids >= 0, w, 0.0).unsqueeze(-1)).sum(1)
+        torch.testing.assert_close(out, want_out.bfloat16(), atol=1e-2, rtol=1.6e-2)
+        into = torch.empty_like(out)
+        assert ops.ll_combine(y.bfloat16(), ids, w, d.handle, comm.key, out=into) is into
+        assert torch.equal(into, out)
+    for worst in (False, True):
+        d = ops.ht_dispatch(x, ids, w, comm.key, worst_case=worst)
+        back = ops.ht_combine(d.x, d.handle, comm.key)
+        nranks = torch.stack([((ids // E_local) == r).any(1) for r in range(world)], 1).sum(1)
+        assert torch.equal(back, (x.float() * nranks.unsqueeze(1)).bfloat16())
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ll_dispatch_combine_and_column_major_ids(world):
+    assert run_ranks(_ll_and_col_major_rank, world, "gloo") == [True] * world
