@@ -3,7 +3,9 @@
 1. which Triton kernels torch.compile believes mutate their inputs (``tensors_to_clone`` of each
    ``triton_kernel_wrapper_functional`` node: clones in the default mode, and the reason
    reduce-overhead skips CUDA graphs), per mode and scheme;
-2. where the host time of an eager layer call goes (cProfile of repeated calls, top functions).
+2. where the host time of an eager layer call goes: host µs of each stage's public call (the GPU
+   kept busy, so nothing waits), of a bare Triton launch and of ``x + x``, and a cProfile of
+   repeated layer calls (top functions).
 
     PYTHONPATH=. python scripts/diag_layer.py [--shape qwen3] [--tokens 32]
 """
@@ -56,16 +58,62 @@ def mutations(layer, args):
     return found
 
 
-def host(layer, args, n=200):
+def _host_us(fn, n=100):
+    """Host µs per call of fn with the GPU busy behind a sleep (n calls stay below the launch
+    queue's depth, so no launch blocks)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def stage_costs(T=32, H=2048, I=768, E=128, K=8):
+    """Host µs of each stage call of the fp8 chains, one by one, and of the bare launches."""
+    from epmoe import ops
+    from epmoe._range import _range_kernel
+    from epmoe.comm.masked_layout import ll_gather, ll_scatter
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn((T, H), device="cuda", generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn((T, K), device="cuda"), -1)
+    q, s = ops.quantize(x, "fp8")
+    p = ops.permute(q, ids, E, 128, s, scale_layout="deepgemm")
+    y = torch.randn((p.x.shape[0], 2 * I), device="cuda").bfloat16()
+    y2 = torch.randn((p.x.shape[0], H), device="cuda").bfloat16()
+    a, sa, mm, rows = ll_scatter(x, ids, E, 128, "fp8", scale_layout="deepgemm")
+    ym = torch.randn((E, 128, H), device="cuda").bfloat16()
+    flag = torch.empty((), dtype=torch.bool, device="cuda")
+    out = {
+        "x + x": lambda: x + x,
+        "torch.empty x3": lambda: (torch.empty(8, device="cuda"),) * 3,
+        "bare Triton launch (_range_kernel, 5 args)": lambda: _range_kernel[(1,)](
+            ids, flag, ids.numel(), -1, E, BLOCK=1024
+        ),
+        "quantize fp8": lambda: ops.quantize(x, "fp8"),
+        "permute fp8 (one kernel)": lambda: ops.permute(q, ids, E, 128, s, scale_layout="deepgemm"),
+        "silu_and_mul_quant fp8 (m_indices)": lambda: ops.silu_and_mul_quant(
+            y, "fp8", m_indices=p.m_indices, scale_layout="deepgemm",
+            expert_offsets=p.expert_offsets,
+        ),
+        "unpermute": lambda: ops.unpermute(y2, p.inv_perm, w),
+        "ll_scatter fp8": lambda: ll_scatter(x, ids, E, 128, "fp8", scale_layout="deepgemm"),
+        "ll_gather": lambda: ll_gather(ym, rows, w),
+    }  # fmt: skip
+    return {k: _host_us(fn) for k, fn in out.items()}
+
+
+def host(layer, args, n=150):
     for _ in range(5):
         layer(*args)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # keep the GPU busy: the host never waits
-    t0 = time.perf_counter()
-    for _ in range(n):
-        layer(*args)
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    us = _host_us(lambda: layer(*args), n=100)  # (at most ~9 launches a call: no queue stall)
     torch.cuda._sleep(int(2e9))
     pr = cProfile.Profile()
     pr.enable()
@@ -75,7 +123,7 @@ def host(layer, args, n=200):
     torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
-    return (t1 - t0) / n * 1e6, s.getvalue()
+    return us, s.getvalue()
 
 
 def main():
@@ -83,6 +131,8 @@ def main():
     p.add_argument("--tokens", type=int, default=32)
     a = p.parse_args()
     H, I, E, K = 2048, 768, 128, 8
+    for name, us in stage_costs(a.tokens).items():
+        print(f"host {us:8.1f} us  {name}")
     for quant in ("bf16", "fp8", "int8"):
         for mode in ("ht", "ll"):
             layer, args = _layer(quant, mode, H, I, E, K, a.tokens)

@@ -1,0 +1,63 @@
+"""Markdown tables from a bench_one_gpu.py JSON (the rows of benchmarks/results/h200/RESULTS.md).
+
+    python benchmarks/one_gpu_report.py OUT.json [--mode auto]
+
+One row per (shape, scheme, T) of the given layer mode: CUDA-graph replay of the layer against
+transformers' grouped_mm experts (graph) and raw deep_gemm on the same routing, the weight-read
+floor, eager / torch.compile default / reduce-overhead, host µs and launches per eager call.
+"""
+
+import argparse
+import json
+
+
+def _f(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _x(a, b):
+    return "-" if a is None or b is None or b == 0 else f"{b / a:.2f}x"
+
+
+def rows(report: dict, mode: str):
+    for c in report["cases"]:
+        if c.get("mode") != mode or c.get("status") != "ok":
+            continue
+        g = c.get("graph_ms")
+        yield (
+            f"| {c['shape']} | {c['scheme']} | {c['T']} | {c.get('path')} | {_f(g)} | "
+            f"{_f(c.get('grouped_mm_graph_ms'))} ({_x(g, c.get('grouped_mm_graph_ms'))}) | "
+            f"{_f(c.get('raw_ms'))} ({_x(c.get('raw_ms'), g)}) | "
+            f"{_f(c.get('floor_ms'))} ({_x(c.get('floor_ms'), g)}) | "
+            f"{_f(c.get('eager_ms'))} / {_f(c.get('grouped_mm_eager_ms'))} | "
+            f"{_f(c.get('compile_ms'))} / {_f(c.get('compile_ro_ms'))} | "
+            f"{_f(c.get('host_us'), 0)} | {c.get('launches', '-')} |"
+        )
+
+
+HEADER = (
+    "| shape | scheme | T | path | graph ms | grouped_mm graph ms (ours faster by) | "
+    "raw deep_gemm ms (ours / raw) | floor ms (ours / floor) | eager ms ours / grouped_mm | "
+    "compile default / reduce-overhead ms | host µs | launches |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("json")
+    p.add_argument("--mode", default="auto")
+    a = p.parse_args()
+    with open(a.json) as f:
+        report = json.load(f)
+    print(
+        f"copy bandwidth {report.get('copy_gbps', 0):.0f} GB/s; {report.get('device')}; "
+        f"{report.get('date')}; {report.get('versions')}"
+    )
+    print(HEADER)
+    for r in rows(report, a.mode):
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
