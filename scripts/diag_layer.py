@@ -109,7 +109,7 @@ def stage_costs(T=32, H=2048, I=768, E=128, K=8):
     return {k: _host_us(fn) for k, fn in out.items()}
 
 
-def host(layer, args, n=150):
+def host(layer, args, n=60):
     for _ in range(5):
         layer(*args)
     torch.cuda.synchronize()
