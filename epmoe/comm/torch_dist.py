@@ -73,8 +73,9 @@ class TorchComm(Communicator):
         else:
             rank, world = 0, 1
         super().__init__(rank, world, num_experts, hidden_size, max_tokens_per_rank)
-        self.group = group if world > 1 else None
-        if world == 1:
+        # a group of one still runs its collectives (the torch backend's cost, measured on one GPU)
+        self.group = group if group is not None and dist.is_initialized() else None
+        if self.group is None:
             self.name = "local"
 
     # --------------------------------------------------------------------------------- primitives
