@@ -126,6 +126,62 @@ def host(layer, args, n=60):
     return us, s.getvalue()
 
 
+def _ms(fn, graph: bool, n=30):
+    """Median ms of fn (eager, or replays of a CUDA graph of one call), CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[n // 2]
+
+
+def torch_backend(H=2048, I=768, E=128, K=8):
+    """The torch backend on a world-1 NCCL group (its packing kernels and collectives) against
+    the local backend, same layer and tokens."""
+    import torch.distributed as dist
+
+    from epmoe._multiproc import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    for quant, mode, T in (("fp8", "ll", 128), ("bf16", "ll", 32), ("fp8", "ht", 4096)):
+        res = {}
+        for backend in ("local", "torch"):
+            kw = dict(max_tokens_per_rank=T) if mode == "ll" else dict(worst_case=True)
+            group = dist.group.WORLD if backend == "torch" else None
+            layer = epmoe.EPMoE(
+                E, H, I, K, quant=quant, mode=mode, backend=backend, group=group,
+                device="cuda", **kw,
+            )  # fmt: skip
+            _, args = _layer(quant, mode, H, I, E, K, T)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            w1 = torch.randn((E, 2 * I, H), device="cuda", generator=g).bfloat16() * 0.02
+            w2 = torch.randn((E, H, I), device="cuda", generator=g).bfloat16() * 0.02
+            layer.load_weights(w1, w2)
+            out = layer(*args)
+            res[backend] = (out, _ms(lambda: layer(*args), False), _ms(lambda: layer(*args), True))
+        same = torch.equal(res["local"][0], res["torch"][0])
+        print(
+            f"backend torch vs local {quant} {mode} T={T}: eager {res['torch'][1]:.3f} / "
+            f"{res['local'][1]:.3f} ms, graph {res['torch'][2]:.3f} / {res['local'][2]:.3f} ms, "
+            f"same bytes {same}"
+        )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=32)
@@ -133,6 +189,10 @@ def main():
     H, I, E, K = 2048, 768, 128, 8
     for name, us in stage_costs(a.tokens).items():
         print(f"host {us:8.1f} us  {name}")
+    try:
+        torch_backend()
+    except Exception as e:  # noqa: BLE001
+        print(f"torch backend failed: {e!r}")
     for quant in ("bf16", "fp8", "int8"):
         for mode in ("ht", "ll"):
             layer, args = _layer(quant, mode, H, I, E, K, a.tokens)
