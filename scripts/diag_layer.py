@@ -21,9 +21,10 @@ import torch
 import epmoe
 
 
-def _layer(quant, mode, H, I, E, K, T):
-    kw = dict(max_tokens_per_rank=T) if mode == "ll" else {}
-    layer = epmoe.EPMoE(E, H, I, K, quant=quant, mode=mode, backend="local", device="cuda", **kw)
+def _layer(quant, mode, H, I, E, K, T, **kw):
+    kw.setdefault("backend", "local")
+    kw.update(dict(max_tokens_per_rank=T) if mode == "ll" else dict(worst_case=True))
+    layer = epmoe.EPMoE(E, H, I, K, quant=quant, mode=mode, device="cuda", **kw)
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn((E, 2 * I, H), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn((E, H, I), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
@@ -161,19 +162,14 @@ def torch_backend(H=2048, I=768, E=128, K=8):
     for quant, mode, T in (("fp8", "ll", 128), ("bf16", "ll", 32), ("fp8", "ht", 4096)):
         res = {}
         for backend in ("local", "torch"):
-            kw = dict(max_tokens_per_rank=T) if mode == "ll" else dict(worst_case=True)
             group = dist.group.WORLD if backend == "torch" else None
-            layer = epmoe.EPMoE(
-                E, H, I, K, quant=quant, mode=mode, backend=backend, group=group,
-                device="cuda", **kw,
-            )  # fmt: skip
-            _, args = _layer(quant, mode, H, I, E, K, T)
-            g = torch.Generator(device="cuda").manual_seed(0)
-            w1 = torch.randn((E, 2 * I, H), device="cuda", generator=g).bfloat16() * 0.02
-            w2 = torch.randn((E, H, I), device="cuda", generator=g).bfloat16() * 0.02
-            layer.load_weights(w1, w2)
-            out = layer(*args)
-            res[backend] = (out, _ms(lambda: layer(*args), False), _ms(lambda: layer(*args), True))
+            layer, args = _layer(quant, mode, H, I, E, K, T, backend=backend, group=group)
+
+            def call(layer=layer, args=args):
+                return layer(*args)
+
+            res[backend] = (call(), _ms(call, False), _ms(call, True))
+            del layer
         same = torch.equal(res["local"][0], res["torch"][0])
         print(
             f"backend torch vs local {quant} {mode} T={T}: eager {res['torch'][1]:.3f} / "
