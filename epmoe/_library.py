@@ -19,7 +19,9 @@ def cpu_opaque(op) -> None:
     every other device). Call once, after its ``register_kernel("cpu")``."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    decompose = op._torch_dispatch_fns[FunctionalTensorMode]  # triton_op's own rule
+    decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    if decompose is None:  # (a torch without triton_op's rule there: left as it is)
+        return
 
     def rule(mode, func, types, args, kwargs):
         if _first_device(args, kwargs) == "cpu":
