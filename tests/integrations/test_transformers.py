@@ -487,3 +487,25 @@ def test_fp8_registry_uses_checkpoint_weights(name, scheme):
         assert layer.w1.data_ptr() == m.gate_up_proj.data_ptr()
         assert layer.w1_scale.data_ptr() == m.gate_up_proj_scale_inv.data_ptr()
         assert layer.w2.data_ptr() == m.down_proj.data_ptr()
+
+
+def test_mode_auto_and_its_threshold():
+    """The layer is EPMoE(mode="auto"): LL up to ll_max_tokens tokens, HT above; a new threshold
+    from register() applies on the next call."""
+    from epmoe.layer import AUTO_LL_MAX_TOKENS
+
+    m = qwen3_experts()
+    ids, w = H.routing(8, m.num_experts, 2, torch.bfloat16)
+    x = torch.randn(8, m.down_proj.shape[1], dtype=torch.bfloat16)
+    f = moe.ALL_EXPERTS_FUNCTIONS["epmoe"]
+    with torch.no_grad():
+        ref = type(m).forward.__wrapped__(m, x, ids, w)
+        ll = f(m, x, ids, w)
+        layer = et.cached_layer(m)
+        assert layer.mode == "auto" and layer.ll_max_tokens == AUTO_LL_MAX_TOKENS
+        assert layer.uses_ll(8)
+        et.register(ll_max_tokens=4)
+        ht = f(m, x, ids, w)
+    layer = et.cached_layer(m)
+    assert layer.ll_max_tokens == 4 and not layer.uses_ll(8)
+    assert rel_l2(ll, ref) <= TOL["bf16"] and rel_l2(ht, ref) <= TOL["bf16"]
