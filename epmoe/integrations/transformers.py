@@ -69,7 +69,6 @@ from epmoe import _checks, reference
 from epmoe.layer import EPMoE
 from epmoe.ops import gemm
 
-OP = "epmoe.integrations.transformers"
 # backend name -> compute scheme
 NAMES: Dict[str, str] = {"epmoe": "bf16", "epmoe_fp8": "fp8", "epmoe_int8": "int8"}
 FALLBACKS = ("grouped_mm", "batched_mm", "eager")
@@ -79,7 +78,7 @@ _CONFIG = {"fallback": "grouped_mm", "ll_max_tokens": None}
 _REGISTRIES: Dict[bool, object] = {}  # fp8 registry? -> transformers' ExpertsInterface instance
 _DEFAULT_GATE: Optional[Callable] = None  # transformers' _default_apply_gate
 _SILU_TYPES: Tuple[type, ...] = (torch.nn.SiLU,)
-_WARNED = set()  # (experts class, reason) already warned about
+_WARNED = set()  # (experts class, reason, fallback) already warned about
 _LOAD_TAKES_COPY = "copy" in inspect.signature(EPMoE.load_weights).parameters
 # gate attributes of transformers' FP8Experts that change SiLU(gate) * up
 _FP8_GATE_ATTRS = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap")
