@@ -32,12 +32,11 @@ from epmoe import _checks, _eager, _library, reference
 
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
-from epmoe.ops.quantize import (  # noqa: F401 - _row_bound etc. are used inside the kernels
+from epmoe.ops.quantize import (  # noqa: F401 - _fp8_tile etc. are used inside the kernels
     _fp8_tile,
     _int8_scale,
     _quant_fp8_groups,
     _quant_int8,
-    _row_bound,
     round_float,
 )
 
@@ -106,28 +105,15 @@ def _silu_mul(g, u, FAST: tl.constexpr):
 
 
 @triton.jit
-def _row_ids(mi_ptr, t, bound, HAS_ROWS: tl.constexpr):
-    """m_indices[t] (-1 past bound), loaded one loop step ahead of its use so its latency overlaps
-    the current rows' loads; 0 without m_indices."""
-    if HAS_ROWS:
-        return tl.load(mi_ptr + t, mask=t < bound, other=-1)
-    else:
-        return tl.zeros(t.shape, dtype=tl.int32)
-
-
-@triton.jit
-def _next_rows(mi_ptr, t, ids, step, bound, HAS_ROWS: tl.constexpr):
-    """Rows t of this loop step: (t as int64, live mask, m_indices of the next step's rows)."""
+def _live_rows(t, ids, bound):
+    """Rows t of this loop step: (t as int64, live mask: below bound, m_indices ids not -1)."""
     live = (t < bound) & (ids >= 0)
-    return t.to(tl.int64), live, _row_ids(mi_ptr, t + step, bound, HAS_ROWS)
+    return t.to(tl.int64), live
 
 
 @triton.jit
-def _load_h(y_rows, cols, mask, I, stride_yh, FAST: tl.constexpr):
-    """silu(gate) * up of rows ``y_rows`` `[R, 1]` at columns ``cols``, rounded to y's dtype, as
-    float32."""
-    g = tl.load(y_rows + cols * stride_yh, mask=mask, other=0.0)
-    u = tl.load(y_rows + (cols + I) * stride_yh, mask=mask, other=0.0)
+def _silu_h(g, u, FAST: tl.constexpr):
+    """silu(gate) * up of loaded gate / up values, rounded to their dtype, as float32."""
     h = _silu_mul(g.to(tl.float32), u.to(tl.float32), FAST)
     return round_float(h, g.dtype).to(tl.float32)
 
@@ -136,6 +122,10 @@ def _load_h(y_rows, cols, mask, I, stride_yh, FAST: tl.constexpr):
 # Grid (slots, E, column chunks), as in epmoe.ops.quantize: a program handles BLOCK_M rows at a
 # time, row blocks slot, slot + NUM_SLOTS, ... below the expert's bound (masked_m), skipping rows
 # that m_indices marks as padding (their loads and stores are masked off: no memory traffic).
+# Every load of a pointer argument sits in the kernel body: torch.compile reads a pointer passed
+# to a jit helper whose result feeds a store as written (and clones it).
+# m_indices of a row block are loaded one loop step ahead of their use, so their latency overlaps
+# the current rows' loads (0 without m_indices).
 
 
 @triton.jit
@@ -153,16 +143,26 @@ def _silu_mul_kernel(
     slot = tl.program_id(0)
     e = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    bound = T  # rows of expert e: min(masked_m[e], T), or T
+    if HAS_MASK:
+        bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
     step = NUM_SLOTS * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
-    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    if HAS_ROWS:
+        first = slot * BLOCK_M + rows
+        ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
+        t = t0 + rows
+        t64, live = _live_rows(t, ids, bound)
+        if HAS_ROWS:  # the next step's m_indices
+            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
         m = live[:, None] & (cols[None, :] < I)
-        h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols[None, :], m, I,
-                    stride_yh, FAST)  # fmt: skip
+        y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
+        g = tl.load(y_rows + cols[None, :] * stride_yh, mask=m, other=0.0)
+        u = tl.load(y_rows + (cols[None, :] + I) * stride_yh, mask=m, other=0.0)
+        h = _silu_h(g, u, FAST)
         tl.store(h_ptr + e64 * stride_he + (t64 * stride_ht)[:, None] + cols[None, :], h, mask=m)
 
 
@@ -184,16 +184,26 @@ def _silu_mul_fp8_kernel(
     e = tl.program_id(1)
     rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
     gmask = groups < NUM_GROUPS
-    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    bound = T  # rows of expert e: min(masked_m[e], T), or T
+    if HAS_MASK:
+        bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
     step = NUM_SLOTS * BLOCK_M
-    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    if HAS_ROWS:
+        first = slot * BLOCK_M + rows
+        ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
+        t = t0 + rows
+        t64, live = _live_rows(t, ids, bound)
+        if HAS_ROWS:  # the next step's m_indices
+            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
         live = live & gmask
         m = live[:, None] & (inner[None, :] < GROUP)
-        h = _load_h((y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None], cols, m, I, stride_yh,
-                    FAST)  # fmt: skip
+        y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
+        g = tl.load(y_rows + cols * stride_yh, mask=m, other=0.0)
+        u = tl.load(y_rows + (cols + I) * stride_yh, mask=m, other=0.0)
+        h = _silu_h(g, u, FAST)
         q, s = _quant_fp8_groups(h)
         tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
         tl.store(s_ptr + e64 * stride_se + t64 * stride_st + groups * stride_sg, s, mask=live)
@@ -215,29 +225,46 @@ def _silu_mul_int8_kernel(
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK)[None, :]
-    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    bound = T  # rows of expert e: min(masked_m[e], T), or T
+    if HAS_MASK:
+        bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
     step = NUM_SLOTS * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
-    ids = _row_ids(mi_ptr, slot * BLOCK_M + rows, bound, HAS_ROWS)
+    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    if HAS_ROWS:
+        first = slot * BLOCK_M + rows
+        ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
     for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t64, live, ids = _next_rows(mi_ptr, t0 + rows, ids, step, bound, HAS_ROWS)
+        t = t0 + rows
+        t64, live = _live_rows(t, ids, bound)
+        if HAS_ROWS:  # the next step's m_indices
+            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
             m = live[:, None] & (offs < I)
-            h = _load_h(y_rows, offs, m, I, stride_yh, FAST)
+            g = tl.load(y_rows + offs * stride_yh, mask=m, other=0.0)
+            u = tl.load(y_rows + (offs + I) * stride_yh, mask=m, other=0.0)
+            h = _silu_h(g, u, FAST)
             s = _int8_scale(tl.max(tl.abs(h), axis=1))
             tl.store(q_rows + offs, _quant_int8(h, s), mask=m)
         else:
             amax = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
             for c0 in range(0, I, BLOCK):
                 m = live[:, None] & (c0 + offs < I)
-                amax = tl.maximum(amax, tl.abs(_load_h(y_rows, c0 + offs, m, I, stride_yh, FAST)))
+                c = c0 + offs
+                g = tl.load(y_rows + c * stride_yh, mask=m, other=0.0)
+                u = tl.load(y_rows + (c + I) * stride_yh, mask=m, other=0.0)
+                h = _silu_h(g, u, FAST)
+                amax = tl.maximum(amax, tl.abs(h))
             s = _int8_scale(tl.max(amax, axis=1))
             for c0 in range(0, I, BLOCK):
                 m = live[:, None] & (c0 + offs < I)
-                h = _load_h(y_rows, c0 + offs, m, I, stride_yh, FAST)
+                c = c0 + offs
+                g = tl.load(y_rows + c * stride_yh, mask=m, other=0.0)
+                u = tl.load(y_rows + (c + I) * stride_yh, mask=m, other=0.0)
+                h = _silu_h(g, u, FAST)
                 tl.store(q_rows + c0 + offs, _quant_int8(h, s), mask=m)
         tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live)
 

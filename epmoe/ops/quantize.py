@@ -74,15 +74,6 @@ def _fp8_tile(
     return r // GROUPS_PER_PROG, groups, inner, groups[:, None] * GROUP + inner[None, :]
 
 
-@triton.jit
-def _row_bound(mm_ptr, e, T, HAS_MASK: tl.constexpr):
-    """Rows of expert e to process: min(masked_m[e], T), or T."""
-    if HAS_MASK:
-        return tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
-    else:
-        return T
-
-
 # -------------------------------------------------------------------------------------- kernels
 # Grid (slots, E, column chunks). A program handles BLOCK_M rows at a time, row blocks slot,
 # slot + NUM_SLOTS, ... below the expert's bound: one block when unmasked (NUM_SLOTS covers T), a
@@ -106,7 +97,9 @@ def _quant_fp8_kernel(
     e = tl.program_id(1)
     rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
     cmask = (groups[:, None] < NUM_GROUPS) & (inner[None, :] < GROUP)
-    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    bound = T  # rows of expert e to process: min(masked_m[e], T), or T
+    if HAS_MASK:  # (masked_m loaded here, not in a helper: torch.compile would see it written)
+        bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
     for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
         t = t0 + rows
@@ -136,7 +129,9 @@ def _quant_int8_kernel(
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
-    bound = _row_bound(mm_ptr, e, T, HAS_MASK)
+    bound = T  # rows of expert e to process: min(masked_m[e], T), or T
+    if HAS_MASK:  # (masked_m loaded here, not in a helper: torch.compile would see it written)
+        bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
     for t0 in range(slot * BLOCK_M, bound, NUM_SLOTS * BLOCK_M):
         t = t0 + tl.arange(0, BLOCK_M)
