@@ -105,9 +105,10 @@ class DecodeGraphRunner(_GraphRunner):
     """LL decode: one CUDA graph per size in ``capture_sizes``; eager above the largest.
 
     Args:
-        layer: an ``EPMoE`` in mode "ll" on CUDA (max_tokens_per_rank >= the largest size).
+        layer: an ``EPMoE`` in mode "ll" (or "auto": its LL sizes) on CUDA, with an LL capacity
+            (max_tokens_per_rank, or ll_max_tokens for "auto") >= the largest size.
         capture_sizes: batch sizes to capture (default 1..128 by powers of two, capped at
-            max_tokens_per_rank).
+            the LL capacity).
         fn: the callable to capture instead of ``layer`` (e.g. ``torch.compile(layer)``).
         warmup_iters: eager iterations per size before capture.
     """
@@ -115,9 +116,11 @@ class DecodeGraphRunner(_GraphRunner):
     def __init__(
         self, layer, capture_sizes: Optional[Sequence[int]] = None, fn=None, warmup_iters: int = 2
     ):
-        if layer.mode != "ll":
-            raise _checks.fail("DecodeGraphRunner", "layer", "an EPMoE in mode 'll'", layer.mode)
-        cap = layer.max_tokens_per_rank
+        if layer.mode not in ("ll", "auto"):
+            raise _checks.fail(
+                "DecodeGraphRunner", "layer", "an EPMoE in mode 'll' or 'auto'", layer.mode
+            )
+        cap = layer.ll_max_tokens
         if capture_sizes is None:
             capture_sizes = [s for s in DEFAULT_DECODE_SIZES if s <= cap] or [cap]
         if max(capture_sizes) > cap:
