@@ -65,12 +65,20 @@ _assert_in_kernel = _checks.assert_in_kernel  # (module attribute: scripts/compi
 
 
 # -------------------------------------------------------------------------------------- kernels
+# The kernels load topk_ids themselves (torch.compile reads a pointer passed to a jit helper whose
+# result feeds a store as written, and clones it): the helpers take offsets and loaded ids.
 @triton.jit
-def _local_ids(ids_ptr, t, k, T, K, stride_it, stride_ik, LO, E, NG):
-    """(local expert of entries (t, k) as int32, -1 when skipped: id -1, another rank's expert, a
-    bad id, t >= T or k >= K; bad-id mask). t may be a scalar next to a vector k."""
+def _id_offsets(t, k, T, K, stride_it, stride_ik):
+    """(row and column offsets of entries (t, k) in topk_ids, in-bounds mask: t < T and k < K).
+    t may be a scalar next to a vector k."""
     inb = (t + k * 0 < T) & (k < K)
-    v = tl.load(ids_ptr + t.to(tl.int64) * stride_it + k * stride_ik, mask=inb, other=-1)
+    return t.to(tl.int64) * stride_it, k * stride_ik, inb
+
+
+@triton.jit
+def _local_ids(v, inb, LO, E, NG):
+    """(local expert of loaded ids v as int32, -1 when skipped: id -1, another rank's expert, a bad
+    id, out of bounds (inb False); bad-id mask)."""
     bad = inb & ((v < -1) | (v >= NG))
     loc = v - LO
     live = inb & (v >= 0) & (v < NG) & (loc >= 0) & (loc < E)
@@ -103,8 +111,8 @@ def _ll_scatter_kernel(
         n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
         for b0 in range(0, T * K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            e, bad = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
-                                LO, E, NG)  # fmt: skip
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik)
+            e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
             tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
             n_bad += bad.to(tl.int32)
         tot = tl.where(bins < E, tot, 0)
@@ -121,7 +129,9 @@ def _ll_scatter_kernel(
         t = pid // CHUNKS
         c = pid % CHUNKS
         kk = tl.arange(0, K_PAD)
-        e, bad_own = _local_ids(ids_ptr, t, kk, T, K, stride_it, stride_ik, LO, E, NG)
+        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, stride_it, stride_ik)
+        v_t = tl.load(ids_ptr + ro_t + co_t, mask=in_t, other=-1)
+        e, bad_own = _local_ids(v_t, in_t, LO, E, NG)
         any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
         # the row's load goes first (it needs the token's own ids only); tokens without a local
         # expert read nothing
@@ -136,8 +146,8 @@ def _ll_scatter_kernel(
         cnt = tl.zeros([K_PAD], dtype=tl.int32)
         for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            eb, bad_b = _local_ids(ids_ptr, pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik,
-                               LO, E, NG)  # fmt: skip
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik)
+            eb, bad_b = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
             same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
             cnt += tl.sum(same.to(tl.int32), axis=1)
         kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
