@@ -132,8 +132,8 @@ PDL = True
 # (with SCALE_VEC). PF_SCALES at 16: 89.3 vs 89.7 without. Rejected: the rest of each row past
 # chunk 0 for the second kernel (+1.1-1.5 us), the scales after gdc_wait or by the second
 # kernel's programs (88.1 / 88.3 vs 88.3: no gain)
-# SCALE_VEC: the row-block scale copy with 16-byte accesses (_scale_rows); W fp8 its scale rows
-# alone 5.2 us device vs 7.8 scalar, the permute 90.5 vs 92.1 us (no prefetch)
+# SCALE_VEC: the row-block scale copy with 16-byte accesses (in _rest_scales_kernel); W fp8 its
+# scale rows alone 5.2 us device vs 7.8 scalar, the permute 90.5 vs 92.1 us (no prefetch)
 SCALE_VEC = True
 PF_SCALES = True
 PF_WAVES = 2
@@ -167,24 +167,25 @@ class PermuteResult(NamedTuple):
 # entry lands in. With DeepGEMM-layout scales, kernel 3 copies only the first column chunk and
 # kernel 4 the other chunks plus the scales, per destination row block.
 # No atomics and no zero fill: every word is written by exactly one program.
+# Every load of a pointer argument sits in a kernel body: torch.compile reads a pointer passed to
+# a jit helper whose result feeds a store as written (and clones it). The helpers take offsets,
+# masks and loaded values.
 
 
 @triton.jit
-def _load_token_ids(ids_ptr, t, k, M, K, stride_it, stride_ik, E):
-    """(expert of entries (t, k) as int32: -1 for -1, invalid ids, t >= M, k >= K; invalid mask)"""
+def _id_offsets(t, k, M, K, stride_it, stride_ik):
+    """(row and column offsets of entries (t, k) in topk_ids, valid mask: t < M and k < K)."""
     valid = (t + k * 0 < M) & (k < K)  # (t may be a scalar: the mask is k's shape or larger)
-    e = tl.load(ids_ptr + t * stride_it + k * stride_ik, mask=valid, other=-1)
+    return t * stride_it, k * stride_ik, valid
+
+
+@triton.jit
+def _classify(e, valid, E):
+    """(expert of loaded ids e as int32: -1 for -1, invalid ids and entries not valid; invalid
+    mask)"""
     ok = valid & (e >= 0) & (e < E)
     bad = valid & ((e < -1) | (e >= E))
     return tl.where(ok, e, -1).to(tl.int32), bad
-
-
-@triton.jit
-def _aligned_starts(totals_ptr, E, ALIGN, E_PAD: tl.constexpr):
-    """(per-expert totals, their aligned block sizes, aligned block starts), each int32 [E_PAD]
-    (0 past E)"""
-    ex = tl.arange(0, E_PAD)
-    return _aligned_from(tl.load(totals_ptr + ex, mask=ex < E, other=0), ALIGN)
 
 
 @triton.jit
@@ -205,8 +206,8 @@ def _count_tokens_kernel(
         gdc_launch_dependents()
     b = tl.program_id(0)
     t = (b * TB + tl.arange(0, TB))[:, None]
-    e, bad = _load_token_ids(ids_ptr, t, tl.arange(0, K_PAD)[None, :], M, K, stride_it,
-                             stride_ik, E)  # fmt: skip
+    ro, co, valid = _id_offsets(t, tl.arange(0, K_PAD)[None, :], M, K, stride_it, stride_ik)
+    e, bad = _classify(tl.load(ids_ptr + ro + co, mask=valid, other=-1), valid, E)
     e = tl.reshape(e, [TB * K_PAD])
     hist = tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: the -1 entries (ignored)
     bins = tl.arange(0, NUM_BINS)
@@ -248,26 +249,15 @@ def _scan_kernel(
 
 
 @triton.jit
-def _fill_rows(
-    q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM,
-    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    WRITE_SRC: tl.constexpr,
-):  # fmt: skip
-    """Every SPLIT-th chunk (from q % SPLIT) of expert q // SPLIT's aligned block (E: the unused
-    tail): m_indices = the expert on its first totals[e] rows, -1 on the padding (and src = -1
-    there); q == 0 also writes expert_offsets."""
-    tot, aligned, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
-    _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM, E_PAD,
-               BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
-
-
-@triton.jit
 def _fill_from(
     q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM,
     E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
-    """_fill_rows with the totals, aligned sizes and starts given ([E_PAD], 0 past E)."""
+    """Every SPLIT-th chunk (from q % SPLIT) of expert q // SPLIT's aligned block (E: the unused
+    tail), from the per-expert totals, aligned sizes and starts ([E_PAD], 0 past E): m_indices =
+    the expert on its first tot[e] rows, -1 on the padding (and src = -1 there); q == 0 also
+    writes expert_offsets."""
     ex = tl.arange(0, E_PAD)
     fe = q // SPLIT  # the expert this program fills (E: the unused tail)
     j = q % SPLIT
@@ -289,33 +279,16 @@ def _fill_from(
 
 
 @triton.jit
-def _token_rank(ids_ptr, t, b, M, K, stride_it, stride_ik, E, K_PAD: tl.constexpr,
-                TB: tl.constexpr):  # fmt: skip
-    """(experts of token t's entries, -1 for none; each entry's rank among the entries of the
-    same expert earlier in t's block b), int32 [K_PAD] each. Reads the ids only."""
+def _block_rank(e, eb, t, b, K_PAD: tl.constexpr, TB: tl.constexpr):
+    """Rank of each of token t's entries (experts e, int32 [K_PAD], -1 for none) among the entries
+    of the same expert earlier in t's block b (experts eb, [TB, K_PAD]), int32 [K_PAD]."""
     kk = tl.arange(0, K_PAD)
-    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
     # the block's entries, flattened (token-major); own entries sit at (t - b * TB) * K_PAD + k
-    tb = b * TB + tl.arange(0, TB)[:, None]
-    eb, _ = _load_token_ids(ids_ptr, tb, kk[None, :], M, K, stride_it, stride_ik, E)
     eb = tl.reshape(eb, [TB * K_PAD])
     pos = tl.arange(0, TB * K_PAD)
     own = (t - b * TB) * K_PAD + kk
     earlier = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
-    return e, tl.sum(earlier.to(tl.int32), axis=1)
-
-
-@triton.jit
-def _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD: tl.constexpr):
-    """Destination rows of a token's entries (from _token_rank), -1 for none, int32 [K_PAD]:
-    aligned expert start + entries of the expert in earlier blocks + rank. Reads the scan's
-    output (with PDL, call after gdc_wait)."""
-    live = e >= 0
-    _, _, start = _aligned_starts(totals_ptr, E, ALIGN, E_PAD)
-    ex = tl.arange(0, E_PAD)
-    base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
-    first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
-    return tl.where(live, base + first + rank, -1)
+    return tl.sum(earlier.to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -330,46 +303,13 @@ def _store_rows(out_ptr, rows, v, cols, H, K: tl.constexpr, K_PAD: tl.constexpr,
 
 
 @triton.jit
-def _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H: tl.constexpr,
-                LOAD_POLICY: tl.constexpr):  # fmt: skip
-    """(column chunk c of token t's row, its columns, the row's live width): tokens without a
-    local entry (routed only to other ranks, padding rows of a worst-case dispatch) are never
+def _chunk_cols(e, c, H, BLOCK_H: tl.constexpr):
+    """(columns of column chunk c, the row's live width) of a token with experts e: tokens without
+    a local entry (routed only to other ranks, padding rows of a worst-case dispatch) are never
     read (live width 0)."""
     h_live = tl.where(tl.max(e, axis=0) >= 0, H, 0)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    v = tl.load(x_ptr + t.to(tl.int64) * stride_xm + cols * stride_xh, mask=cols < h_live,
-                eviction_policy=LOAD_POLICY)  # fmt: skip
-    return v, cols, h_live
-
-
-@triton.jit
-def _scale_rows(xs_ptr, src_ptr, outs_ptr, blk, S, M_SUM, stride_sm, stride_ss, stride_om,
-                stride_os, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, VEC: tl.constexpr,
-                S_C: tl.constexpr):  # fmt: skip
-    """Scales of destination rows [blk * BLOCK_R, + BLOCK_R), gathered from their source tokens
-    (src: -1 on rows no entry lands in). The stores are contiguous (down the rows in DeepGEMM's
-    MN-major layout), where a per-source copy scatters one 4-byte store per (row, group).
-    VEC (S_C = S, dense 16-byte aligned rows both sides, stride_om 1): 16-byte accesses; a block
-    with a live row writes all of its rows (0 on the padding rows, whose scales are unspecified)
-    so that the stores' mask is the same down the rows, and a block without one writes nothing.
-    Else only the live rows are written."""
-    r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
-    src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
-    live = src >= 0
-    so = tl.arange(0, BLOCK_S)
-    if VEC:
-        if tl.max(src, axis=0) >= 0:
-            base = tl.multiple_of(src.to(tl.int64) * stride_sm, 4)
-            m = live[:, None] & (so < S_C)[None, :]
-            v = tl.load(xs_ptr + base[:, None] + so[None, :], mask=m, other=0.0)
-            tl.store(outs_ptr + r.to(tl.int64)[:, None] + so[None, :] * stride_os, v,
-                     mask=(r < M_SUM)[:, None] & (so < S_C)[None, :])  # fmt: skip
-    else:
-        m = live[:, None] & (so[None, :] < S)
-        v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss,
-                    mask=m)  # fmt: skip
-        tl.store(outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os, v,
-                 mask=m)  # fmt: skip
+    return cols, h_live
 
 
 @triton.jit
@@ -431,7 +371,7 @@ def _place_copy_kernel(
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < M): column chunk c of token t's row to its destinations (a
     token's chunks in neighbouring programs). Programs past M * CHUNKS: the m_indices fill
-    (_fill_rows), one chunk of it per program."""
+    (_fill_from), one chunk of it per program."""
     if PDL:
         gdc_launch_dependents()
     t = tl.program_id(0) // CHUNKS
@@ -441,16 +381,26 @@ def _place_copy_kernel(
         if q < (E + 1) * SPLIT:
             if PDL:
                 gdc_wait()  # totals come from the scan kernel
-            _fill_rows(q, totals_ptr, m_idx_ptr, offsets_ptr, src_ptr, E, ALIGN, M_SUM, E_PAD,
+            ex = tl.arange(0, E_PAD)
+            tot, aligned, start = _aligned_from(tl.load(totals_ptr + ex, mask=ex < E, other=0),
+                                                ALIGN)  # fmt: skip
+            _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM, E_PAD,
                        BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
     else:
         b = t // TB
         kk = tl.arange(0, K_PAD)
-        e, rank = _token_rank(ids_ptr, t, b, M, K, stride_it, stride_ik, E, K_PAD, TB)
+        # token t's experts (-1 for none) and those of its block's entries, then each entry's rank
+        ro, co, valid = _id_offsets(t, kk, M, K, stride_it, stride_ik)
+        e, _ = _classify(tl.load(ids_ptr + ro + co, mask=valid, other=-1), valid, E)
+        tb = b * TB + tl.arange(0, TB)[:, None]
+        ro_b, co_b, valid_b = _id_offsets(tb, kk[None, :], M, K, stride_it, stride_ik)
+        eb, _ = _classify(tl.load(ids_ptr + ro_b + co_b, mask=valid_b, other=-1), valid_b, E)
+        rank = _block_rank(e, eb, t, b, K_PAD, TB)
         # everything up to gdc_wait depends on the inputs alone (ids, rows, scales), so with PDL
         # these loads overlap the scan; without it the row's load still goes before the counts'
-        v, cols, h_live = _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H,
-                                      LOAD_POLICY)  # fmt: skip
+        cols, h_live = _chunk_cols(e, c, H, BLOCK_H)
+        v = tl.load(x_ptr + t.to(tl.int64) * stride_xm + cols * stride_xh, mask=cols < h_live,
+                    eviction_policy=LOAD_POLICY)  # fmt: skip
         t64 = t.to(tl.int64)
         if HAS_SCALES:  # the row's scales, SPC of them per column chunk (spread over its programs)
             so = c * SPC + tl.arange(0, BLOCK_S)
@@ -465,7 +415,14 @@ def _place_copy_kernel(
                             PF_WAVES, PF_DIST)  # fmt: skip
         if PDL:
             gdc_wait()  # counts (scanned) and totals come from the scan kernel
-        rows = _token_rows(e, rank, b, counts_ptr, totals_ptr, E, NB, ALIGN, E_PAD)
+        # destination rows (-1 for none): aligned expert start + the expert's entries in earlier
+        # blocks + rank
+        live = e >= 0
+        ex = tl.arange(0, E_PAD)
+        _, _, start = _aligned_from(tl.load(totals_ptr + ex, mask=ex < E, other=0), ALIGN)
+        base = tl.sum(tl.where(ex[None, :] == e[:, None], start[None, :], 0), axis=1)
+        first = tl.load(counts_ptr + e.to(tl.int64) * NB + b, mask=live, other=0)
+        rows = tl.where(live, base + first + rank, -1)
         if c == 0:
             tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
             if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
@@ -495,8 +452,14 @@ def _rest_scales_kernel(
 ):  # fmt: skip
     """Two kinds of programs after the copy kernel (which wrote src, inv_perm and chunk 0 of
     every row when N_REST > 0, all chunks otherwise):
-    - scale rows, N_SCALE of them (every STRIDE-th program, from the STRIDE - 1-th): _scale_rows
-      of BLOCK_R consecutive destination rows;
+    - scale rows, N_SCALE of them (every STRIDE-th program, from the STRIDE - 1-th): the scales
+      of BLOCK_R consecutive destination rows, gathered from their source tokens (src: -1 on rows
+      no entry lands in). The stores are contiguous (down the rows in DeepGEMM's MN-major
+      layout), where a per-source copy scatters one 4-byte store per (row, group). VEC (S_C = S,
+      dense 16-byte aligned rows both sides, stride_om 1): 16-byte accesses; a block with a live
+      row writes all of its rows (0 on the padding rows, whose scales are unspecified) so that
+      the stores' mask is the same down the rows, and a block without one writes nothing. Else
+      only the live rows are written;
     - the other M * N_REST: column chunk 1 + i % N_REST of token i // N_REST's row to the rows the
       copy kernel put in inv_perm. They keep the bandwidth up while the scale rows wait on their
       gathers."""
@@ -504,15 +467,33 @@ def _rest_scales_kernel(
     if (pid % STRIDE == STRIDE - 1) & (pid // STRIDE < N_SCALE):
         if PDL:
             gdc_wait()  # src comes from the copy kernel
-        _scale_rows(xs_ptr, src_ptr, outs_ptr, pid // STRIDE, S, M_SUM, stride_sm, stride_ss,
-                    stride_om, stride_os, BLOCK_R, BLOCK_S, VEC, S_C)  # fmt: skip
+        blk = pid // STRIDE
+        r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        src = tl.load(src_ptr + r, mask=r < M_SUM, other=-1)
+        live = src >= 0
+        so = tl.arange(0, BLOCK_S)
+        if VEC:
+            if tl.max(src, axis=0) >= 0:
+                base = tl.multiple_of(src.to(tl.int64) * stride_sm, 4)
+                m = live[:, None] & (so < S_C)[None, :]
+                v = tl.load(xs_ptr + base[:, None] + so[None, :], mask=m, other=0.0)
+                tl.store(outs_ptr + r.to(tl.int64)[:, None] + so[None, :] * stride_os, v,
+                         mask=(r < M_SUM)[:, None] & (so < S_C)[None, :])  # fmt: skip
+        else:
+            m = live[:, None] & (so[None, :] < S)
+            v = tl.load(xs_ptr + src.to(tl.int64)[:, None] * stride_sm + so[None, :] * stride_ss,
+                        mask=m)  # fmt: skip
+            tl.store(outs_ptr + r.to(tl.int64)[:, None] * stride_om + so[None, :] * stride_os, v,
+                     mask=m)  # fmt: skip
     else:
         i = pid - tl.minimum((pid + 1) // STRIDE, N_SCALE)  # scale programs before pid
         t = i // N_REST
         kk = tl.arange(0, K_PAD)
-        e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
-        chunk, cols, _ = _load_chunk(x_ptr, t, e, 1 + i % N_REST, H, stride_xm, stride_xh,
-                                     BLOCK_H, LOAD_POLICY)  # fmt: skip
+        ro, co, valid = _id_offsets(t, kk, M, K, stride_it, stride_ik)
+        e, _ = _classify(tl.load(ids_ptr + ro + co, mask=valid, other=-1), valid, E)
+        cols, h_live = _chunk_cols(e, 1 + i % N_REST, H, BLOCK_H)
+        chunk = tl.load(x_ptr + t.to(tl.int64) * stride_xm + cols * stride_xh, mask=cols < h_live,
+                        eviction_policy=LOAD_POLICY)  # fmt: skip
         if PF_WAVES > 0:  # (as the copy kernel's: later waves' chunks while the copy kernel ends)
             _prefetch_waves(x_ptr, i, M, H, stride_xm, N_REST, 1, BLOCK_H, PF_WAVES, PF_DIST)
         if PDL:
@@ -548,11 +529,15 @@ def _small_permute_kernel(
     t = pid // CHUNKS
     c = pid % CHUNKS
     kk = tl.arange(0, K_PAD)
-    e, _ = _load_token_ids(ids_ptr, t, kk, M, K, stride_it, stride_ik, E)
+    ro, co, valid = _id_offsets(t, kk, M, K, stride_it, stride_ik)
+    e, _ = _classify(tl.load(ids_ptr + ro + co, mask=valid, other=-1), valid, E)
     # the row's load goes first: it needs the token's own ids only (nothing read past M)
-    v, cols, h_live = _load_chunk(x_ptr, t, e, c, H, stride_xm, stride_xh, BLOCK_H, LOAD_POLICY)
+    cols, h_live = _chunk_cols(e, c, H, BLOCK_H)
+    v = tl.load(x_ptr + t.to(tl.int64) * stride_xm + cols * stride_xh, mask=cols < h_live,
+                eviction_policy=LOAD_POLICY)  # fmt: skip
     pos = tl.arange(0, N_PAD)
-    ea, bad = _load_token_ids(ids_ptr, pos // K_PAD, pos % K_PAD, M, K, stride_it, stride_ik, E)
+    ro_a, co_a, valid_a = _id_offsets(pos // K_PAD, pos % K_PAD, M, K, stride_it, stride_ik)
+    ea, bad = _classify(tl.load(ids_ptr + ro_a + co_a, mask=valid_a, other=-1), valid_a, E)
     binned = tl.where(ea >= 0, ea, E)  # bin E: -1, invalid ids and padding (ignored)
     bins = tl.arange(0, NUM_BINS)
     tot = tl.where(bins < E, tl.histogram(binned, NUM_BINS), 0)
@@ -660,8 +645,9 @@ def _rest_prefetch(x, on: bool, block_h: int) -> dict:
 
 
 def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
-    """The row-block scale copy's VEC / S_C constexprs (see _scale_rows): on for dense 16-byte
-    aligned scale rows (SCALE_VEC; not under torch.compile, whose fake tensors have no address)."""
+    """The row-block scale copy's VEC / S_C constexprs (see _rest_scales_kernel): on for dense
+    16-byte aligned scale rows (SCALE_VEC; not under torch.compile, whose fake tensors have no
+    address)."""
     on = (
         SCALE_VEC
         and not _checks._tracing(x_scales)
