@@ -42,8 +42,9 @@ from epmoe.ops.gemm import contiguous_row_block, masked_row_block
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
 MODES = ("ht", "ll", "auto")
-# mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above
-AUTO_LL_MAX_TOKENS = 128
+# mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
+# crossover is on benchmarks/results/h200/RESULTS.md)
+AUTO_LL_MAX_TOKENS = 512
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
