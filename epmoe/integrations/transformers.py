@@ -58,6 +58,7 @@ Greedy tokens of a float32 model equal eager's except at near-ties (eager's top-
 than the bf16 experts' error), which the experts' bf16 math can flip.
 """
 
+import ctypes
 import inspect
 import warnings
 import weakref
@@ -172,7 +173,9 @@ def _make_backend(name: str, scheme: str, fp8: bool) -> Callable:
         """transformers experts backend: hidden_states float `[T, H]`, top_k_index int `[T, K]`,
         top_k_weights float `[T, K]` -> `[T, H]` in hidden_states' dtype."""
         needs_grad = torch.is_grad_enabled() and _wants_grad(self, hidden_states, fp8)
-        use = _prepare(self, name, scheme, fp8, top_k_index.shape[-1], needs_grad)
+        # the module goes in by id: torch.compile (2.11) folds only constant arguments of an
+        # assume_constant_result function, and id() of a module is one
+        use = _prepare_by_id(id(self), name, scheme, fp8, top_k_index.shape[-1], needs_grad)
         st = getattr(self, _STATE)
         if not use:
             return st.fallback(self, hidden_states, top_k_index, top_k_weights)
@@ -217,6 +220,14 @@ def _run(layer: EPMoE, module, x, top_k_index, top_k_weights):
 
 # ---------------------------------------------------------------------------------------- state
 @torch._dynamo.assume_constant_result  # under torch.compile: runs once at trace time, not traced
+def _prepare_by_id(
+    key: int, name: str, scheme: str, fp8: bool, top_k: int, needs_grad: bool
+) -> bool:
+    """:func:`_prepare` of the live module whose id() is ``key`` (the caller holds it)."""
+    module = ctypes.cast(key, ctypes.py_object).value
+    return _prepare(module, name, scheme, fp8, top_k, needs_grad)
+
+
 def _prepare(module, name: str, scheme: str, fp8: bool, top_k: int, needs_grad: bool) -> bool:
     """Make sure ``module`` has a current _State for backend ``name``; True: run its EPMoE layer,
     False: run its fallback."""
