@@ -7,12 +7,17 @@ instead of run, then compiles each recorded launch (its argument types, constexp
 the launcher's specialization: ints equal to 1 as constants, divisibility-by-16 hints) to a cubin
 for sm90 with the local Triton and its bundled ptxas. Exit code 1 on any failure.
 
+With --dump-ptx DIR it writes each compiled variant's PTX (``compiled.asm["ptx"]`` without its
+``.loc`` / ``.file`` lines and debug sections) to DIR/<kernel>-<hash of the launch key>.ptx, e.g. to
+check that a refactor leaves every kernel's code unchanged (compare the two folders' contents).
+
 With --resources it also prints each kernel's registers per thread, spills and shared memory
 (``cuobjdump -res-usage`` of the cubin), e.g. to see how many programs fit on an SM. With --sass
 it prints each kernel's SASS instruction count and its most frequent opcodes (``nvdisasm``): the
 fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
 
-  python scripts/compile_kernels.py [--resources] [--sass]    (do not set TRITON_INTERPRET)
+  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR]
+(do not set TRITON_INTERPRET)
 
 Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
 newer one accepts code that 3.6 rejects (a module-level string passed from one jit function to
@@ -300,9 +305,27 @@ def sass_summary(compiled, top: int = 8) -> str:
     return f"{sum(ops.values())} instructions ({common})"
 
 
+def strip_ptx(ptx: str) -> str:
+    """ptx without source locations (``.loc``, ``.file``) and debug sections: the code alone."""
+    ptx = ptx.split("\t.section\t.debug", 1)[0]
+    keep = [ln for ln in ptx.splitlines() if not ln.lstrip().startswith((".loc", ".file"))]
+    return "\n".join(keep).rstrip() + "\n"
+
+
+def dump_ptx(folder: str, kname: str, key, compiled) -> None:
+    import hashlib
+
+    os.makedirs(folder, exist_ok=True)
+    tag = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+    with open(os.path.join(folder, f"{kname}-{tag}.ptx"), "w") as f:
+        f.write(strip_ptx(compiled.asm["ptx"]))
+
+
 def main() -> int:
-    show = "--resources" in sys.argv[1:]
-    sass = "--sass" in sys.argv[1:]
+    argv = sys.argv[1:]
+    show = "--resources" in argv
+    sass = "--sass" in argv
+    ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
     P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scales too
     failed = 0
     for name, launch in cases().items():
@@ -329,6 +352,8 @@ def main() -> int:
             seen.add(key)
             try:
                 compiled = compile_launch(fn, args, kwargs)
+                if ptx_dir:
+                    dump_ptx(ptx_dir, kname, key, compiled)
                 extra = f"  [{resources(compiled)}]" if show else ""
                 extra += f"  [{sass_summary(compiled)}]" if sass else ""
                 print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
