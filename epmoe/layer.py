@@ -14,10 +14,15 @@ kernel (quantization fused) and gathers them back, weighted, with another
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
 K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
 each rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
+
+Stage outputs of a real forward pass can be recorded (for checks and per-stage benchmarks) without
+a second copy of the chain: ``with layer.record_stages() as rec: out = layer(x, ids, w)``, then
+``rec["permute"]`` is permute's result as GEMM1 consumed it (see :class:`StageRecord`).
 """
 
+import contextlib
 import math
-from typing import Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -49,6 +54,58 @@ AUTO_LL_MAX_TOKENS = 512
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
 _QDTYPE = {"fp8": reference.FP8_DTYPE, "int8": torch.int8}
+# the stages each path records, in order ("quantize" only where it runs: HT fp8 / int8, LL int8)
+HT_STAGES = ("quantize", "dispatch", "permute", "gemm1", "act", "gemm2", "unpermute", "combine")
+LL_STAGES = ("ll_dispatch", "quantize", "gemm1", "act", "gemm2", "ll_combine")
+# one rank, local backend: HT has no dispatch / combine; LL scatters and gathers instead
+LOCAL_HT_STAGES = ("quantize", "permute", "gemm1", "act", "gemm2", "unpermute")
+LOCAL_LL_STAGES = ("ll_scatter", "gemm1", "act", "gemm2", "ll_gather")
+STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + LOCAL_LL_STAGES))
+
+
+class StageRecord:
+    """The per-stage outputs of the forward passes run inside :meth:`EPMoE.record_stages`.
+
+    Each value is the stage's own result, not a copy, exactly as the next stage consumed it:
+
+    - "quantize", "act": tuple (codes, scales float32 or None), as ``quantize`` /
+      ``silu_and_mul(_quant)`` return them (bf16 act: (bf16 `[M_sum, I]` or `[E, C, I]`, None)).
+    - "dispatch" / "ll_dispatch": the dispatch op's NamedTuple; "permute": ``PermuteResult``;
+      "ll_scatter": tuple (x `[E, C, H]`, scales, masked_m int32 `[E]`, rows int32 `[T, K]`).
+    - "gemm1", "gemm2": bf16 `[M_sum, N]` (HT) or `[E, C, N]` (LL); "unpermute", "combine",
+      "ll_combine", "ll_gather": bf16 `[T, H]` (HT unpermute: `[M, H]`, M received rows).
+
+    A backend may reuse its receive buffers (DeepEP LL), so read the record before the next
+    forward pass. ``record[stage]`` is the stage's latest output; ``names`` lists the recorded
+    stages in the order they ran.
+    """
+
+    def __init__(self, replace: Optional[Dict[str, Callable]] = None):
+        self.stages: List[Tuple[str, object]] = []
+        self._replace = dict(replace or {})
+
+    def _add(self, stage: str, value):
+        fn = self._replace.get(stage)
+        if fn is not None:
+            value = fn(value)
+        self.stages.append((stage, value))
+        return value
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(name for name, _ in self.stages)
+
+    def __contains__(self, stage: str) -> bool:
+        return any(name == stage for name, _ in self.stages)
+
+    def __getitem__(self, stage: str):
+        for name, value in reversed(self.stages):
+            if name == stage:
+                return value
+        raise KeyError(f"StageRecord: stage {stage!r} was not recorded (recorded: {self.names})")
+
+    def __len__(self) -> int:
+        return len(self.stages)
 
 
 class EPMoE(nn.Module):
@@ -75,6 +132,9 @@ class EPMoE(nn.Module):
         device: where weights live (default: CUDA when available, else CPU).
         **backend_kwargs: passed to the communicator (deepep: num_nvl_bytes, num_sms, ...).
     """
+
+    # the open StageRecord of record_stages(), None otherwise (the forward's only recording cost)
+    _stage_record: Optional[StageRecord] = None
 
     def __init__(
         self,
@@ -290,6 +350,41 @@ class EPMoE(nn.Module):
             return num_tokens <= self.ll_max_tokens
         return self.mode == "ll"
 
+    @contextlib.contextmanager
+    def record_stages(self, replace: Optional[Dict[str, Callable]] = None):
+        """Record every stage's output of the eager forward passes run inside the block.
+
+        ``with layer.record_stages() as rec: out = layer(x, ids, w)``; then ``rec["permute"]``
+        is permute's result (see :class:`StageRecord` for each stage's value). Nothing is recorded
+        while torch.compile traces the layer (the compiled graph is the same with or without a
+        record), nor outside the block.
+
+        Args:
+            replace: stage name -> function of the stage's output returning the value the next
+                stage consumes instead (and that is recorded): a selftest hook that shows a check
+                catches a wrong stage. Eager only.
+        Yields:
+            StageRecord.
+        """
+        for stage in replace or {}:
+            _checks.check_choice("record_stages", "replace", stage, STAGES)
+        if self._stage_record is not None:
+            raise RuntimeError("EPMoE.record_stages: already recording (blocks do not nest)")
+        rec = StageRecord(replace)
+        self._stage_record = rec
+        try:
+            yield rec
+        finally:
+            self._stage_record = None
+
+    def _emit(self, stage: str, value):
+        """A stage's output on its way to the next stage: recorded inside record_stages(), else
+        returned as is (one attribute read; skipped while compiling, so no graph change)."""
+        rec = self._stage_record
+        if rec is None or torch.compiler.is_compiling():
+            return value
+        return rec._add(stage, value)
+
     def _act(self, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
         if self.quant == "bf16":
@@ -310,13 +405,15 @@ class EPMoE(nn.Module):
     def _forward_ht(self, x, topk_ids, topk_weights):
         scales = None
         if self.quant != "bf16":
-            x, scales = quantize(x, self.quant)
+            x, scales = self._emit("quantize", quantize(x, self.quant))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(x, scales, topk_ids, topk_weights)
         worst = self.worst_case and self.mode == "ht"
-        d = ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
+        d = self._emit(
+            "dispatch", ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
+        )
         y = self._experts_ht(d.x, d.x_scales, d.topk_ids, d.topk_weights)
-        return ht_combine(y, d.handle, self.comm_key)
+        return self._emit("combine", ht_combine(y, d.handle, self.comm_key))
 
     def _experts_ht(self, x, scales, topk_ids, topk_weights):
         """permute -> GEMM1 -> activation -> GEMM2 -> unpermute on rows with local ids."""
@@ -328,6 +425,7 @@ class EPMoE(nn.Module):
             scales,
             scale_layout=self._scale_layout(),
         )
+        p = self._emit("permute", p)
         y = grouped_gemm(
             p.x,
             self.w1,
@@ -337,8 +435,10 @@ class EPMoE(nn.Module):
             expert_offsets=p.expert_offsets,
             trusted=True,  # permute writes only -1 or [0, E)
         )
+        y = self._emit("gemm1", y)
         # padding rows and the unused tail are skipped
-        h, hs = self._act(y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+        act = self._act(y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+        h, hs = self._emit("act", act)
         y = grouped_gemm(
             h,
             self.w2,
@@ -348,7 +448,8 @@ class EPMoE(nn.Module):
             expert_offsets=p.expert_offsets,
             trusted=True,  # permute writes only -1 or [0, E)
         )
-        return unpermute(y, p.inv_perm, topk_weights)
+        y = self._emit("gemm2", y)
+        return self._emit("unpermute", unpermute(y, p.inv_perm, topk_weights))
 
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
@@ -402,7 +503,7 @@ class EPMoE(nn.Module):
                 x.shape[0],
             )
         if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
-            a, s, masked_m, rows = ll_scatter(
+            scattered = ll_scatter(
                 x,
                 topk_ids,
                 self.num_local_experts,
@@ -410,20 +511,24 @@ class EPMoE(nn.Module):
                 self.quant,
                 scale_layout=self._scale_layout(),
             )
+            a, s, masked_m, rows = self._emit("ll_scatter", scattered)
             y = self._experts_ll(a, s if self.quant != "bf16" else None, masked_m)
-            return ll_gather(y, rows, topk_weights)
+            return self._emit("ll_gather", ll_gather(y, rows, topk_weights))
         d = ll_dispatch(x, topk_ids, self.comm_key, use_fp8=self.quant == "fp8")
+        d = self._emit("ll_dispatch", d)
         a, s = d.x, d.x_scales
         if self.quant == "int8":
-            a, s = quantize(a, "int8", masked_m=d.masked_m)
+            a, s = self._emit("quantize", quantize(a, "int8", masked_m=d.masked_m))
         y = self._experts_ll(a, s, d.masked_m)
-        return ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
+        out = ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
+        return self._emit("ll_combine", out)
 
     def _experts_ll(self, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         em = self.expected_m()
         # the counts come from a dispatch that clamps them to the capacity
         kw = dict(masked_m=masked_m, expected_m=em, trusted=True)
-        y = grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw)
-        h, hs = self._act(y, masked_m)
-        return grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)
+        y = self._emit("gemm1", grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw))
+        h, hs = self._emit("act", self._act(y, masked_m))
+        y = grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)
+        return self._emit("gemm2", y)
