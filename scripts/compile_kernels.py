@@ -43,7 +43,7 @@ Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
-G = importlib.import_module("epmoe.ops.gemm")
+G = importlib.import_module("epmoe.ops.gemm._int8")
 R = importlib.import_module("epmoe._range")
 ML = importlib.import_module("epmoe.comm.masked_layout")
 

@@ -351,7 +351,7 @@ def test_bf16_grouped_mm_fallback(monkeypatch, with_offsets):
     if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm needs sm90+")
     monkeypatch.setattr(
-        gemm,
+        gemm._ops,
         "_backend",
         lambda scheme, layout, *a: {"contiguous": "grouped_mm", "masked": "bmm"}[layout],
     )

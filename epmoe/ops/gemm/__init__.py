@@ -1,0 +1,74 @@
+"""Stage: grouped GEMM ("nt": out[r] = a[r] @ w[e].T), contiguous (HT) and masked (LL) layouts.
+
+Contract:
+- contiguous: a `[M_sum, Kd]`, w `[E, N, Kd]`, m_indices int32 `[M_sum]` (expert of the row,
+  -1 = skip) -> bf16 `[M_sum, N]`. Rows with m_indices == -1 are unspecified, never read downstream.
+  Optional expert_offsets int32 `[E + 1]` (permute's block starts; last = used rows) lets the
+  torch._grouped_mm backend skip deriving group ends from m_indices.
+- masked: a `[E, T, Kd]`, w `[E, N, Kd]`, masked_m int32 `[E]` -> bf16 `[E, T, N]`; rows
+  t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the typical
+  rows per expert (0 = T); it picks tile shapes, never results.
+- Schemes, chosen by a.dtype: bf16 (no scales); fp8 e4m3 (a_scales float32 `[.., Kd/128]` per token
+  and 128 channels, w_scales float32 `[E, N/128, Kd/128]` per 128x128 block); int8 (a_scales
+  float32 `[.., 1]` per token, w_scales float32 `[E, N]` per output channel, int32 accumulation).
+  a_scales may have any strides. On sm90 deep_gemm wants fp8 activation scales MN-major and
+  TMA-aligned (:func:`empty_fp8_act_scales` allocates that layout); other strides cost deep_gemm
+  one transpose per call.
+
+Backends on CUDA (CPU and other devices run :mod:`epmoe.reference`):
+- fp8: deep_gemm (sm90, float32 scales); without it, the reference.
+- bf16: deep_gemm bf16 grouped GEMMs (sm90/sm100); else torch._grouped_mm (contiguous) / torch.bmm
+  (masked); else the reference.
+- int8: the Triton W8A8 kernels below (int8 x int8 -> int32 on tensor cores, then per-token x
+  per-channel scales, bf16 out).
+
+CUDA-graph safe (static shapes, no host sync) once :func:`warmup` has compiled every kernel. The
+contiguous layout needs every expert block to start at a multiple of :func:`contiguous_row_block`
+rows: the permute ``alignment`` must be a multiple of it. The masked layout takes any T, but
+deep_gemm's masked kernels need T to be a multiple of their row block (see
+:func:`masked_row_block`); for any other T the op runs deep_gemm on a row-padded copy of the
+operands (one extra copy of a, its scales and the output). Shape legend: ``E`` local experts,
+``T`` rows per expert slot (masked), ``M_sum`` permuted rows, ``N``/``Kd`` GEMM output/reduction
+dims.
+
+Modules: ``_select`` (scheme, backend choice, deep_gemm entry points, row blocks), ``_validate``
+(one-pass ``_valid`` and the full checks), ``_int8`` (Triton INT8 kernels, configs, launchers),
+``_deepgemm`` (deep_gemm calls, masked row padding), ``_ops`` (torch.library registration, CUDA
+dispatch, :func:`grouped_gemm`), ``_weights`` (:func:`prepare_weights`, :func:`warmup`). Patch a
+private name in the module that defines it (``_ops._backend``, ``_int8._int8_masked_kernel``): the
+names re-exported here are copies of the binding, never the one the code reads.
+"""
+
+# The public API (__all__) and, as `x as x`, internals that tests, scripts and benchmarks call.
+from epmoe.ops.gemm._deepgemm import _deep_gemm_masked as _deep_gemm_masked
+from epmoe.ops.gemm._int8 import _int8_contiguous_triton as _int8_contiguous_triton
+from epmoe.ops.gemm._int8 import _int8_masked_triton as _int8_masked_triton
+from epmoe.ops.gemm._int8 import _masked_tiling as _masked_tiling
+from epmoe.ops.gemm._ops import _group_ends as _group_ends
+from epmoe.ops.gemm._ops import _masked_cuda as _masked_cuda
+from epmoe.ops.gemm._ops import _masked_cuda_impl as _masked_cuda_impl
+from epmoe.ops.gemm._ops import grouped_gemm
+from epmoe.ops.gemm._select import _SCHEME_DTYPE as _SCHEME_DTYPE
+from epmoe.ops.gemm._select import _backend as _backend
+from epmoe.ops.gemm._select import _dg_functions as _dg_functions
+from epmoe.ops.gemm._select import _dg_role as _dg_role
+from epmoe.ops.gemm._select import (
+    contiguous_row_block,
+    empty_fp8_act_scales,
+    masked_row_block,
+    scheme_of,
+)
+from epmoe.ops.gemm._validate import _valid as _valid
+from epmoe.ops.gemm._weights import _dummy_acts as _dummy_acts
+from epmoe.ops.gemm._weights import _dummy_weights as _dummy_weights
+from epmoe.ops.gemm._weights import prepare_weights, warmup
+
+__all__ = [
+    "contiguous_row_block",
+    "empty_fp8_act_scales",
+    "grouped_gemm",
+    "masked_row_block",
+    "prepare_weights",
+    "scheme_of",
+    "warmup",
+]

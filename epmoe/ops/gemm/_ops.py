@@ -1,0 +1,195 @@
+"""The grouped GEMM ops: torch.library registration (fakes, CPU reference kernels, CUDA kernels
+that dispatch to the backend :func:`_backend` picks) and the public :func:`grouped_gemm`."""
+
+from typing import Optional
+
+import torch
+
+from epmoe import _checks, _eager, reference
+from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
+from epmoe.ops.gemm._int8 import _int8_contiguous_triton, _int8_masked_triton
+from epmoe.ops.gemm._select import OP, _backend, _dg_functions, masked_row_block, scheme_of
+from epmoe.ops.gemm._validate import (
+    _check_counts,
+    _valid,
+    _validate_contiguous,
+    _validate_masked,
+)
+
+
+# ---------------------------------------------------------------------------------- CUDA backends
+def _group_ends(m_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 `[E]` cumulative end row of each expert's rows (torch._grouped_mm ``offs``), sync-free.
+
+    Padding (-1) rows between experts land in the next expert's group: their output is unspecified.
+    """
+    rows = torch.arange(1, m_indices.numel() + 1, device=m_indices.device, dtype=torch.int32)
+    valid = m_indices >= 0
+    ends = torch.zeros(num_experts, dtype=torch.int32, device=m_indices.device)
+    ends.scatter_reduce_(
+        0, m_indices.clamp(min=0).long(), torch.where(valid, rows, 0), reduce="amax"
+    )
+    return torch.cummax(ends, 0).values
+
+
+def _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets):
+    scheme = scheme_of(a.dtype)
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    backend = _backend(scheme, "contiguous", a.device, N, K)
+    if backend == "triton":
+        return _int8_contiguous_triton(a, w, m_indices, a_scales, w_scales)
+    if backend == "reference" or M == 0:
+        return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
+    if backend == "grouped_mm":
+        if expert_offsets is None:
+            offs = _group_ends(m_indices, E)
+        else:
+            offs = expert_offsets[1:].contiguous()
+        return torch._grouped_mm(a.contiguous(), w.transpose(1, 2), offs=offs)
+    fn = _dg_functions()[f"{scheme}_contiguous"]
+    return _deep_gemm_contiguous(fn, a, w, m_indices, a_scales, w_scales)
+
+
+def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=False):
+    scheme = scheme_of(a.dtype)
+    E, T, K = a.shape
+    N = w.shape[1]
+    backend = _backend(scheme, "masked", a.device, N, K)
+    if backend == "triton":  # the kernel itself checks the counts
+        ok = torch.empty((), dtype=torch.bool, device=a.device)
+        out = _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
+        _checks.check_values(ok, OP, "masked_m", f"counts in [0, {T}]")
+        return out
+    if not trusted:
+        _check_counts(masked_m, T)
+    if backend == "reference" or T == 0:
+        return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
+    if backend == "bmm":
+        return torch.bmm(a, w.transpose(1, 2))
+    fn = _dg_functions()[f"{scheme}_masked"]
+    block = masked_row_block(scheme, a.device)
+    return _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m, block)
+
+
+# -------------------------------------------------------------------------------------------- ops
+@torch.library.custom_op("epmoe::grouped_gemm_contiguous", mutates_args=())
+def _contiguous_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
+    trusted: bool = False,
+) -> torch.Tensor:
+    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+    return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
+
+
+@_contiguous_op.register_fake
+def _contiguous_fake(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
+    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    return a.new_empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
+
+
+@_contiguous_op.register_kernel("cpu")
+def _contiguous_cpu(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
+    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+    return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
+
+
+@_contiguous_op.register_kernel("cuda")
+def _contiguous_cuda(
+    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
+):
+    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    if not trusted:
+        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+    with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
+        return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
+
+
+@torch.library.custom_op("epmoe::grouped_gemm_masked", mutates_args=())
+def _masked_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expected_m: int = 0,
+    trusted: bool = False,
+) -> torch.Tensor:
+    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    _check_counts(masked_m, a.shape[1])
+    return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
+
+
+@_masked_op.register_fake
+def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    return a.new_empty((a.shape[0], a.shape[1], w.shape[1]), dtype=torch.bfloat16)
+
+
+@_masked_op.register_kernel("cpu")
+def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    _check_counts(masked_m, a.shape[1])
+    return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
+
+
+@_masked_op.register_kernel("cuda")
+def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
+        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: Optional[torch.Tensor] = None,
+    masked_m: Optional[torch.Tensor] = None,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expected_m: Optional[int] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
+    trusted: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM out = a @ w[e].T; pass exactly one of ``m_indices`` (contiguous), ``masked_m``.
+
+    Args:
+        a: bf16/fp8/int8 `[M_sum, Kd]` (contiguous) or `[E, T, Kd]` (masked).
+        w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
+        m_indices: int32 `[M_sum]` expert per row, -1 to skip; expert blocks start at multiples of
+            :func:`contiguous_row_block`.
+        masked_m: int32 `[E]` live rows per expert (on the device; rows past it are never read).
+            Any T works; with deep_gemm, T a multiple of :func:`masked_row_block` saves a copy.
+        a_scales, w_scales: float32 scales for fp8/int8 (see module docstring).
+        expected_m: static hint of rows per expert for the masked layout (default T).
+        expert_offsets: optional int32 `[E + 1]` expert block starts of the contiguous layout
+            (permute's ``expert_offsets``); only the torch._grouped_mm backend uses it.
+        trusted: m_indices / masked_m come from permute / ll_scatter, whose values are in range
+            by construction: the CUDA backends skip their device-side value check (the layer's
+            own chain). The CPU reference always checks.
+    Returns:
+        bf16 `[M_sum, N]` or `[E, T, N]`. CUDA-graph safe after :func:`warmup`.
+    """
+    if (m_indices is None) == (masked_m is None):
+        raise _checks.fail(OP, "m_indices/masked_m", "exactly one of them", "both or neither")
+    if m_indices is not None:
+        direct = _eager.direct(a, w, m_indices, a_scales, w_scales, expert_offsets)
+        run = _contiguous_cuda if direct else _contiguous_op
+        return run(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
+    em = int(expected_m or 0)
+    if _eager.calm() and _valid(a, w, a_scales, w_scales, True, masked_m):
+        with _eager.on_device(a):  # the usual eager call, validated in one pass
+            return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted)
+    run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
+    return run(a, w, masked_m, a_scales, w_scales, em, trusted)

@@ -1,0 +1,168 @@
+"""Backend choice of the grouped GEMM: scheme of a dtype, deep_gemm entry points, row blocks.
+
+Also the fp8 activation-scale layout deep_gemm reads as is (:func:`empty_fp8_act_scales`).
+"""
+
+import functools
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from epmoe import _checks, _deps, reference
+
+OP = "grouped_gemm"
+A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+
+# The INT8 contiguous kernel maps each BLOCK_M row block to one expert; every tuned BLOCK_M divides
+# this, so alignment % _INT8_ROW_BLOCK == 0 keeps every block inside one expert's rows.
+_INT8_ROW_BLOCK = 128
+# deep_gemm's float32-scale (1x128 / 128x128) kernels are sm90-only; sm100 casts scales to ue8m0.
+_DG_FP8_ARCH = (9,)
+_DG_BF16_ARCH = (9, 10)
+_TMA_ALIGN_BYTES = 16  # TMA wants 16-byte aligned strides: fp8 scale columns are padded to 4 floats
+# deep_gemm's masked kernels address a/out as 2-D `[E * T, *]` tensors: the row block of expert e
+# starts at row e * T + i * BLOCK_M and the TMA store writes all BLOCK_M rows, so when BLOCK_M does
+# not divide T the last block of expert e overwrites the first rows of expert e + 1 with rows
+# computed with w[e] (fp8: zero scales read out of bounds -> zeros). Its heuristics pick BLOCK_M
+# from expected_m: sm90 masked (non-W4) from {64, 128}; sm100 uses the contiguous-layout M
+# alignment (128 or 256). T a multiple of these (e.g. an LL capacity of 256) needs no padding.
+_DG_SM90_MASKED_BLOCK_M = 128
+_DG_MASKED_BLOCK_M_OTHER = 256
+
+# Old and new deep_gemm names of the same entry points (same positional arguments), newest first.
+_DG_NAMES = {
+    "fp8_contiguous": (
+        "m_grouped_fp8_gemm_nt_contiguous",
+        "m_grouped_fp8_fp4_gemm_nt_contiguous",
+        "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+    ),
+    "fp8_masked": (
+        "m_grouped_fp8_gemm_nt_masked",
+        "m_grouped_fp8_fp4_gemm_nt_masked",
+        "fp8_m_grouped_gemm_nt_masked",
+        "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+    ),
+    "bf16_contiguous": ("m_grouped_bf16_gemm_nt_contiguous",),
+    "bf16_masked": ("m_grouped_bf16_gemm_nt_masked", "bf16_m_grouped_gemm_nt_masked"),
+    "alignment": (
+        "get_mk_alignment_for_contiguous_layout",
+        "get_m_alignment_for_contiguous_layout",
+    ),
+}
+
+
+_SCHEME_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def scheme_of(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[dtype]
+
+
+# ------------------------------------------------------------------------------- backend selection
+@functools.cache
+def _dg_functions() -> dict:
+    """deep_gemm entry points by role (None where this version has none); resolved once."""
+    dg = _deps.deep_gemm()
+    fns = {}
+    for role, names in _DG_NAMES.items():
+        fns[role] = next((getattr(dg, n) for n in names if hasattr(dg, n)), None)
+    return fns
+
+
+@functools.cache
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cap(device: torch.device) -> Tuple[int, int]:
+    device = torch.device(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dg_role(role: str, device: torch.device) -> bool:
+    """True when deep_gemm's entry point ``role`` exists and runs our scale format on ``device``."""
+    if not _deps.available("deep_gemm"):
+        return False
+    arch = _DG_FP8_ARCH if role.startswith("fp8") else _DG_BF16_ARCH
+    return _cap(device)[0] in arch and _dg_functions()[role] is not None
+
+
+def _grouped_mm_ok(device: torch.device, n: int, k: int) -> bool:
+    # torch._grouped_mm: sm90+, 16-byte aligned rows of a and of w.T.
+    return hasattr(torch, "_grouped_mm") and _cap(device)[0] >= 9 and n % 8 == 0 and k % 8 == 0
+
+
+def _backend(scheme: str, layout: str, device: torch.device, n: int, k: int) -> str:
+    """The implementation of ``scheme`` x ``layout`` ("contiguous"/"masked") on a CUDA device."""
+    if scheme == "int8":
+        return "triton"
+    # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles only
+    dg_shape_ok = scheme == "fp8" or (n % 64 == 0 and k % 64 == 0)
+    if dg_shape_ok and _dg_role(f"{scheme}_{layout}", device):
+        return "deep_gemm"
+    if scheme == "bf16":
+        if layout == "masked":
+            return "bmm"
+        if _grouped_mm_ok(device, n, k):
+            return "grouped_mm"
+    return "reference"
+
+
+def contiguous_row_block(scheme: str, device: torch.device) -> int:
+    """Rows each expert block of the contiguous layout must be aligned to on ``device``.
+
+    CPU (the reference) has no constraint: 1. CUDA: deep_gemm's
+    ``get_mk_alignment_for_contiguous_layout()`` (128 today) for fp8/bf16 when deep_gemm runs them,
+    the INT8 Triton kernel's largest BLOCK_M (128) for int8, 1 for torch._grouped_mm and the
+    reference.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    _checks.check_choice(OP, "scheme", scheme, reference.QUANT_SCHEMES)
+    if scheme == "int8":
+        return _INT8_ROW_BLOCK
+    if _dg_role(f"{scheme}_contiguous", device):
+        get = _dg_functions()["alignment"]
+        return int(get()) if get is not None else 128
+    return 1
+
+
+def masked_row_block(scheme: str, device: torch.device) -> int:
+    """Rows T (per expert slot) of the masked layout must be a multiple of to avoid a padding copy.
+
+    1 on CPU and wherever deep_gemm does not run ``scheme``'s masked GEMM (INT8 Triton, bmm, the
+    reference: any T is used as is). With deep_gemm: the largest row block its masked kernels can
+    pick on the device (128 on sm90, 256 elsewhere); for T not a multiple of it the op copies a
+    (and fp8 scales) into a `[E, T_pad, Kd]` buffer and the output back to `[E, T, N]`.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    _checks.check_choice(OP, "scheme", scheme, reference.QUANT_SCHEMES)
+    if scheme == "int8" or not _dg_role(f"{scheme}_masked", device):
+        return 1
+    if _cap(device)[0] == 9:
+        return _DG_SM90_MASKED_BLOCK_M
+    get = _dg_functions()["alignment"]
+    return math.lcm(_DG_MASKED_BLOCK_M_OTHER, int(get()) if get is not None else 1)
+
+
+def empty_fp8_act_scales(lead: Sequence[int], groups: int, device) -> torch.Tensor:
+    """Uninitialized float32 activation scales `[*lead, groups]` in deep_gemm's sm90 layout.
+
+    MN-major (the row index is contiguous) with the row count padded to 4 floats (16-byte TMA
+    alignment): deep_gemm then uses them as they are. ``lead`` is `(M,)` or `(E, T)`.
+    """
+    lead = tuple(int(s) for s in lead)
+    rows = lead[-1]
+    pad = _TMA_ALIGN_BYTES // 4
+    rows_aligned = (rows + pad - 1) // pad * pad
+    if len(lead) == 1:
+        size, stride = (rows, groups), (1, rows_aligned)
+    elif len(lead) == 2:
+        size, stride = (lead[0], rows, groups), (rows_aligned * groups, 1, rows_aligned)
+    else:
+        raise _checks.fail("empty_fp8_act_scales", "lead", "(M,) or (E, T)", lead)
+    return torch.empty_strided(size, stride, dtype=torch.float32, device=device)

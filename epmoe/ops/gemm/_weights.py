@@ -1,0 +1,128 @@
+"""Expert weights in the backend's layout (:func:`prepare_weights`) and kernel compilation ahead of
+graph capture (:func:`warmup`)."""
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from epmoe import _checks, reference
+from epmoe.ops.gemm._ops import grouped_gemm
+from epmoe.ops.gemm._select import _SCHEME_DTYPE, contiguous_row_block, empty_fp8_act_scales
+
+
+def prepare_weights(
+    w_q: torch.Tensor, w_s: Optional[torch.Tensor], scheme: str, device
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Expert weights in the layout the ``device`` backend reads without any per-call transform.
+
+    Every backend reads the layout :func:`epmoe.reference.quantize_weights` produces, so this is the
+    identity up to device placement and contiguity: weights `[E, N, Kd]` K-major (deep_gemm's
+    ``nt`` B operand, torch._grouped_mm's column-major w.T, the INT8 kernel's K-major tiles);
+    fp8 scales float32 `[E, N/128, Kd/128]` contiguous (what deep_gemm's sm90 kernels take as is);
+    int8 scales float32 `[E, N]`. Nothing is repacked, so the shapes stay the logical ones; callers
+    still take N and Kd from their configured sizes (as :func:`warmup` does).
+
+    Args:
+        w_q: bf16/fp8/int8 `[E, N, Kd]`. w_s: float32 scales or None (bf16). scheme: "bf16", "fp8",
+            "int8". device: where the layer runs.
+    Returns:
+        (weights, scales) accepted by :func:`grouped_gemm`.
+    """
+    _checks.check_choice("prepare_weights", "scheme", scheme, reference.QUANT_SCHEMES)
+    want = _SCHEME_DTYPE[scheme]
+    _checks.check_dtype("prepare_weights", "w_q", w_q, (want,))
+    _checks.check_ndim("prepare_weights", "w_q", w_q, (3,))
+    w_q = w_q.to(device).contiguous()
+    if w_s is not None:
+        w_s = w_s.to(device=device, dtype=torch.float32).contiguous()
+    return w_q, w_s
+
+
+def _dummy_weights(scheme, E, N, K, device):
+    w = torch.zeros((E, N, K), dtype=_SCHEME_DTYPE[scheme], device=device)
+    if scheme == "fp8":
+        return w, torch.ones((E, N // 128, K // 128), dtype=torch.float32, device=device)
+    if scheme == "int8":
+        return w, torch.ones((E, N), dtype=torch.float32, device=device)
+    return w, None
+
+
+def _dummy_acts(scheme, lead, K, device, mn_major):
+    a = torch.zeros((*lead, K), dtype=_SCHEME_DTYPE[scheme], device=device)
+    if scheme == "bf16":
+        return a, None
+    if scheme == "int8":
+        return a, torch.ones((*lead, 1), dtype=torch.float32, device=device)
+    s = (
+        empty_fp8_act_scales(lead, K // 128, device)
+        if mn_major
+        else torch.empty((*lead, K // 128), dtype=torch.float32, device=device)
+    )
+    return a, s.fill_(1.0)
+
+
+def _balanced_m_indices(m: int, E: int, row_block: int, device) -> torch.Tensor:
+    """int32 `[m]`: rows over all experts in ``row_block``-aligned blocks, in expert order."""
+    block = max(1, row_block)
+    per = max(block, math.ceil(m / E / block) * block)
+    return (torch.arange(m, device=device) // per).clamp(max=E - 1).to(torch.int32)
+
+
+def warmup(
+    scheme: str,
+    num_experts: int,
+    n: int,
+    k: int,
+    device,
+    contiguous_m: Sequence[int] = (),
+    masked_t: Optional[int] = None,
+    expected_m: Optional[int] = None,
+    w: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+) -> None:
+    """Compile (and autotune) every kernel one GEMM of a layer will launch, outside graph capture.
+
+    deep_gemm JIT-compiles per (N, K, E) and per heuristic choice, which depends on M (contiguous)
+    and expected_m (masked); the INT8 Triton kernels autotune per (N, K, E) (and BLOCK_M, masked).
+    Call once per weight of the layer before capturing CUDA graphs or serving.
+
+    Args:
+        scheme: "bf16", "fp8" or "int8". num_experts: E (local). n, k: the GEMM's logical N and Kd
+            from the layer's configured sizes (GEMM1: 2I, H; GEMM2: H, I).
+        device: the CUDA device (CPU: nothing to do).
+        contiguous_m: M_sum sizes of the contiguous layout to compile for (HT: the worst-case M_sum
+            of graph capture, plus typical prefill sizes; the first one drives INT8 autotuning, so
+            put the largest first).
+        masked_t: T of the masked layout (LL: rows per expert slot), or None when LL is unused;
+            the same T as the forward pass (it decides whether deep_gemm runs on a padded copy).
+        expected_m: the masked layout's static hint, exactly as the forward pass passes it.
+        w, w_scales: the layer's prepared weights (avoids allocating dummies of the same size).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    _checks.check_choice("warmup", "scheme", scheme, reference.QUANT_SCHEMES)
+    E, N, K = num_experts, n, k
+    if w is None:
+        w, w_scales = _dummy_weights(scheme, E, N, K, device)
+    else:
+        _checks.check_shape("warmup", "w", w, (E, N, K))
+    row_block = contiguous_row_block(scheme, device)
+    layouts = (True, False) if scheme == "fp8" else (True,)  # fp8: also deep_gemm's scale transpose
+    for m in contiguous_m:
+        m = int(m)
+        if m <= 0:
+            continue
+        m_idx = _balanced_m_indices(m, E, row_block, device)
+        for mn_major in layouts:
+            a, a_s = _dummy_acts(scheme, (m,), K, device, mn_major)
+            grouped_gemm(a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales)
+    if masked_t is not None and int(masked_t) > 0:
+        T = int(masked_t)
+        em = max(1, min(int(expected_m or T), T))
+        counts = torch.full((E,), em, dtype=torch.int32, device=device)
+        for mn_major in layouts:
+            a, a_s = _dummy_acts(scheme, (E, T), K, device, mn_major)
+            grouped_gemm(a, w, masked_m=counts, a_scales=a_s, w_scales=w_scales, expected_m=em)
+    torch.cuda.synchronize(device)
