@@ -6,7 +6,8 @@ Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``E`` local experts, ``C`
 Contract: ``xo, scales, masked_m, rows = ll_scatter(x, topk_ids, num_experts, capacity,
 quant="bf16", expert_lo=0, num_global_experts=None, scale_layout="row")``
 
-- x: bf16 `[T, H]` (any strides); topk_ids: int32/int64 `[T, K]` (any strides), global expert id in
+- x: bf16 `[T, H]` (any strides); with quant="bf16" also int8 / uint8 / float8_e4m3fn / int32 /
+  float32, copied as raw bytes (the torch backend's HT payloads and packed metadata); topk_ids: int32/int64 `[T, K]` (any strides), global expert id in
   [0, num_global_experts) or -1 (num_global_experts defaults to num_experts). Entry (t, k) goes to
   local expert id - expert_lo when that lies in [0, E) (else it is another rank's: skipped).
 - xo `[E, C, H]`: bf16 copies, or quantized as :func:`epmoe.reference.quantize` does (byte-exact):
@@ -53,6 +54,15 @@ QUANTS = ("bf16", "fp8", "int8")
 SCALE_LAYOUTS = ("row", "deepgemm")
 _QCODE = {"bf16": 0, "fp8": 1, "int8": 2}
 _QDTYPE = {"bf16": torch.bfloat16, "fp8": reference.FP8_DTYPE, "int8": torch.int8}
+# quant="bf16" copies these as they are: the kernel moves same-width integers (no float semantics)
+_RAW = {
+    torch.bfloat16: torch.int16,
+    torch.int8: torch.uint8,
+    torch.uint8: torch.uint8,
+    reference.FP8_DTYPE: torch.uint8,
+    torch.int32: torch.int32,
+    torch.float32: torch.int32,
+}
 
 # ------------------------------------------------------------------------------ launch heuristics
 GROUP = 128  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
@@ -61,7 +71,6 @@ INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one
 BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
 GATHER_BYTES = 4096  # output bytes per gather program: 2048 bf16 columns, 16 a thread
 TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
-_assert_in_kernel = _checks.assert_in_kernel  # (module attribute: scripts/compile_kernels.py)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -274,20 +283,23 @@ def _ll_scatter_triton(
     NG = num_experts if num_global_experts is None else num_global_experts
     dev = x.device
     G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
-    xo = torch.empty((E, C, H), dtype=_QDTYPE[quant], device=dev)
+    xo = torch.empty((E, C, H), dtype=_QDTYPE[quant] if quant != "bf16" else x.dtype, device=dev)
+    xk, xok = x, xo
+    if quant == "bf16" and x.dtype is not torch.bfloat16:  # raw copy: integer views
+        xk, xok = x.view(_RAW[x.dtype]), xo.view(_RAW[x.dtype])
     s = alloc_scales((E, C), G, scale_layout, dev)
     masked_m = torch.empty((E,), dtype=torch.int32, device=dev)
     rows = torch.empty((T, K), dtype=torch.int32, device=dev)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
     # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
-    in_kernel = _assert_in_kernel(_checks.direct_launch(x))
+    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
     ok = masked_m if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
     R, W, chunks = scatter_tiling(H, quant)
     k_pad = triton.next_power_of_2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
     # masked_m program
     _kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
-        x, topk_ids, xo, s, masked_m, rows, ok,
+        xk, topk_ids, xok, s, masked_m, rows, ok,
         T, H, C, E, expert_lo, NG, G, chunks,
         x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
@@ -314,7 +326,7 @@ def _ll_gather_launch(
     """ll_gather into a contiguous bf16 ``out`` on CUDA (or CPU tensors under the interpreter)."""
     T, K = rows.shape
     E, C, H = y.shape
-    in_kernel = _assert_in_kernel(_checks.direct_launch(y))
+    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(y))
     ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
     w = topk_weights if topk_weights is not None else rows  # placeholder, never read
     sw = topk_weights.stride() if topk_weights is not None else (0, 0)
@@ -338,7 +350,7 @@ def _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> bool:
         xs, ids = x.shape, topk_ids.shape
         ng = E if NG is None else NG
         return (
-            x.dtype is torch.bfloat16
+            (x.dtype is torch.bfloat16 or (quant == "bf16" and x.dtype in _RAW))
             and len(xs) == 2
             and len(ids) == 2
             and ids[0] == xs[0]
@@ -364,7 +376,7 @@ def _validate_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> None:
     if _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout):
         return
     op = "ll_scatter"
-    _checks.check_dtype(op, "x", x, (torch.bfloat16,))
+    _checks.check_dtype(op, "x", x, tuple(_RAW) if quant == "bf16" else (torch.bfloat16,))
     _checks.check_ndim(op, "x", x, (2,))
     _checks.check_dtype(op, "topk_ids", topk_ids, _checks.INDEX_DTYPES)
     _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
@@ -435,16 +447,17 @@ def ll_scatter(
     """Scatter (and quantize) tokens into the masked layout; see the module docstring.
 
     Args:
-        x: bf16 `[T, H]` (any strides).
+        x: bf16 `[T, H]` (any strides); with quant="bf16" also int8 / uint8 / float8_e4m3fn /
+            int32 / float32 (raw copies, xo of x's dtype).
         topk_ids: int32/int64 `[T, K]` (any strides), global id or -1.
         num_experts: E, local experts (ids expert_lo .. expert_lo + E - 1).
         capacity: C, slots per expert.
-        quant: "bf16", "fp8" (H a multiple of 128) or "int8".
+        quant: "bf16" (a copy), "fp8" (H a multiple of 128) or "int8".
         expert_lo: the first local expert's global id.
         num_global_experts: ids must be below it (default num_experts).
         scale_layout: "row" (contiguous scales) or "deepgemm" (MN-major, TMA-aligned).
     Returns:
-        (xo bf16/float8_e4m3fn/int8 `[E, C, H]`, scales float32 `[E, C, G]` (G = H/128, 1 or 0),
+        (xo bf16/float8_e4m3fn/int8 (quant="bf16": x's dtype) `[E, C, H]`, scales float32 `[E, C, G]` (G = H/128, 1 or 0),
         masked_m int32 `[E]`, rows int32 `[T, K]` = e*C + slot or -1).
     """
     args = (x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout)

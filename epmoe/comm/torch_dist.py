@@ -33,37 +33,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], cols).view(_U8)
 
 
-def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """uint8 `[R, cols * itemsize]` (any strides) -> a fresh dtype `[R, cols]` (never a view: op
-    outputs must not alias each other)."""
-    out = torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
-    if cols:
-        out.view(_U8).copy_(b)
-    return out
-
-
-class _Layout:
-    """Byte layout of a packed row: payload | scales (f32) | ids (i32) | weights (f32)."""
-
-    def __init__(self, h: int, dtype: torch.dtype, s: int, k: int, with_weights: bool):
-        self.h, self.dtype, self.s, self.k = h, dtype, s, k
-        self.x_end = h * dtype.itemsize
-        self.s_end = self.x_end + 4 * s
-        self.id_end = self.s_end + 4 * k
-        self.width = self.id_end + (4 * k if with_weights else 0)
-
-    def unpack(self, rows: torch.Tensor):
-        x = _from_bytes(rows[:, : self.x_end], self.dtype, self.h)
-        s = _from_bytes(rows[:, self.x_end : self.s_end], torch.float32, self.s)
-        ids = _from_bytes(rows[:, self.s_end : self.id_end], torch.int32, self.k).long()
-        w = (
-            _from_bytes(rows[:, self.id_end :], torch.float32, self.k)
-            if self.width > self.id_end
-            else None
-        )
-        return x, s, ids, w
-
-
 class TorchComm(Communicator):
     name = "torch"
 
@@ -93,64 +62,88 @@ class TorchComm(Communicator):
         dist.all_gather(out, inp, group=self.group)
         return torch.stack(out)
 
-    def _local_counts(self, ids: torch.Tensor) -> torch.Tensor:
-        E = self.num_local_experts
-        bucket = torch.where(ids >= 0, ids, E).reshape(-1)
-        c = torch.zeros(E + 1, dtype=torch.int32, device=ids.device)
-        return c.scatter_add_(0, bucket, torch.ones_like(bucket, dtype=torch.int32))[:E]
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all of a contiguous tensor (as bytes: any dtype on any backend);
+        without a group the send buffer itself (a fresh tensor of ours) comes back."""
+        if self.group is None:
+            return send
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(_U8), send.view(_U8), group=self.group)
+        return recv
 
     # ------------------------------------------------------------------------------------------ HT
-    def _pack_for_peers(self, x, topk_ids, topk_weights, x_scales):
-        """-> packed uint8 `[P, T, B]` (ids remapped to each peer's local ids), is_in_rank
-        bool `[T, P]`."""
+    def _scatter_for_peers(self, x, topk_ids, topk_weights, x_scales, cap):
+        """Every destination rank is an "expert" of ll_scatter: token t goes to slot `[p, c]` of
+        each rank p that holds one of its experts (slots in t order).
+
+        Returns (payload `[P, cap, H]` of x's dtype, meta int32 `[P, cap, S + 2K]` = scales f32 |
+        weights f32 | ~global ids (so all-zero padding reads as ids -1), rows int32 `[T, P]` =
+        p*cap + slot or -1, per-peer counts int32 `[P]`, is_token_in_rank bool `[T, P]`); slots
+        at or past the count are unspecified."""
         P, E = self.world_size, self.num_local_experts
         T, K = topk_ids.shape
-        s = x_scales if x_scales is not None else x.new_empty((T, 0), dtype=torch.float32)
-        lay = _Layout(x.shape[1], x.dtype, s.shape[1], K, with_weights=True)
-        dest = torch.where(topk_ids >= 0, topk_ids // E, -1)  # [T, K]
+        S = 0 if x_scales is None else x_scales.shape[1]
         peers = torch.arange(P, device=x.device)
-        hit = dest.unsqueeze(0) == peers.view(P, 1, 1)  # [P, T, K]
-        local_ids = torch.where(hit, topk_ids.unsqueeze(0) - peers.view(P, 1, 1) * E, -1)
-        common = torch.cat([_as_bytes(x), _as_bytes(s)], dim=1)  # [T, x_end + 4S]
-        packed = torch.cat(
-            [
-                common.unsqueeze(0).expand(P, -1, -1),
-                _as_bytes(local_ids.to(torch.int32).reshape(P * T, K)).reshape(P, T, 4 * K),
-                _as_bytes(topk_weights.float()).unsqueeze(0).expand(P, -1, -1),
-            ],
-            dim=2,
-        )
-        return packed, hit.any(dim=2).t().contiguous(), lay
+        dest = topk_ids.div(E, rounding_mode="floor")  # -1 stays -1
+        in_rank = (dest.unsqueeze(2) == peers).any(dim=1).contiguous()  # [T, P]
+        peer_ids = torch.where(in_rank, peers, -1)
+        meta = torch.empty((T, S + 2 * K), dtype=torch.int32, device=x.device)
+        if S:
+            meta[:, :S] = x_scales.view(torch.int32)
+        meta[:, S : S + K] = topk_weights.view(torch.int32)
+        meta[:, S + K :] = topk_ids
+        meta[:, S + K :].bitwise_not_()
+        c = max(cap, 1)  # ll_scatter wants a positive capacity (cap = 0 only when T = 0)
+        xo, _, counts, rows = ll_scatter(x, peer_ids, P, c)
+        mo = ll_scatter(meta, peer_ids, P, c)[0]
+        return xo[:, :cap], mo[:, :cap], rows, counts, in_rank
+
+    def _unpack(self, rx, rmeta, S, K):
+        """Received rows -> the dispatch list's first five: x, scales, local ids int64 (-1
+        elsewhere and on zeroed padding), weights, expert_counts."""
+        E, lo = self.num_local_experts, self.rank * self.num_local_experts
+        rs = rmeta[:, :S].view(torch.float32).clone()
+        rw = rmeta[:, S : S + K].view(torch.float32).clone()
+        d = (-1 - lo) - rmeta[:, S + K :].long()  # ~g - lo
+        live = (d >= 0) & (d < E)
+        rids = torch.where(live, d, -1)
+        bucket = torch.where(live, d, E).reshape(-1)  # bucket E: entries elsewhere
+        c = torch.zeros(E + 1, dtype=torch.int32, device=rx.device)
+        c.scatter_add_(0, bucket, torch.ones_like(bucket, dtype=torch.int32))
+        return [rx, rs, rids, rw, c[:E]]
 
     def ht_dispatch(self, x, topk_ids, topk_weights, x_scales, worst_case):
         _checks.check_ids(topk_ids, self.num_experts, "dispatch", "topk_ids")
-        P = self.world_size
-        T = x.shape[0]
-        packed, in_rank, lay = self._pack_for_peers(x, topk_ids, topk_weights, x_scales)
+        P, (T, K) = self.world_size, topk_ids.shape
+        H, S = x.shape[1], 0 if x_scales is None else x_scales.shape[1]
         if worst_case or P == 1:  # with one rank both variants are static: N = T
             cap = self.ht_capacity(T) if worst_case else T
-            slot = torch.cumsum(in_rank.long(), dim=0) - 1  # [T, P]
-            slot = torch.where(in_rank, slot, -1)
-            send = torch.zeros((P, cap + 1, lay.width), dtype=_U8, device=x.device)
-            send[:, :, lay.s_end : lay.id_end] = 255  # padding slots carry ids -1
-            p_idx = torch.arange(P, device=x.device).view(1, P).expand(T, P)
-            dst = torch.where(in_rank, slot, cap)  # rows not sent go to a dump slot
-            send[p_idx, dst] = packed.permute(1, 0, 2)
-            send = send[:, :cap].reshape(P * cap, lay.width)
-            recv = self._all_to_all(torch.empty_like(send), send)
-            handle = [in_rank, slot]
-        else:
-            counts = in_rank.sum(dim=0)  # [P]
-            pt = in_rank.t().nonzero()  # exact mode: data-dependent by design (one host sync)
-            send = packed[pt[:, 0], pt[:, 1]]
-            recv_counts = self._all_to_all(torch.empty_like(counts), counts)
-            splits = torch.stack([counts, recv_counts]).cpu()
-            in_s, out_s = splits[0].tolist(), splits[1].tolist()
-            recv = send.new_empty((sum(out_s), lay.width))
-            self._all_to_all(recv, send, out_s, in_s)
-            handle = [in_rank, pt[:, 1].contiguous(), splits]
-        rx, rs, rids, rw = lay.unpack(recv)
-        return [rx, rs, rids, rw, self._local_counts(rids)] + handle
+            xo, mo, rows, counts, in_rank = self._scatter_for_peers(
+                x, topk_ids, topk_weights, x_scales, cap
+            )
+            # padding slots: all-zero metadata (weights and scales 0, ids -1)
+            live = torch.arange(cap, device=x.device) < counts.unsqueeze(1)  # [P, cap]
+            mo = mo.mul_(live.unsqueeze(2))
+            rx = self._exchange(xo.reshape(P * cap, H))
+            rmeta = self._exchange(mo.reshape(P * cap, S + 2 * K))
+            return self._unpack(rx, rmeta, S, K) + [in_rank, rows]
+        # exact: the same per-peer layout at cap = T, then only each peer's first counts[p] rows
+        xo, mo, rows, counts, in_rank = self._scatter_for_peers(
+            x, topk_ids, topk_weights, x_scales, T
+        )
+        recv_counts = self._all_to_all(torch.empty_like(counts), counts)
+        splits = torch.stack([counts, recv_counts]).to("cpu", torch.int64)  # the one host sync
+        in_s, out_s = splits[0].tolist(), splits[1].tolist()
+        send_x = torch.cat([xo[p, :n] for p, n in enumerate(in_s)])
+        send_m = torch.cat([mo[p, :n] for p, n in enumerate(in_s)])
+        rx = send_x.new_empty((sum(out_s), H))
+        self._all_to_all(rx.view(_U8), send_x.view(_U8), out_s, in_s)
+        rmeta = send_m.new_empty((sum(out_s), S + 2 * K))
+        self._all_to_all(rmeta.view(_U8), send_m.view(_U8), out_s, in_s)
+        # rows of the compacted send order: offset of peer p's block + slot
+        offset = torch.cumsum(counts, 0) - counts - torch.arange(P, device=x.device) * T
+        sent = torch.where(rows >= 0, rows + offset, -1).to(torch.int32)
+        return self._unpack(rx, rmeta, S, K) + [in_rank, sent, splits]
 
     def ht_dispatch_fake(self, x, topk_ids, topk_weights, x_scales, worst_case):
         P, (T, K) = self.world_size, topk_ids.shape
@@ -159,43 +152,32 @@ class TorchComm(Communicator):
         else:
             n = torch.library.get_ctx().new_dynamic_size()
         S = 0 if x_scales is None else x_scales.shape[1]
-        in_rank = x.new_empty((T, P), dtype=torch.bool)
         out = [
             x.new_empty((n, x.shape[1])),
             x.new_empty((n, S), dtype=torch.float32),
             x.new_empty((n, K), dtype=torch.int64),
             x.new_empty((n, K), dtype=torch.float32),
             x.new_empty((self.num_local_experts,), dtype=torch.int32),
+            x.new_empty((T, P), dtype=torch.bool),
+            x.new_empty((T, P), dtype=torch.int32),
         ]
         if worst_case or P == 1:
-            return out + [in_rank, x.new_empty((T, P), dtype=torch.int64)]
-        sent = torch.library.get_ctx().new_dynamic_size()
-        return out + [
-            in_rank,
-            x.new_empty((sent,), dtype=torch.int64),
-            torch.empty((2, P), dtype=torch.int64, device="cpu"),
-        ]
+            return out
+        return out + [torch.empty((2, P), dtype=torch.int64, device="cpu")]
 
     def ht_combine(self, y, handle):
-        in_rank = handle[0]
-        T, P = in_rank.shape
+        """Each token's rows home, summed unweighted in rank order (float32, rounded once):
+        handle = [is_token_in_rank, rows int32 `[T, P]` into the returned rows or -1, (splits)]."""
+        rows = handle[1]
         H = y.shape[1]
+        y = y.contiguous()
         if len(handle) == 2:  # worst case: P * capacity static slots
-            back = self._all_to_all(torch.empty_like(_as_bytes(y)), _as_bytes(y))
-            back = _from_bytes(back, y.dtype, H).view(P, y.shape[0] // P, H)
-            slot = handle[1]
-            p_idx = torch.arange(P, device=y.device).view(1, P).expand(T, P)
-            rows = back[p_idx, slot.clamp(min=0)].float()  # [T, P, H]
-            out = (rows * in_rank.unsqueeze(-1)).sum(dim=1)
+            back = self._exchange(y)
         else:
-            token, splits = handle[1], handle[2]
-            in_s, out_s = splits[0].tolist(), splits[1].tolist()
-            yb = _as_bytes(y)
-            back = yb.new_empty((sum(in_s), yb.shape[1]))
-            self._all_to_all(back, yb, in_s, out_s)
-            out = torch.zeros((T, H), dtype=torch.float32, device=y.device)
-            out.index_add_(0, token, _from_bytes(back, y.dtype, H).float())
-        return out.to(y.dtype)
+            in_s, out_s = handle[2][0].tolist(), handle[2][1].tolist()
+            back = y.new_empty((sum(in_s), H))
+            self._all_to_all(back.view(_U8), y.view(_U8), in_s, out_s)
+        return ll_gather(back.view(1, back.shape[0], H), rows)
 
     # ------------------------------------------------------------------------------------------ LL
     def ll_dispatch(self, x, topk_ids, x_scales, use_fp8):

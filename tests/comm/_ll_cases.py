@@ -82,3 +82,27 @@ def gather_oracle(y, rows, w=None) -> torch.Tensor:
             if r >= 0:
                 out[t] += flat[r] * (1.0 if w is None else float(w[t, k]))
     return out.to(torch.bfloat16)
+
+
+RAW_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.int32, torch.float32)
+
+
+def raw_tokens(T: int, H: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes (NaN / inf patterns included) as dtype `[T, H]`, rows of a wider tensor."""
+    n = torch.empty((), dtype=dtype).element_size()
+    b = torch.randint(0, 256, (T, (H + 3) * n), generator=gen, dtype=torch.uint8)
+    return b.view(dtype)[:, 1 : H + 1]
+
+
+def check_raw_scatter(out, x, topk_ids, E, C) -> None:
+    """quant="bf16" on a non-bf16 x: rows / masked_m as for bf16, xo of x's dtype, every written
+    slot holds its token's bytes."""
+    xo, s, mm, rows = (t.cpu() for t in out)
+    x, topk_ids = x.cpu(), topk_ids.cpu()
+    want_rows, counts = naive_slots(topk_ids, E, C)
+    assert torch.equal(rows, want_rows) and torch.equal(mm, counts.clamp(max=C).int())
+    assert xo.dtype == x.dtype and xo.shape == (E, C, x.shape[1]) and s.shape == (E, C, 0)
+    for (t, k), r in zip(torch.cartesian_prod(*map(torch.arange, rows.shape)), rows.flatten()):
+        if r >= 0:
+            e, c = divmod(int(r), C)
+            assert torch.equal(xo[e, c].view(torch.uint8), x[t].view(torch.uint8)), (t, k)

@@ -29,6 +29,18 @@ def test_scatter_matches_contract(quant, dtype, col_major):
     L.check_scatter(out, x, topk, E, C, quant)
 
 
+@pytest.mark.parametrize("dtype", L.RAW_DTYPES)
+def test_scatter_raw_copies(dtype):
+    """quant="bf16" copies 1- and 4-byte payloads as raw bytes (the torch backend's HT rows)."""
+    gen = torch.Generator().manual_seed(20)
+    T, K, H, E, C = 9, 3, 70, 4, 9
+    x = L.raw_tokens(T, H, dtype, gen)
+    topk = L.ids(T, K, E, gen, col_major=True)
+    L.check_raw_scatter(ll_scatter(x, topk, E, C), x, topk, E, C)
+    with pytest.raises(ValueError, match="ll_scatter: x expected dtype torch.bfloat16"):
+        ll_scatter(x, topk, E, C, "int8")
+
+
 def test_scatter_one_rank_of_several():
     """expert_lo / num_global_experts: only this rank's experts land, others are skipped."""
     gen = torch.Generator().manual_seed(1)
@@ -139,7 +151,11 @@ def test_scatter_validation():
     x = torch.zeros((3, 192), dtype=torch.bfloat16)
     topk = torch.zeros((3, 2), dtype=torch.int64)
     cases = [
-        (lambda: ll_scatter(x.float(), topk, 2, 4), "ll_scatter: x expected dtype torch.bfloat16"),
+        (lambda: ll_scatter(x.double(), topk, 2, 4), "ll_scatter: x expected dtype torch.bfl"),
+        (
+            lambda: ll_scatter(x.float(), topk, 2, 4, "fp8"),  # raw copies with "bf16" only
+            "ll_scatter: x expected dtype torch.bfloat16, got torch.float32",
+        ),
         (lambda: ll_scatter(x, topk.float(), 2, 4), "ll_scatter: topk_ids expected dtype"),
         (lambda: ll_scatter(x, topk[:2], 2, 4), r"ll_scatter: topk_ids expected shape \[3, \*\]"),
         (lambda: ll_scatter(x, topk, 0, 4), "ll_scatter: num_experts expected a positive int"),

@@ -51,6 +51,18 @@ def test_scatter_random(quant, dtype, col_major, blocks):
     _scatter(x, topk, E, C, quant)
 
 
+@pytest.mark.parametrize("dtype", L.RAW_DTYPES)
+def test_scatter_raw_copies(dtype, blocks):
+    gen = torch.Generator().manual_seed(7)
+    T, K, H, E, C = 9, 3, 300, 4, 9  # H = 300: two chunks with small blocks
+    x = L.raw_tokens(T, H, dtype, gen)
+    topk = L.ids(T, K, E, gen, col_major=True)
+    for byte in POISON_BYTES:
+        with poisoned_empty(byte):
+            out = M._ll_scatter_triton(x, topk, E, C, "bf16")
+        L.check_raw_scatter(out, x, topk, E, C)
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 def test_scatter_one_rank_of_several_deepgemm(quant, blocks):
     gen = torch.Generator().manual_seed(1)
