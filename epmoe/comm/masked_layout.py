@@ -7,7 +7,8 @@ Contract: ``xo, scales, masked_m, rows = ll_scatter(x, topk_ids, num_experts, ca
 quant="bf16", expert_lo=0, num_global_experts=None, scale_layout="row")``
 
 - x: bf16 `[T, H]` (any strides); with quant="bf16" also int8 / uint8 / float8_e4m3fn / int32 /
-  float32, copied as raw bytes (the torch backend's HT payloads and packed metadata); topk_ids: int32/int64 `[T, K]` (any strides), global expert id in
+  float32, copied as raw bytes (the torch backend's HT payloads and packed metadata).
+- topk_ids: int32/int64 `[T, K]` (any strides), global expert id in
   [0, num_global_experts) or -1 (num_global_experts defaults to num_experts). Entry (t, k) goes to
   local expert id - expert_lo when that lies in [0, E) (else it is another rank's: skipped).
 - xo `[E, C, H]`: bf16 copies, or quantized as :func:`epmoe.reference.quantize` does (byte-exact):
@@ -457,8 +458,9 @@ def ll_scatter(
         num_global_experts: ids must be below it (default num_experts).
         scale_layout: "row" (contiguous scales) or "deepgemm" (MN-major, TMA-aligned).
     Returns:
-        (xo bf16/float8_e4m3fn/int8 (quant="bf16": x's dtype) `[E, C, H]`, scales float32 `[E, C, G]` (G = H/128, 1 or 0),
-        masked_m int32 `[E]`, rows int32 `[T, K]` = e*C + slot or -1).
+        (xo bf16/float8_e4m3fn/int8 (quant="bf16": x's dtype) `[E, C, H]`, scales float32
+        `[E, C, G]` (G = H/128, 1 or 0), masked_m int32 `[E]`, rows int32 `[T, K]` = e*C + slot
+        or -1).
     """
     args = (x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout)
     if _eager.direct(x, topk_ids):

@@ -102,7 +102,9 @@ def check_raw_scatter(out, x, topk_ids, E, C) -> None:
     want_rows, counts = naive_slots(topk_ids, E, C)
     assert torch.equal(rows, want_rows) and torch.equal(mm, counts.clamp(max=C).int())
     assert xo.dtype == x.dtype and xo.shape == (E, C, x.shape[1]) and s.shape == (E, C, 0)
-    for (t, k), r in zip(torch.cartesian_prod(*map(torch.arange, rows.shape)), rows.flatten()):
-        if r >= 0:
-            e, c = divmod(int(r), C)
+    for t in range(rows.shape[0]):
+        for k in range(rows.shape[1]):
+            if rows[t, k] < 0:
+                continue
+            e, c = divmod(int(rows[t, k]), C)
             assert torch.equal(xo[e, c].view(torch.uint8), x[t].view(torch.uint8)), (t, k)

@@ -1,5 +1,7 @@
 """The torch.distributed backend on 2 and 4 gloo ranks (CPU): routing and whole-layer results."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,3 +160,145 @@ def _ll_and_col_major_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ll_dispatch_combine_and_column_major_ids(world):
     assert run_ranks(_ll_and_col_major_rank, world, "gloo") == [True] * world
+
+
+# ------------------------------------------------------------------ the previous HT implementation
+def _old_pack(comm, x, topk_ids, topk_weights, x_scales):
+    """The torch-index-op packing TorchComm used before the ll_scatter rebuild: one uint8 row per
+    (peer, token) = payload | scales | local ids int32 | weights (the oracle of the new path)."""
+    P, E = comm.world_size, comm.num_local_experts
+    T, K = topk_ids.shape
+    s = x_scales if x_scales is not None else x.new_empty((T, 0), dtype=torch.float32)
+
+    def as_bytes(t):
+        t = t.contiguous()
+        return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+    dest = torch.where(topk_ids >= 0, topk_ids // E, -1)
+    peers = torch.arange(P)
+    hit = dest.unsqueeze(0) == peers.view(P, 1, 1)
+    local_ids = torch.where(hit, topk_ids.unsqueeze(0) - peers.view(P, 1, 1) * E, -1)
+    common = torch.cat([as_bytes(x), as_bytes(s)], dim=1)
+    packed = torch.cat(
+        [
+            common.unsqueeze(0).expand(P, -1, -1),
+            as_bytes(local_ids.to(torch.int32).reshape(P * T, K)).reshape(P, T, 4 * K),
+            as_bytes(topk_weights.float()).unsqueeze(0).expand(P, -1, -1),
+        ],
+        dim=2,
+    )
+    return packed, hit.any(dim=2).t().contiguous(), x.shape[1] * x.element_size(), s.shape[1]
+
+
+def _old_ht(comm, x, topk_ids, topk_weights, x_scales, worst_case, y_fn):
+    """(dispatch rows as bytes: x | scales | ids | weights, counts, is_in_rank, combine of
+    y_fn(recv x)) the way the previous implementation computed them."""
+    P, K = comm.world_size, topk_ids.shape[1]
+    T = x.shape[0]
+    packed, in_rank, xb, S = _old_pack(comm, x, topk_ids, topk_weights, x_scales)
+    width = packed.shape[2]
+    if worst_case:
+        cap = comm.ht_capacity(T)
+        slot = torch.where(in_rank, torch.cumsum(in_rank.long(), dim=0) - 1, -1)
+        send = torch.zeros((P, cap + 1, width), dtype=torch.uint8)
+        send[:, :, xb + 4 * S : xb + 4 * S + 4 * K] = 255
+        p_idx = torch.arange(P).view(1, P).expand(T, P)
+        send[p_idx, torch.where(in_rank, slot, cap)] = packed.permute(1, 0, 2)
+        send = send[:, :cap].reshape(P * cap, width)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+    else:
+        counts = in_rank.sum(dim=0)
+        pt = in_rank.t().nonzero()
+        send = packed[pt[:, 0], pt[:, 1]]
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts)
+        in_s, out_s = counts.tolist(), recv_counts.tolist()
+        recv = send.new_empty((sum(out_s), width))
+        dist.all_to_all_single(recv, send, out_s, in_s)
+    rx = recv[:, :xb].contiguous().view(x.dtype)
+    y = y_fn(rx)
+    yb = y.contiguous().view(torch.uint8)
+    if worst_case:
+        back = torch.empty_like(yb)
+        dist.all_to_all_single(back, yb)
+        back = back.view(torch.bfloat16).view(P, cap, -1)
+        rows = back[p_idx, slot.clamp(min=0)].float()
+        out = (rows * in_rank.unsqueeze(-1)).sum(dim=1)
+    else:
+        back = yb.new_empty((sum(in_s), yb.shape[1]))
+        dist.all_to_all_single(back, yb, in_s, out_s)
+        out = torch.zeros((T, y.shape[1]))
+        out.index_add_(0, pt[:, 1], back.view(torch.bfloat16).float())
+    return recv, in_rank, out.bfloat16()
+
+
+def _new_rows(d, K):
+    """The new dispatch result in the old packed byte layout."""
+    s = d.x_scales if d.x_scales is not None else torch.empty((d.x.shape[0], 0))
+    parts = [d.x.view(torch.uint8), s.view(torch.uint8)]
+    parts += [d.topk_ids.int().view(torch.uint8), d.topk_weights.view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def _same_as_before_rank(rank, world):
+    E, H, K = SMALL["num_experts"], SMALL["hidden_size"], SMALL["top_k"]
+    maxT = 12
+    comm = epmoe.comm.create("torch", dist.group.WORLD, E, H, max_tokens_per_rank=maxT)
+    comm9 = epmoe.comm.create("torch", dist.group.WORLD, E, H)  # worst case N = P * T
+    E_local = E // world
+    checked = 0
+    for case in range(4):
+        T = 9 if case == 3 else [7, 0, 12, 4][(rank + case) % 4]
+        x, ids, w = tokens(T, seed=300 + 10 * case + rank, **SMALL)
+        if T > 2:
+            ids[1] = -1  # a token routed nowhere
+            ids[2] = torch.tensor([rank * E_local, rank * E_local + 1, -1])[:K]  # 2 on one peer
+        if case % 2:
+            ids = ids.t().contiguous().t()  # column-major ids and weights
+            w = w.t().contiguous().t()
+        for payload, with_scales in [
+            ("bf16", False),
+            ("bf16", True),
+            ("fp8", True),
+            ("fp8", False),
+            ("int8", True),
+            ("int8", False),
+        ]:
+            if payload == "bf16":
+                px, sc = x, torch.rand((T, 3)) if with_scales else None
+            else:
+                px, sc = reference.quantize(x, payload)
+                sc = sc if with_scales else None
+            for worst in (True, False):
+                c = comm9 if case == 3 else comm
+                want, want_in_rank, want_back = _old_ht(
+                    c, px, ids, w, sc, worst, lambda rx: _y_of(rx, rank)
+                )
+                d = ops.ht_dispatch(px, ids, w, c.key, x_scales=sc, worst_case=worst)
+                got = _new_rows(d, K)
+                assert got.shape == want.shape, (payload, worst, got.shape, want.shape)
+                assert torch.equal(got, want), (payload, with_scales, worst, case)
+                assert torch.equal(d.handle[0], want_in_rank)
+                counts = torch.bincount(d.topk_ids[d.topk_ids >= 0], minlength=E_local)
+                assert torch.equal(d.expert_counts, counts.int())
+                back = ops.ht_combine(_y_of(d.x, rank), d.handle, c.key)
+                assert torch.equal(back, want_back), (payload, worst, case)
+                checked += 1
+    return checked
+
+
+def _y_of(rx, rank):
+    """Deterministic expert outputs of the received rows (distinct per rank and row)."""
+    n = rx.shape[0]
+    base = torch.arange(n * SMALL["hidden_size"], dtype=torch.float32).view(n, -1)
+    return (torch.sin(base * 0.37 + rank) * (rank + 1)).bfloat16()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ht_dispatch_same_rows_as_before(world):
+    """ll_scatter-based HT dispatch and combine == the previous torch-index-op implementation,
+    byte for byte (every row, padding included on CPU): bf16 / fp8 / int8 payloads with and
+    without scales, column-major ids, -1 routing, tokens routed to no peer, T = 0 ranks."""
+    assert run_ranks(_same_as_before_rank, world, "gloo") == [4 * 6 * 2] * world
