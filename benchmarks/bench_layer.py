@@ -1,10 +1,12 @@
 """End-to-end EPMoE layer on 2 GPUs (deepep backend): eager vs compiled vs CUDA graph, against the
-sum of its best stages measured in the same run, plus the eager op-dispatch overhead of every stage.
+sum of its stages measured in the same run, plus the eager op-dispatch overhead of every stage.
 
     python benchmarks/bench_layer.py --out layer.json [--config W] [--quant fp8]
 
 Per rank, the same sequence runs on both ranks; each figure is the median of ``--iters`` timed calls
 (CUDA events; every call is preceded by a barrier-free warm loop), the JSON keeps the slower rank.
+The stages are the layer's own (``EPMoE.record_stages``): one CUDA event after each stage of its
+eager pass (``ll_stage_ms`` / ``ht_stage_ms``, by stage name), nothing re-typed here.
 Targets (issue 6): LL layer in a graph <= 1.10 x (LL dispatch+combine graph + two masked GEMMs);
 HT layer <= 1.15 x (dispatch + two contiguous GEMMs + combine); eager dispatch overhead <= 15
 us/stage.
@@ -70,27 +72,60 @@ def _host_us_per_call(fn, n=200):
     return (t1 - t0) / n * 1e6
 
 
-def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
+# a GPU sleep before each timed pass, longer than the host needs to queue the whole eager pass:
+# the GPU then runs the stages back to back, and the gaps between stage events are its own
+SLEEP_CYCLES = 20_000_000
+
+
+def _stage_ms(layer, x, ids, w, iters=30, warmup=3):
+    """Median GPU ms of each stage of the layer's own eager forward pass, by stage name.
+
+    A CUDA event is recorded after each stage through ``layer.record_stages(replace=...)`` (the
+    hook sees every stage output on its way to the next stage), so the stages timed are exactly
+    the ones the layer runs, with its arguments; the first stage's time starts at an event
+    recorded after the sleep.
+    """
+    with torch.no_grad(), layer.record_stages() as rec:
+        layer(x, ids, w)
+    names = rec.names
+    times = {n: [] for n in names}
+    for i in range(warmup + iters):
+        events = []
+
+        def mark(v, events=events):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(e)
+            return v
+
+        start = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        with torch.no_grad(), layer.record_stages(replace=dict.fromkeys(names, mark)):
+            layer(x, ids, w)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            for n, a, b in zip(names, [start] + events[:-1], events, strict=True):
+                times[n].append(a.elapsed_time(b))
+    dist.barrier()
+    return {n: statistics.median(t) for n, t in times.items()}, rec
+
+
+def _tokens(cfg, dev, T, seed):
+    E, H, K = cfg.num_experts, cfg.hidden, cfg.top_k
+    gg = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn((T, H), generator=gg, device=dev).bfloat16()
+    ids = torch.rand((T, E), generator=gg, device=dev).argsort(dim=1)[:, :K]
+    w = torch.rand((T, K), generator=gg, device=dev) + 0.1
+    return x, ids.long(), (w / w.sum(1, keepdim=True)).float()
+
+
+def _ll(res, cfg, rank, dev, quant, w1, w2, ll_tokens):
     import epmoe
     from epmoe import ops
-    from epmoe.graphs import DecodeGraphRunner, PrefillGraphRunner
+    from epmoe.graphs import DecodeGraphRunner
 
-    cfg = CONFIGS[cfg_name]
     E, H, I, K = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k
-    dev = torch.device("cuda", rank)
-    g = torch.Generator(device=dev).manual_seed(0)
-    w1 = torch.randn((E, 2 * I, H), generator=g, device=dev, dtype=torch.bfloat16) / H**0.5
-    w2 = torch.randn((E, H, I), generator=g, device=dev, dtype=torch.bfloat16) / I**0.5
-    res = {}
-
-    def tokens(T, seed):
-        gg = torch.Generator(device=dev).manual_seed(seed)
-        x = torch.randn((T, H), generator=gg, device=dev).bfloat16()
-        ids = torch.rand((T, E), generator=gg, device=dev).argsort(dim=1)[:, :K]
-        w = torch.rand((T, K), generator=gg, device=dev) + 0.1
-        return x, ids.long(), (w / w.sum(1, keepdim=True)).float()
-
-    # ------------------------------------------------------------------------------------ LL
     ll = epmoe.EPMoE(
         E,
         H,
@@ -104,42 +139,26 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
         device=dev,
     )
     ll.load_weights(w1, w2)
-    x, ids, w = tokens(ll_tokens, 10 + rank)
+    x, ids, w = _tokens(cfg, dev, ll_tokens, 10 + rank)
     res["ll_eager_ms"] = _time_ms(lambda: ll(x, ids, w))
     runner = DecodeGraphRunner(ll, capture_sizes=(ll_tokens,))
     res["ll_graph_ms"] = _time_ms(lambda: runner(x, ids, w))
     compiled = torch.compile(ll, fullgraph=True)
     res["ll_compiled_ms"] = _time_ms(lambda: compiled(x, ids, w))
-    # stages: dispatch+combine in one graph, then the two masked GEMMs on the real layout
-    d = ops.ll_dispatch(x, ids, ll.comm_key, use_fp8=quant == "fp8")
+    # the stages of the layer's own pass, then dispatch+combine alone in one graph (the comm floor)
+    res["ll_stage_ms"], _ = _stage_ms(ll, x, ids, w)
+    res["ll_gemm1_ms"] = res["ll_stage_ms"]["gemm1"]
+    res["ll_gemm2_ms"] = res["ll_stage_ms"]["gemm2"]
+    use_fp8 = ll.quant == "fp8"  # as the layer's LL dispatch
     y_static = torch.zeros(
-        (ll.num_local_experts, ll.comm.ll_capacity, H), dtype=torch.bfloat16, device=dev
+        (ll.num_local_experts, ll.ll_capacity, H), dtype=torch.bfloat16, device=dev
     )
 
     def dc():
-        dd = ops.ll_dispatch(x, ids, ll.comm_key, use_fp8=quant == "fp8")
+        dd = ops.ll_dispatch(x, ids, ll.comm_key, use_fp8=use_fp8)
         return ops.ll_combine(y_static, ids, w, dd.handle, ll.comm_key)
 
-    ops.ll_combine(y_static, ids, w, d.handle, ll.comm_key)  # keep DeepEP's dispatch/combine pairs
     res["ll_dispatch_combine_graph_ms"] = _time_ms(_graph(dc))
-    a, s = d.x, d.x_scales
-    if quant == "int8":
-        a, s = ops.quantize(a, "int8", masked_m=d.masked_m)
-    em = ll.expected_m()
-    res["ll_gemm1_ms"] = _time_ms(
-        lambda: ops.grouped_gemm(
-            a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale, expected_m=em
-        )
-    )
-    y1 = ops.grouped_gemm(
-        a, ll.w1, masked_m=d.masked_m, a_scales=s, w_scales=ll.w1_scale, expected_m=em
-    )
-    h, hs = ll._act(y1, d.masked_m)
-    res["ll_gemm2_ms"] = _time_ms(
-        lambda: ops.grouped_gemm(
-            h, ll.w2, masked_m=d.masked_m, a_scales=hs, w_scales=ll.w2_scale, expected_m=em
-        )
-    )
     res["ll_stage_sum_ms"] = (
         res["ll_dispatch_combine_graph_ms"] + res["ll_gemm1_ms"] + res["ll_gemm2_ms"]
     )
@@ -147,7 +166,12 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
     runner = compiled = None  # free the LL graphs before HT
     torch.cuda.synchronize()
 
-    # ------------------------------------------------------------------------------------ HT
+
+def _ht(res, cfg, rank, dev, quant, w1, w2, ht_tokens):
+    import epmoe
+    from epmoe.graphs import PrefillGraphRunner
+
+    E, H, I, K = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k
     ht = epmoe.EPMoE(
         E,
         H,
@@ -162,49 +186,13 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
         device=dev,
     )
     ht.load_weights(w1, w2)
-    del w1, w2
-    x, ids, w = tokens(ht_tokens, 20 + rank)
+    x, ids, w = _tokens(cfg, dev, ht_tokens, 20 + rank)
     ht.warmup([ht_tokens])
     res["ht_eager_ms"] = _time_ms(lambda: ht(x, ids, w), iters=10)
-    xq, xs = (x, None) if quant == "bf16" else ops.quantize(x, quant)
-    res["ht_dispatch_ms"] = _time_ms(
-        lambda: ops.ht_dispatch(xq, ids, w, ht.comm_key, xs, worst_case=True), iters=10
-    )
-    d = ops.ht_dispatch(xq, ids, w, ht.comm_key, xs, worst_case=True)
-    p = ops.permute(d.x, d.topk_ids, ht.num_local_experts, ht.alignment, d.x_scales)
-    res["ht_gemm1_ms"] = _time_ms(
-        lambda: ops.grouped_gemm(
-            p.x,
-            ht.w1,
-            m_indices=p.m_indices,
-            a_scales=p.x_scales,
-            w_scales=ht.w1_scale,
-            expert_offsets=p.expert_offsets,
-        ),
-        iters=10,
-    )
-    y1 = ops.grouped_gemm(
-        p.x,
-        ht.w1,
-        m_indices=p.m_indices,
-        a_scales=p.x_scales,
-        w_scales=ht.w1_scale,
-        expert_offsets=p.expert_offsets,
-    )
-    h, hs = ht._act(y1)
-    res["ht_gemm2_ms"] = _time_ms(
-        lambda: ops.grouped_gemm(
-            h,
-            ht.w2,
-            m_indices=p.m_indices,
-            a_scales=hs,
-            w_scales=ht.w2_scale,
-            expert_offsets=p.expert_offsets,
-        ),
-        iters=10,
-    )
-    y = torch.zeros((d.x.shape[0], H), dtype=torch.bfloat16, device=dev)
-    res["ht_combine_ms"] = _time_ms(lambda: ops.ht_combine(y, d.handle, ht.comm_key), iters=10)
+    res["ht_stage_ms"], rec = _stage_ms(ht, x, ids, w, iters=10)
+    for key, stage in (("dispatch", "dispatch"), ("gemm1", "gemm1"), ("gemm2", "gemm2")):
+        res[f"ht_{key}_ms"] = res["ht_stage_ms"][stage]
+    res["ht_combine_ms"] = res["ht_stage_ms"]["combine"]
     res["ht_stage_sum_ms"] = (
         res["ht_dispatch_ms"] + res["ht_gemm1_ms"] + res["ht_gemm2_ms"] + res["ht_combine_ms"]
     )
@@ -212,9 +200,13 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
     prunner = PrefillGraphRunner(ht, num_tokens=ht_tokens)
     res["ht_graph_ms"] = _time_ms(lambda: prunner(x, ids, w), iters=10)
     res["ht_graph_over_stages"] = res["ht_graph_ms"] / res["ht_stage_sum_ms"]
-    res["ht_recv_rows"] = int(d.x.shape[0])
+    res["ht_recv_rows"] = int(rec["dispatch"].x.shape[0])
 
-    # ------------------------------------------------------------- eager dispatch overhead (host)
+
+def _host(res, dev):
+    """Eager dispatch overhead of the public ops on tiny inputs (host time per call)."""
+    from epmoe import ops
+
     tx = torch.randn((8, 256), device=dev).bfloat16()
     tids = torch.randint(0, 4, (8, 2), device=dev)
     tw = torch.rand((8, 2), device=dev)
@@ -227,6 +219,20 @@ def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
         "unpermute": _host_us_per_call(lambda: ops.unpermute(tp.x, tp.inv_perm, tw)),
         "torch_add_baseline": _host_us_per_call(lambda: tx + tx),
     }
+
+
+def _rank(rank, world, cfg_name, quant, ll_tokens, ht_tokens):
+    cfg = CONFIGS[cfg_name]
+    E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
+    dev = torch.device("cuda", rank)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w1 = torch.randn((E, 2 * I, H), generator=g, device=dev, dtype=torch.bfloat16) / H**0.5
+    w2 = torch.randn((E, H, I), generator=g, device=dev, dtype=torch.bfloat16) / I**0.5
+    res = {}
+    _ll(res, cfg, rank, dev, quant, w1, w2, ll_tokens)
+    _ht(res, cfg, rank, dev, quant, w1, w2, ht_tokens)
+    del w1, w2
+    _host(res, dev)
     return res
 
 
