@@ -10,6 +10,7 @@ import epmoe
 from epmoe import ops, reference
 from epmoe._multiproc import run_ranks
 from tests._moe import SMALL, check_layer_output, global_weights, tokens
+from tests._opcheck import opcheck
 
 MODES = [("ht", False), ("ht", True), ("ll", False)]
 QUANTS = ["bf16", "fp8", "int8"]
@@ -285,6 +286,13 @@ def _same_as_before_rank(rank, world):
                 back = ops.ht_combine(_y_of(d.x, rank), d.handle, c.key)
                 assert torch.equal(back, want_back), (payload, worst, case)
                 checked += 1
+    # fakes match (static N worst case; the exact variant declares its dynamic N)
+    px, sc = reference.quantize(x, "fp8")
+    for name in ("ht_dispatch", "ht_dispatch_exact"):
+        opcheck(getattr(torch.ops.epmoe, name).default, (px, ids, w, sc, comm.key))
+        d = ops.ht_dispatch(px, ids, w, comm.key, x_scales=sc, worst_case=name == "ht_dispatch")
+        y = _y_of(d.x, rank)
+        opcheck(torch.ops.epmoe.ht_combine.default, (y, list(d.handle), comm.key))
     return checked
 
 
