@@ -1,13 +1,23 @@
 """Dispatch/combine over torch.distributed ``all_to_all_single`` (gloo on CPU, NCCL on GPU).
 
 With no process group (or a group of one) no collective runs (the ``"local"`` backend is
-:class:`epmoe.comm.local.LocalComm`, which uses this class for HT). Every row travels as raw bytes
-(payload, scales, ids, weights packed into one uint8 row), so any payload dtype (bf16, fp8, int8)
-works on any backend and each dispatch is one collective.
+:class:`epmoe.comm.local.LocalComm`, which uses this class for HT). Every collective moves raw
+bytes, so any payload dtype (bf16, fp8, int8) works on any backend.
 
-Worst-case HT dispatch sends T slots to every peer (static: N = P*T, unused slots have ids -1);
-exact HT dispatch exchanges counts first (one host sync) and sends only rows that have an expert on
-the peer. LL dispatch all-gathers the (padded) tokens and ids and scatters them into the `[E, C, H]`
+HT dispatch treats each destination rank as an "expert" of the masked layout:
+:func:`epmoe.comm.masked_layout.ll_scatter` (a raw copy, one kernel each) puts token t into slot
+`[p, c]` of every rank p holding one of its experts (slots in t order), once for the payload
+(`[P, cap, H]`) and once for an int32 metadata row (scales | weights | bitwise-NOT global ids, so
+all-zero padding reads as ids -1). Worst case: cap = ht_capacity(T) (static N = P*cap, padding
+metadata zeroed: ids -1, weights 0; padding payload rows unspecified on CUDA), two equal-split
+all-to-alls; handle = [is_token_in_rank bool `[T, P]`, rows int32 `[T, P]` = p*cap + slot or -1].
+Exact: cap = T, then only each peer's first count rows are sent (one host sync for the counts);
+handle = [is_token_in_rank, rows int32 `[T, P]` into the compacted send order or -1, splits int64
+`[2, P]` (CPU)]. The receiver turns global ids into local ids and counts them (a few torch ops on
+`[N, K]`). HT combine returns the rows with one all-to-all and sums each token's rows in rank order
+with :func:`epmoe.comm.masked_layout.ll_gather` (unweighted, float32, rounded once).
+
+LL dispatch all-gathers the (padded) tokens and ids and scatters them into the `[E, C, H]`
 layout locally (:func:`epmoe.comm.masked_layout.ll_scatter`, one kernel, fp8 quantization fused;
 handle = [slots int32 `[P*maxT, K]` of every gathered entry, or -1]); LL combine gathers each
 gathered (token, k) row into a send buffer (one kernel), returns them to their sources with one
