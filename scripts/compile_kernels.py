@@ -24,6 +24,7 @@ newer one accepts code that 3.6 rejects (a module-level string passed from one j
 another compiled under 3.9 and failed on the GPU).
 """
 
+import contextlib
 import importlib
 import os
 import sys
@@ -84,16 +85,24 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     return calls
 
 
-def _patched(mod, **attrs):
-    """Yields once with mod's attributes set to attrs (restored after)."""
-    saved = {k: getattr(mod, k) for k in attrs}
+def _within(*managers):
+    """Yields once inside the context managers (the one-pass loops of cases() below)."""
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
+
+
+@contextlib.contextmanager
+def _asserting():
+    """Launches build the kernels that assert their values inside, as direct CUDA launches do
+    (on CPU tensors _checks.assert_in_kernel says no)."""
+    saved = _checks.assert_in_kernel
+    _checks.assert_in_kernel = lambda direct: True
     try:
-        for k, v in attrs.items():
-            setattr(mod, k, v)
         yield
     finally:
-        for k, v in saved.items():
-            setattr(mod, k, v)
+        _checks.assert_in_kernel = saved
 
 
 def _arg_type(v) -> str:
@@ -181,7 +190,7 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ML._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
                 ML._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone()),
             )
-            for _ in _patched(ML, _assert_in_kernel=lambda direct: True)
+            for _ in _within(_asserting())
         ],
         "quantize fp8 2d/3d masked": lambda: (
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
@@ -209,8 +218,8 @@ def cases() -> Dict[str, Callable[[], object]]:
         ],  # fmt: skip
         "permute bf16/fp8 (deepgemm scales)/int8, one kernel and chain": lambda: [
             (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"), p(qi, ids, 8, 128, si, "row"))
-            for small in (P.SMALL_ENTRIES, 0)
-            for _ in _patched(P, SMALL_ENTRIES=small)
+            for small in (P.CONFIG.small_entries, 0)
+            for _ in _within(P.override(small_entries=small))
         ],
         # the one kernel as a CUDA launch makes it: the id check asserted inside (debug build)
         "permute one kernel at W decode, asserting": lambda: [
@@ -222,10 +231,9 @@ def cases() -> Dict[str, Callable[[], object]]:
                 torch.empty((256, 56)),
                 "deepgemm",
             )
-            for _ in _patched(
-                P,
-                _assert_in_kernel=lambda direct: True,
-                SCALES_BY_ROW_MIN_ENTRIES=8192,  # (as on the GPU: main() sets it to 0)
+            for _ in _within(
+                _asserting(),
+                P.override(scales_by_row_min_entries=8192),  # (as on the GPU: main() sets 0)
             )
         ],  # fmt: skip
         # workload W's sizes (registers depend on them: K_PAD 8, 128 experts, 4 KiB chunks);
@@ -235,13 +243,12 @@ def cases() -> Dict[str, Callable[[], object]]:
         "permute at W: bf16/fp8 (deepgemm scales)/int8, asserting": lambda: [
             p(torch.empty((8192, 7168), dtype=dt), ids_w, 128, 128, sc, layout)
             for dt, sc, layout in w_payloads
-            for _ in _patched(P, _assert_in_kernel=lambda direct: True)
+            for _ in _within(_asserting())
         ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         # as a CUDA launch makes it: the rows asserted inside (debug build)
         "unpermute, asserting": lambda: [
-            U._unpermute_triton(y2, inv, w)
-            for _ in _patched(U, _assert_in_kernel=lambda direct: True)
+            U._unpermute_triton(y2, inv, w) for _ in _within(_asserting())
         ],
         "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
@@ -306,8 +313,13 @@ def sass_summary(compiled, top: int = 8) -> str:
 
 
 def strip_ptx(ptx: str) -> str:
-    """ptx without source locations (``.loc``, ``.file``) and debug sections: the code alone."""
+    """ptx without source locations (``.loc``, ``.file``, debug sections, and the file path and
+    line number a device assert reports): the code alone."""
+    import re
+
     ptx = ptx.split("\t.section\t.debug", 1)[0]
+    ptx = re.sub(r"(assertFile_\d+)\[\d+\] = \{[^}]*\};", r"\1 = <file>;", ptx)
+    ptx = re.sub(r"(st\.param\.b32 \t\[param2\]), \d+;", r"\1, <line>;", ptx)  # (the line)
     keep = [ln for ln in ptx.splitlines() if not ln.lstrip().startswith((".loc", ".file"))]
     return "\n".join(keep).rstrip() + "\n"
 
@@ -326,10 +338,11 @@ def main() -> int:
     show = "--resources" in argv
     sass = "--sass" in argv
     ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
-    P.SCALES_BY_ROW_MIN_ENTRIES = 0  # the small permute cases compile the row-block scales too
     failed = 0
     for name, launch in cases().items():
-        calls = record(launch)
+        # the small permute cases compile the row-block scale kernel too
+        with P.override(scales_by_row_min_entries=0):
+            calls = record(launch)
         # kernels with a PDL switch also compile with it on (the recorded CPU launches have it off)
         calls += [
             (fn, args, dict(kwargs, PDL=True, launch_pdl=True))

@@ -1,9 +1,10 @@
 """Launch-parameter sweep of the local-stage Triton kernels at workload W (one GPU).
 
 Times each stage (CUDA-graph replay, L2 flushed by a read, median of 100; benchmarks/_timing) for
-a set of values of the module-level launch constants, and prints / appends one JSON line per point:
-{"stage", "params", "us", "gbps"} (with --device also "device_us", the kernels' span). Used to
-choose the defaults in epmoe/ops; not a test.
+a set of values of the stage's launch config fields (``CONFIG`` of each epmoe.ops stage module,
+changed for a point with the module's ``override(**fields)``), and prints / appends one JSON
+line per point: {"stage", "params", "us", "gbps"} (with --device also "device_us", the kernels'
+span). Used to choose the defaults in epmoe/ops; not a test.
 
   PYTHONPATH=.:benchmarks python3 scripts/stage_sweep.py --out sweep.jsonl [--only permute,...]
 
@@ -14,6 +15,7 @@ the gaps between dependent launches.
 """
 
 import argparse
+import contextlib
 import functools
 import importlib
 import itertools
@@ -94,22 +96,23 @@ def _write_rows_kernel(inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr
 
 def scatter_rows(x, inv, out, write_only=False, src_rows=0):
     """x `[M, H]` (contiguous) rows to out's rows inv `[M, K]` (int32, -1: none), with permute's
-    copy launch constants; src_rows > 0: token t reads row t % src_rows (a source the L2 holds)."""
+    copy launch config; src_rows > 0: token t reads row t % src_rows (a source the L2 holds)."""
     M, H = x.shape
     K = inv.shape[1]
-    block_h = min(triton.next_power_of_2(H), max(16, P.COPY_BYTES // x.element_size()))
+    cfg = P.CONFIG
+    block_h = min(triton.next_power_of_2(H), max(16, cfg.copy_bytes // x.element_size()))
     grid = (M, triton.cdiv(H, block_h))
     meta = dict(
         K=K,
         K_PAD=triton.next_power_of_2(K),
         BLOCK_H=block_h,
-        num_warps=P.COPY_WARPS,
-        STORE_CACHE=P.STORE_CACHE,
+        num_warps=cfg.copy_warps,
+        STORE_CACHE=cfg.store_cache,
     )
     if write_only:
         _write_rows_kernel[grid](inv, out, H, **meta)
     else:
-        _scatter_rows_kernel[grid](x, inv, out, H, src_rows or M, LOAD_POLICY=P.LOAD_POLICY,
+        _scatter_rows_kernel[grid](x, inv, out, H, src_rows or M, LOAD_POLICY=cfg.load_policy,
                                    **meta)  # fmt: skip
     return out
 
@@ -128,11 +131,12 @@ def rest_kernel(x8, s8, ids, inv, src, out, outs, chunks=True, scales=True):
     column chunk 1 of every token's row to its rows in inv_perm (chunks) and the row-block scale
     copy from the rows' source tokens src (scales), launched as permute launches it; PDL off
     (nothing runs before it)."""
-    block_h = min(triton.next_power_of_2(x8.shape[1]), max(16, P.COPY_BYTES // x8.element_size()))
+    cfg = P.CONFIG
+    block_h = min(triton.next_power_of_2(x8.shape[1]), max(16, cfg.copy_bytes // x8.element_size()))
     n_rest = triton.cdiv(x8.shape[1], block_h) - 1 if chunks else 0
     ids_used = ids if chunks else ids[:0]  # (no chunk programs: no tokens)
     P._launch_rest(x8, s8, ids_used, inv, src, out, outs, CFG.local_experts, block_h,
-                   max(n_rest, 0), scales, dict(PDL=False))  # fmt: skip
+                   max(n_rest, 0), scales, dict(PDL=False), cfg)  # fmt: skip
     return out
 
 
@@ -275,7 +279,7 @@ def cases():
     s8 = fp8[1]
     outs8 = Q.alloc_scales((d["m_idx"].numel(),), s8.shape[1], "deepgemm", "cuda")
     src8 = source_rows(d["inv"], d["m_idx"].numel())
-    c1 = H - min(H, P.COPY_BYTES)  # (fp8: one byte a column)
+    c1 = H - min(H, P.CONFIG.copy_bytes)  # (fp8: one byte a column)
     sc_bytes = count(d["m_idx"] >= 0) * (4 * s8.shape[1] * 2 + 4)
     ch_bytes = srcs * c1 + copies * c1 + 4 * d["inv"].numel()
     out += [
@@ -308,53 +312,52 @@ def cases():
     return out
 
 
+# points per stage: config fields of the stage's module (SHARED: of epmoe.ops.quantize); the
+# decided designs (fixed in the code) and their measurements: docs/kernels.md
 SWEEPS = {
     "quantize_prefill_fp8": [{}],
-    "quantize_prefill_int8": grid(INT8_WARPS=[4, 8]),
+    "quantize_prefill_int8": grid(int8_warps=[4, 8]),
     "quantize_decode_fp8": [{}],
-    "quantize_decode_int8": grid(MAX_WARPS=[4, 8, 16]),
-    "silu_quant_prefill_fp8": grid(FAST_MATH=[True, False]),
-    "silu_quant_prefill_int8": grid(FAST_MATH=[True], INT8_WARPS=[2, 4, 8])
-    + grid(FAST_MATH=[False], INT8_WARPS=[4]),
-    "silu_quant_decode_fp8": grid(FAST_MATH=[True, False]),
-    "silu_quant_decode_int8": grid(FAST_MATH=[True], MAX_WARPS=[4, 8, 16]),
-    # (SPLIT_CHUNKS / SCALE_SPREAD / SCALE_TILE / SCALES_BY_ROW were chosen in sessions 4-6, the
-    # one kernel's launch in session 7, SCALE_VEC and the PF_* prefetches in session 9: see
-    # benchmarks/results/; the fp8 points here are session 9's last check, in rounds)
+    "quantize_decode_int8": grid(max_warps=[4, 8, 16]),
+    "silu_quant_prefill_fp8": [{}],
+    # (I = 2048: 32 / 16 / 8 elements a thread are 2 / 4 / 8 warps)
+    "silu_quant_prefill_int8": grid(int8_thread_elems=[32, 16, 8]),
+    "silu_quant_decode_fp8": [{}],
+    "silu_quant_decode_int8": grid(max_warps=[4, 8, 16]),
     "permute_prefill_bf16": [{}],
-    "permute_prefill_fp8": [{}, dict(PF_REST_PER_SM=16), dict(PF_REST_PER_SM=8)] * 3,
+    "permute_prefill_fp8": [{}, dict(pf_rest_per_sm=16), dict(pf_rest_per_sm=8)] * 3,
     "permute_prefill_int8": [{}],
-    "permute_index_only": grid(PDL=[True, False]),
-    "diag_permute_scatter_fp8": grid(COPY_BYTES=[2048, 4096, 8192], COPY_WARPS=[4, 8])
-    + grid(COPY_BYTES=[4096], COPY_WARPS=[4], STORE_CACHE=["", ".wt"]),
-    "diag_permute_write_only_fp8": grid(COPY_BYTES=[4096, 8192], COPY_WARPS=[4, 8]),
+    "permute_index_only": [{}],
+    "diag_permute_scatter_fp8": grid(copy_bytes=[2048, 4096, 8192], copy_warps=[4, 8])
+    + grid(copy_bytes=[4096], copy_warps=[4], store_cache=["", ".wt"]),
+    "diag_permute_write_only_fp8": grid(copy_bytes=[4096, 8192], copy_warps=[4, 8]),
     "diag_permute_broadcast_fp8": [{}],
     "diag_fill_fp8": [{}],
-    "diag_rest_fp8": [{}, dict(SCALE_VEC=False)] * 2 + grid(SCALE_TILE=[2048, 8192]),
+    "diag_rest_fp8": [{}] + grid(scale_tile=[2048, 8192]),
     "diag_rest_chunks_fp8": [{}],
-    "diag_rest_scales_fp8": [{}, dict(SCALE_VEC=False)] * 2,
-    "permute_decode_fp8": grid(SMALL_ENTRIES=[2048, 0]),
-    # (session 9) the row check inside the kernel (direct launches) against the async assert after
-    # it (before this session the default at prefill; decode took a graph branch, since removed)
-    "unpermute_prefill": [{}, dict(IN_KERNEL=False)] * 3,
-    "unpermute_decode": [{}, dict(IN_KERNEL=False)] * 3,
+    "diag_rest_scales_fp8": [{}],
+    "permute_decode_fp8": grid(small_entries=[2048, 0]),
+    "unpermute_prefill": [{}],
+    "unpermute_decode": [{}],
     "diag_silu_quant_all_rows": [{}],
     "diag_silu_quant_packed": [{}],
-    "diag_silu_only_m_idx": grid(FAST_MATH=[True, False]),
+    "diag_silu_only_m_idx": [{}],
     "diag_quantize_h": [{}],
 }
+# fields of epmoe.ops.quantize's config that steer every stage's kernels
+SHARED = {"max_warps", "min_slots", "masked_programs"}
 
 
-def _in_kernel(on: bool):
-    """IN_KERNEL: unpermute asserts its rows inside the kernel on direct launches (the default),
-    or False: the check after the kernel (the async assert)."""
-    return [] if on else [(U, "_assert_in_kernel", lambda direct: False)]
-
-
-# sweep keys that patch something other than one constant
-PATCHES = {"IN_KERNEL": _in_kernel}
-# constants that live in epmoe.ops.quantize but steer every stage's kernels
-SHARED = {"MAX_WARPS", "MIN_SLOTS", "MASKED_PROGRAMS"}
+def configured(mod, params: dict) -> contextlib.ExitStack:
+    """The stage module's config (and quantize's, for SHARED fields) overridden by params."""
+    stack = contextlib.ExitStack()
+    shared = {k: v for k, v in params.items() if k in SHARED}
+    own = {k: v for k, v in params.items() if k not in SHARED}
+    if shared:
+        stack.enter_context(Q.override(**shared))
+    if own:
+        stack.enter_context(mod.override(**own))
+    return stack
 
 
 def kernel_profile(fn, iters: int = 20) -> dict:
@@ -410,24 +413,16 @@ def main() -> None:
                 if time.time() > t_end:
                     print("budget reached", flush=True)
                     return
-                saved = {}
-                for k, v in params.items():
-                    for m, attr, val in PATCHES[k](v) if k in PATCHES else [(
-                            Q if k in SHARED else mod, k, v)]:  # fmt: skip
-                        saved.setdefault((m, attr), getattr(m, attr))
-                        setattr(m, attr, val)
                 try:
-                    # launched as the public functions do (wrap_triton off, no HOP per launch)
-                    t = _timing.time_cuda(lambda fn=fn: _eager.run(fn))
-                    rec = dict(stage=name, params=params, us=t.ms * 1e3, gbps=t.gbps(nbytes))
-                    if args.device:  # the kernels' span too (no graph launch in it)
-                        dt = _timing.device_time(lambda fn=fn: _eager.run(fn), iters=30)
-                        rec["device_us"] = None if dt is None else round(dt.ms * 1e3, 2)
+                    with configured(mod, params):
+                        # launched as the public functions do (wrap_triton off, no HOP per launch)
+                        t = _timing.time_cuda(lambda fn=fn: _eager.run(fn))
+                        rec = dict(stage=name, params=params, us=t.ms * 1e3, gbps=t.gbps(nbytes))
+                        if args.device:  # the kernels' span too (no graph launch in it)
+                            dt = _timing.device_time(lambda fn=fn: _eager.run(fn), iters=30)
+                            rec["device_us"] = None if dt is None else round(dt.ms * 1e3, 2)
                 except Exception as e:  # noqa: BLE001 - a bad point is reported, not fatal
                     rec = dict(stage=name, params=params, error=repr(e)[:300])
-                finally:
-                    for (m, k), v in saved.items():
-                        setattr(m, k, v)
                 print(json.dumps(rec), file=f, flush=True)
                 print(rec, flush=True)
 

@@ -48,8 +48,9 @@ def test_capture_replays_equal_eager_and_captures_no_check(path, via, monkeypatc
     """permute and unpermute (the public function or the dispatcher's op) captured into a graph
     replay to the eager results, and ask for no check after their kernels (check_values is for
     torch.compile and the interpreter). path: permute's count / scan / copy chain, or its one
-    kernel for few entries (permute.SMALL_ENTRIES)."""
-    monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0 if path == "chain" else 2048)
+    kernel for few entries (permute.CONFIG.small_entries)."""
+    small = 0 if path == "chain" else 2048
+    C.set_config(monkeypatch, C.permute_mod, small_entries=small)
     unperm = unpermute if via == "public" else torch.ops.epmoe.unpermute.default
     checks = []
     real = _checks.check_values
@@ -85,7 +86,8 @@ import importlib
 import torch
 from epmoe.ops import permute, unpermute
 op = {op!r}
-importlib.import_module("epmoe.ops.permute").SMALL_ENTRIES = {small}
+P = importlib.import_module("epmoe.ops.permute")
+P.CONFIG = P.PermuteConfig(small_entries={small})
 x = torch.randn(64, 256, device="cuda").bfloat16()
 ids = torch.randint(0, 4, (64, 2), device="cuda", dtype=torch.int32)
 w = torch.rand(64, 2, device="cuda")
@@ -118,7 +120,7 @@ print("bad replay passed", flush=True)
 )
 def test_bad_value_in_a_replay_trips_the_assert(op, small):
     """The kernels' own asserts: permute's (the chain's scan kernel, the one kernel for few
-    entries: small is permute.SMALL_ENTRIES) and unpermute's (the public function and the
+    entries: small is permute.CONFIG.small_entries) and unpermute's (the public function and the
     dispatcher's op)."""
     res = subprocess.run(
         [sys.executable, "-c", _BAD_REPLAY.format(op=op, small=small)],

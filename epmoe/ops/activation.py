@@ -20,6 +20,7 @@ unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_qu
 ``quantize(silu_and_mul(y))`` bit for bit on the same backend.
 """
 
+import dataclasses
 import importlib
 from typing import NamedTuple, Optional, Tuple
 
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _library, reference
 
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
@@ -46,35 +47,44 @@ _q = importlib.import_module("epmoe.ops.quantize")
 OP = "silu_and_mul"
 OPQ = "silu_and_mul_quant"
 
-# ------------------------------------------------------------------------------ launch heuristics
-SILU_TILE = 2048  # outputs per silu_and_mul program and row: 8 KiB of bf16 input
-SILU_BLOCK_M = 2  # rows per silu_and_mul program (unmasked): more loads in flight per thread
-# W sweep on H200: prefill 2048 x 1 row 197 us, 1024 x 2 207 us, 512 x 1 343 us; decode 1024 8.7 us,
-# 4096 9.1 us
-FP8_TILE = 2048  # outputs per fused fp8 program and row (groups x group size): 8 KiB of bf16
-FP8_BLOCK_M = 1  # rows per fused fp8 program (unmasked)
-FP8_TILE_MASKED = 1024  # masked (decode): a row of I = 2048 in two programs
-INT8_SINGLE_PASS_MAX = 8192  # I up to this stays in registers; longer rows recompute in a 2nd pass
-INT8_CHUNK = 4096
-INT8_ROW_TILE = 2048  # unmasked int8: rows shorter than this are batched (W: 2048 248 us,
-# 4096 249 us, 8192 330 us)
-INT8_WARPS = None  # unmasked int8 warps (None: INT8_THREAD_ELEMS elements a thread)
-# elements a thread of the unmasked int8 kernel: the row's amax is a reduction over the whole
-# program, so fewer warps per row wait on each other (W, I = 2048, with FAST_MATH: 2 warps
-# 99.9 us, 4 warps 102.2, 8 warps 119.4)
-INT8_THREAD_ELEMS = 32
-# m_indices without expert_offsets: programs per column chunk looping over the row blocks, the
-# next block's m_indices prefetched (W fp8 on H200: 8192 looping 180 us, one block each 197 us)
-ROW_PROGRAMS = 8192
-# with expert_offsets: programs looping over the rows below expert_offsets[-1]; at W the unused
-# tail is half of M_sum, and a program per tail row costs a memory latency each (sweep: 8192
-# looping programs 180 us with the tail vs 82 us for the live rows alone)
-OFFSETS_PROGRAMS = 8192
-# software-pipelining stages of the row loops (tl.range num_stages; Triton's default is 3). W on
-# H200 (sweep, 2026-12-01): fp8 1: 95.6 us, 2: 100.7, 3: 98.9, 4: 104.3; int8 1: 124.7, 3: 129.2
-ROW_STAGES = 1
+
+# ------------------------------------------------------------------------------ launch config
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+    """Launch parameters of the SiLU kernels; warps and masked slots come from the quantize
+    module's config (design notes: docs/kernels.md)."""
+
+    silu_tile: int = 2048  # outputs per silu_and_mul program and row: 8 KiB of bf16 input
+    silu_block_m: int = 2  # rows per silu_and_mul program (unmasked): more loads in flight
+    fp8_tile: int = 2048  # outputs per fused fp8 program and row (groups x group size): 8 KiB
+    fp8_block_m: int = 1  # rows per fused fp8 program (unmasked)
+    fp8_tile_masked: int = 1024  # masked (decode): a row of I = 2048 in two programs
+    int8_single_pass_max: int = 8192  # I up to this stays in registers; longer: a second pass
+    int8_chunk: int = 4096
+    int8_row_tile: int = 2048  # unmasked int8: shorter rows are batched into one program
+    # elements a thread of the unmasked int8 kernel: the row's amax is a reduction over the whole
+    # program, so fewer warps per row wait on each other
+    int8_thread_elems: int = 32
+    # m_indices without expert_offsets: programs per column chunk looping over the row blocks,
+    # the next block's m_indices prefetched
+    row_programs: int = 8192
+    # with expert_offsets: programs looping over the rows below expert_offsets[-1] (a program per
+    # row of the unused tail would cost a memory latency each)
+    offsets_programs: int = 8192
+    row_stages: int = 1  # software-pipelining stages of the row loops (tl.range num_stages)
+
+
+CONFIG = ActivationConfig()
+
+
+def override(**fields):
+    """Context manager: the SiLU kernels launch with these CONFIG fields inside the block
+    (sweeps, scripts/compile_kernels.py, tests)."""
+    return _config.override(__name__, **fields)
+
+
 # SiLU with the MUFU ex2 / rcp instructions (see _silu_mul); the interpreter runs no PTX
-FAST_MATH = not _q._INTERPRET
+_FAST_MATH = not _q._INTERPRET
 _NEG_LOG2E = tl.constexpr(-1.4426950408889634)
 
 
@@ -93,10 +103,10 @@ def _silu_mul(g, u, FAST: tl.constexpr):
     g / (1 + exp(-g)) * u under the interpreter (which runs no PTX).
 
     The GPU form is two MUFU instructions (ex2, rcp; flush-to-zero only touches exp(-g) < 2^-126,
-    where silu(g) = g either way) instead of tl.exp's denormal handling and an IEEE division: in
-    the sm90 SASS of the fused kernels, 552 instead of 648 instructions (fp8) for a thread's 16
-    elements of a row. Results match torch to the y.dtype rounding, not to the float32 bit (as
-    with any GPU exp). The interpreter's form is the only one on CPU tensors (FAST False).
+    where silu(g) = g either way) instead of tl.exp's denormal handling and an IEEE division:
+    fewer instructions in the issue-limited fused kernels. Results match torch to the y.dtype
+    rounding, not to the float32 bit (as with any GPU exp). The interpreter's form is the only one
+    on CPU tensors (FAST False).
     """
     if FAST:
         return g * _approx(1.0 + _approx(g * _NEG_LOG2E, "ex2"), "rcp") * u
@@ -289,16 +299,16 @@ def _rows(y, masked_m, expert_offsets) -> _Rows:
 
 
 def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
-    """Row-block slots (grid axis 0). With m_indices and ROW_PROGRAMS set, or with
-    expert_offsets, a fixed number of programs loops over the row blocks (prefetching the next
-    block's m_indices); programs past the bound (the unused tail) then never start."""
+    """Row-block slots (grid axis 0). With m_indices, or with expert_offsets, a fixed number of
+    programs loops over the row blocks (prefetching the next block's m_indices); programs past
+    the bound (the unused tail) then never start."""
     slots = _q.num_slots(rows.E, rows.T, rows.masked, block_m)
     # (sym_min: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
     # would guard on it)
     if rows.has_bound and not rows.masked:
-        return torch.sym_min(slots, OFFSETS_PROGRAMS)
-    if m_indices is not None and ROW_PROGRAMS:
-        return torch.sym_min(slots, ROW_PROGRAMS)
+        return torch.sym_min(slots, CONFIG.offsets_programs)
+    if m_indices is not None:
+        return torch.sym_min(slots, CONFIG.row_programs)
     return slots
 
 
@@ -315,8 +325,9 @@ def _silu_and_mul_triton(
     rows = _rows(y, masked_m, expert_offsets)
     (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
     _, _, (she, sht, _) = _q.as_3d(h)
-    block = min(triton.next_power_of_2(max(inter, 1)), SILU_TILE)
-    block_m = 1 if rows.masked else SILU_BLOCK_M
+    cfg = CONFIG
+    block = min(triton.next_power_of_2(max(inter, 1)), cfg.silu_tile)
+    block_m = 1 if rows.masked else cfg.silu_block_m
     slots = _slots(rows, block_m, m_indices)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
@@ -325,7 +336,7 @@ def _silu_and_mul_triton(
         y, h, rows.bound, m_indices if m_indices is not None else y,
         T, inter, slots, sye, syt, syh, she, sht,
         BLOCK=block, BLOCK_M=block_m, HAS_MASK=rows.has_bound,
-        HAS_ROWS=m_indices is not None, STAGES=ROW_STAGES, FAST=FAST_MATH,
+        HAS_ROWS=m_indices is not None, STAGES=cfg.row_stages, FAST=_FAST_MATH,
         num_warps=_q._warps(block * block_m),
     )  # fmt: skip
     return h
@@ -353,14 +364,18 @@ def _silu_and_mul_quant_triton(
     _, _, (sqe, sqt, _) = _q.as_3d(q)
     _, _, (sse, sst, ssg) = _q.as_3d(s)
     mi = m_indices if m_indices is not None else y  # placeholder pointer, never read
+    cfg = CONFIG
     flags = dict(
-        HAS_MASK=rows.has_bound, HAS_ROWS=m_indices is not None, STAGES=ROW_STAGES, FAST=FAST_MATH
+        HAS_MASK=rows.has_bound,
+        HAS_ROWS=m_indices is not None,
+        STAGES=cfg.row_stages,
+        FAST=_FAST_MATH,
     )
     if scheme == "fp8":
         block_g = triton.next_power_of_2(group_size)
-        tile = FP8_TILE if not rows.masked else FP8_TILE_MASKED
+        tile = cfg.fp8_tile if not rows.masked else cfg.fp8_tile_masked
         gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
-        block_m = 1 if rows.masked else FP8_BLOCK_M
+        block_m = 1 if rows.masked else cfg.fp8_block_m
         slots = _slots(rows, block_m, m_indices)
         grid = (slots, E, triton.cdiv(groups, gpp))
         _q._kernel(_silu_mul_fp8_kernel)[grid](
@@ -370,14 +385,14 @@ def _silu_and_mul_quant_triton(
             num_warps=_q._warps(block_m * gpp * block_g), **flags,
         )  # fmt: skip
     else:
-        single = inter <= INT8_SINGLE_PASS_MAX
-        block = triton.next_power_of_2(max(inter, 1)) if single else INT8_CHUNK
-        block_m = 1 if rows.masked else max(1, INT8_ROW_TILE // block)
+        single = inter <= cfg.int8_single_pass_max
+        block = triton.next_power_of_2(max(inter, 1)) if single else cfg.int8_chunk
+        block_m = 1 if rows.masked else max(1, cfg.int8_row_tile // block)
         slots = _slots(rows, block_m, m_indices)
         if rows.masked:
             warps = _q._warps(block * block_m)
         else:
-            warps = INT8_WARPS or _int8_warps(block * block_m)
+            warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
         _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
@@ -386,12 +401,13 @@ def _silu_and_mul_quant_triton(
     return q, s
 
 
-def _int8_warps(elements) -> int:
-    """Warps of an unmasked int8 program: INT8_THREAD_ELEMS elements a thread, a power of two up
-    to MAX_WARPS. A plain int also when ``elements`` is symbolic (opcheck's dynamic shapes): the
-    comparisons guard, where arithmetic would hand the launcher an unhashable SymInt."""
+def _int8_warps(elements, thread_elems: int) -> int:
+    """Warps of an unmasked int8 program: thread_elems elements a thread, a power of two up to
+    the quantize config's max_warps. A plain int also when ``elements`` is symbolic (opcheck's
+    dynamic shapes): the comparisons guard, where arithmetic would hand the launcher an
+    unhashable SymInt."""
     warps = 1
-    while warps < _q.MAX_WARPS and elements > warps * 32 * INT8_THREAD_ELEMS:
+    while warps < _q.CONFIG.max_warps and elements > warps * 32 * thread_elems:
         warps *= 2
     return warps
 

@@ -16,17 +16,19 @@ scale_layout="row")``
   CUDA kernels write none of them but, with DeepGEMM-layout scales, zero scales on the padding
   rows of a row block that holds a used row: at workload W these rows are over half of M_sum).
 
-CUDA-graph safe: one kernel up to SMALL_ENTRIES entries, else three (four with DeepGEMM-layout
-scales from SCALES_BY_ROW_MIN_ENTRIES entries), fixed grids from shapes, no host sync, no atomics
-(the row order is deterministic) and no zero fill; on sm90 each kernel after the first starts
-early (programmatic dependent launch) and waits only before it reads its predecessor's output.
+CUDA-graph safe: one kernel up to CONFIG.small_entries entries, else three (four with
+DeepGEMM-layout scales from CONFIG.scales_by_row_min_entries entries), fixed grids from shapes,
+no host sync, no atomics (the row order is deterministic) and no zero fill; on sm90 each kernel
+after the first starts early (programmatic dependent launch) and waits only before it reads its
+predecessor's output.
 Each source row is read once and written to all of its local experts. Programs waiting on the
-index chain ask the L2 for rows later programs read (a hint: PF_* below).
+index chain ask the L2 for rows later programs read (a hint: CONFIG.pf_*).
 ``alignment`` is the grouped-GEMM row block (128 for deep_gemm), never the quant block. Ids outside
 [0, E) other than -1 are an error (ValueError on CPU; on CUDA a device assert inside the kernels,
 ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
+import dataclasses
 import functools
 import importlib
 from typing import NamedTuple, Optional, Tuple
@@ -37,113 +39,61 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from epmoe import _checks, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _library, reference
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
 _q = importlib.import_module("epmoe.ops.quantize")
 
 OP = "permute"
 
-# ------------------------------------------------------------------------------ launch heuristics
-BLOCK_N = 256  # (t, k) entries per block (whole tokens: BLOCK_N // K_PAD of them); a token's
-# rank compares its K entries with the block's (W on H200: bf16 169.4 us at 256, 170.3 at 128)
-BLOCK_SCAN = 1024  # blocks per step of the per-expert prefix scan (fixed: no recompile per M)
-BLOCK_ROWS = 1024  # m_indices rows per step of an expert's fill loop
-FILL_SPLIT = 4  # programs per expert filling its m_indices block (one expert may own every row)
-COPY_BYTES = 4096  # payload bytes per copy program: 32 B per thread at 4 warps, 128-bit accesses
-COPY_WARPS = 4
-# DeepGEMM-layout scales copied per destination row block by their own kernel (coalesced stores
-# into the MN-major layout) instead of per source token inside the copy kernel: W prefill fp8
-# 93.4 us vs 97.2 us (before SPLIT_CHUNKS); below SCALES_BY_ROW_MIN_ENTRIES (t, k) entries the
-# extra launch costs more than it saves (256 decode tokens: 18.5 us vs 18.4 us, before PDL).
-# Programs of the copy kernel that find each row's source token from the scanned counts (no
-# dependency on the copy, so they could run beside it) were tried and rejected: 144-196 us at W
-# (a binary search and a block scan per row: latency-bound programs holding the copy's slots, and
-# 55-137 registers)
-# Up to SMALL_ENTRIES (t, k) entries (K padded to a power of 2) one kernel does everything, each
-# program counting every entry itself (_small_permute_kernel): one launch instead of three (four
-# when the check was its own launch), and no kernel waits on another. W decode fp8 (256 tokens) on
-# H200, CUDA graph: 12.6 us vs 13.0 for the chain (the kernel alone 9.1); its programs need 162
-# registers, so whole rows a program (fewer programs than slots): 4 KiB programs 16.8 us, 8 warps
-# 14.3
-SMALL_ENTRIES = 2048
-SMALL_COPY_BYTES = 8192  # payload bytes per program of the one kernel (fp8 at H 7168: a whole row)
-SMALL_WARPS = 4
-SCALES_BY_ROW = True
-SCALES_BY_ROW_MIN_ENTRIES = 8192
-SCALE_TILE = 4096  # scale values per program of the row-block scale copy
-# With row-block scales, the column chunks past the first are copied by the scale kernel (from
-# the rows the copy kernel wrote to inv_perm), its scale programs spread among those copies
-# (SCALE_SPREAD; else all first), so the latency-bound scale gathers overlap payload traffic
-# instead of trailing the copy. W fp8 on H200: 91.8 / 92.3 us (two runs) vs 93.5 not split; all
-# first 94.0; 2048-byte chunks 96.0, 8192-byte 94.2. Splitting bf16 / int8 too (no scale copy to
-# hide) is slower: 164.3 vs 162.6 us, 88.6 vs 86.6
-SPLIT_CHUNKS = True
-SCALE_SPREAD = True
-# Rejected: the split's two kernels as one, the scale programs (from the 0th / 1024th / 2048th /
-# 4096th chunk program on) spinning on a counter that the chunk-0 programs raise with release
-# semantics instead of waiting on the kernel boundary: W fp8 91.9 / 91.9 / 91.9 / 91.6 us vs 92.0
-# split (same run): the boundary costs nothing measurable, and the spin needs blocks dispatched in
-# id order. The copy itself is what is slow: 85.0 of the fused kernel's ~92 us. Its floor at W
-# (scripts/stage_sweep.py diag_*, session 7): the fp8 payload scatter alone with its rows given
-# takes 80.4 us (85.4% of the copy ceiling), the same stores with nothing read 59.2 us (93%), the
-# same copies to consecutive rows 79.2 us: the 1-read / ~4-write mix, not the scatter, costs it
-# cache hints of the payload copy ("": none): each source row is read once, each destination
-# row written once and next read by the GEMM (after the L2 has turned over at prefill sizes).
-# W on H200, none vs these: bf16 170.0 vs 168.8 us, fp8 102.3 vs 101.3, int8 93.6 vs 93.1
-LOAD_POLICY = "evict_first"  # tl.load eviction_policy of the source rows
-STORE_CACHE = ".cs"  # tl.store cache_modifier of the destination rows (streaming)
-# eviction_policy of the per-token scale stores: DeepGEMM's MN-major layout scatters them 4 bytes
-# at a time, and kept in L2 their sectors fill up before they are written back (W fp8 with
-# per-token scales: 115.6 us without, 105.6 with; the row-block copy takes 102.3)
-SCALE_POLICY = "evict_last"
-# Programmatic dependent launch (sm90+) of the index and copy chain: each kernel lets the next one
-# launch at its start (gdc_launch_dependents), and the next one waits (gdc_wait) only before it
-# reads what the previous one wrote. The copy's loads of ids and payload rows then overlap the scan
-# instead of waiting for it. Not on CPU (the interpreter runs no PTX) or while tracing. W on H200,
-# PDL on / off: bf16 162.5 / 163.1 us, fp8 93.4 / 94.6, int8 86.1 / 86.8, decode fp8 12.9 / 14.0
-# (before, with atomics on zero-filled totals: fp8 95.0 / 99.0, int8 87.0 / 90.2, decode 14.2 /
-# 16.8)
-PDL = True
-# The copy kernel's grid is 1-D with a token's column chunks in neighbouring programs; a 2-D grid
-# (token, chunk), every token's chunk 0 before any chunk 1, was 1-2% slower (W on H200, three
-# sweeps: bf16 162.4 / 162.4 vs 160.1 / 161.1 us, int8 87.0 / 86.3 / 85.8 vs 85.3 / 85.4 / 85.1)
-# Rejected (session 8, commits c7f907d and 8ddcd00): L2 prefetch (cp.async.bulk.prefetch.L2) of
-# work the copy reads later, issued while the index chain runs. The count kernel prefetching the
-# first source rows (chunk 0 of fp8's, whole bf16 / int8 rows), 4-32 MiB: W fp8 92.6-93.2 us vs
-# 91.7 without, bf16 160.9-161.6 vs 159.2-159.4, int8 85.6-86.6 vs 84.7-84.8 (the copy kernel's
-# first programs already load their chunks before gdc_wait, and the count kernel took 4.2 us
-# instead of 2.7). One extra scan program prefetching the 1.8 MB of source scales for the
-# row-block scale copy: 96.3-96.8 us vs 91.4-91.9 (one SM issues every piece: the scan kernel,
-# and everything after it, waits for that). Permute fp8's second kernel alone at W
-# (stage_sweep diag_rest_*, device time): 37.7 us, its chunk copies alone 32.9, the scale rows
-# alone 7.7: the scale copy costs 4.8 us spread among the chunk copies, ~2 us over its bytes
-# L2 prefetch (cp.async.bulk.prefetch.L2, thread 0 of a program, nothing waits on it) issued by
-# waiting programs, before their gdc_wait (direct sm90 launches, 16-byte aligned rows only):
-# - PF_WAVES: the copy kernel's programs below PF_DIST = PF_PER_SM per multiprocessor ask for the
-#   chunks of programs pid + j * PF_DIST, j in [1, PF_WAVES]: later waves' rows come in while HBM
-#   idles on the index chain (~6 us at W). PF_REST_WAVES / PF_REST_PER_SM: the same from the
-#   second kernel's chunk programs (split fp8) while the copy kernel ends.
-# - PF_SCALES (row-block scales): each token's scales, for the second kernel's gathers.
-# W on H200, replay us (sweeps of session 9, rounds alternating the points): PF_PER_SM 12 / 16 /
-# 20 / 24 (2 waves): bf16 158.7 / 157.4 / 156.9 / 157.1 (none: 159.4), int8 83.6 / 82.4 / 81.4 /
-# 81.8 (none: 84.9); fp8 at 16: 89.3, 20: 88.7, 16 with 3 waves 90.0; second-kernel waves (at 16)
-# 1 / 2: 88.8 / 88.4; PF_REST_PER_SM 8 / 12 / 16: 88.5 / 88.1 / 89.1; all prefetches off 90.5
-# (with SCALE_VEC). PF_SCALES at 16: 89.3 vs 89.7 without. Rejected: the rest of each row past
-# chunk 0 for the second kernel (+1.1-1.5 us), the scales after gdc_wait or by the second
-# kernel's programs (88.1 / 88.3 vs 88.3: no gain)
-# SCALE_VEC: the row-block scale copy with 16-byte accesses (in _rest_scales_kernel); W fp8 its
-# scale rows alone 5.2 us device vs 7.8 scalar, the permute 90.5 vs 92.1 us (no prefetch)
-SCALE_VEC = True
-PF_SCALES = True
-PF_WAVES = 2
-PF_PER_SM = 20
-PF_REST_WAVES = 2
-PF_REST_PER_SM = 12
-# Rejected (session 7): the rows first, per block of 32 tokens by their own kernel (inv_perm,
-# src, m_indices), then every column chunk and the scale rows by the scale kernel, the scale
-# gathers spread over the whole copy: W fp8 95.1 us vs 92.4 split (the rows kernel ends ~9 us
-# in, its in-block rank needs 117 registers; spilling at 64 entries per compare step: 261 us)
+
+# ------------------------------------------------------------------------------ launch config
+@dataclasses.dataclass(frozen=True)
+class PermuteConfig:
+    """Launch parameters of the permute kernels (design notes: docs/kernels.md)."""
+
+    # (t, k) entries per rank block (whole tokens: block_n // K_PAD); a token's rank compares
+    # its K entries with the block's
+    block_n: int = 256
+    block_scan: int = 1024  # blocks per step of the per-expert prefix scan (no recompile per M)
+    block_rows: int = 1024  # m_indices rows per step of an expert's fill loop
+    fill_split: int = 4  # programs per expert filling its m_indices (one expert may own all rows)
+    copy_bytes: int = 4096  # payload bytes per copy program: 32 B a thread at 4 warps, 128-bit
+    copy_warps: int = 4
+    # up to this many (t, k) entries (K padded to a power of 2) one kernel does everything: one
+    # launch, nothing waits on another kernel
+    small_entries: int = 2048
+    small_copy_bytes: int = 8192  # payload bytes per one-kernel program (fp8 at H 7168: a row)
+    small_warps: int = 4
+    # DeepGEMM-layout scales go per destination row block (coalesced MN-major stores, by the
+    # second kernel with the column chunks past the first) from this many (t, k) entries; below
+    # it the extra launch costs more than it saves
+    scales_by_row_min_entries: int = 8192
+    scale_tile: int = 4096  # scale values per program of the row-block scale copy
+    # cache hints of the payload copy: each source row is read once, each destination row
+    # written once and next read by the GEMM
+    load_policy: str = "evict_first"  # tl.load eviction_policy of the source rows
+    store_cache: str = ".cs"  # tl.store cache_modifier of the destination rows (streaming)
+    # per-token scale stores scatter 4 bytes at a time into the MN-major layout: kept in L2 their
+    # sectors fill up before they are written back
+    scale_policy: str = "evict_last"
+    # L2 prefetch by programs waiting at gdc_wait (direct sm90 launches): the copy kernel's
+    # programs below pf_per_sm per multiprocessor ask for the chunks of programs pid + j * that,
+    # j in [1, pf_waves], while HBM idles on the index chain; pf_rest_*: the same from the second
+    # kernel's chunk programs while the copy kernel ends
+    pf_waves: int = 2
+    pf_per_sm: int = 20
+    pf_rest_waves: int = 2
+    pf_rest_per_sm: int = 12
+
+
+CONFIG = PermuteConfig()
+
+
+def override(**fields):
+    """Context manager: permute launches with these CONFIG fields inside the block (sweeps,
+    scripts/compile_kernels.py, tests)."""
+    return _config.override(__name__, **fields)
 
 
 class PermuteResult(NamedTuple):
@@ -583,11 +533,6 @@ def _at_least(n, lo: int) -> bool:
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
 
 
-# (module attributes: scripts/compile_kernels.py patches _assert_in_kernel)
-_assert_in_kernel = _checks.assert_in_kernel
-_assert_build = _checks.assert_build
-
-
 def _at_most(n, hi: int) -> bool:
     """n <= hi, like _at_least (an unbacked n gives False)."""
     if isinstance(n, int):
@@ -595,15 +540,10 @@ def _at_most(n, hi: int) -> bool:
     return torch.fx.experimental.symbolic_shapes.guard_or_false(n <= hi)
 
 
-def _by_row(S: int, scale_layout: str, n) -> bool:
-    """DeepGEMM-layout scales go per destination row block from SCALES_BY_ROW_MIN_ENTRIES
+def _by_row(S: int, scale_layout: str, n, cfg: PermuteConfig) -> bool:
+    """DeepGEMM-layout scales go per destination row block from cfg.scales_by_row_min_entries
     entries (an unbacked n under torch.compile takes the per-token path: see _at_least)."""
-    return (
-        S > 0
-        and SCALES_BY_ROW
-        and scale_layout == "deepgemm"
-        and _at_least(n, SCALES_BY_ROW_MIN_ENTRIES)
-    )
+    return S > 0 and scale_layout == "deepgemm" and _at_least(n, cfg.scales_by_row_min_entries)
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -613,44 +553,44 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 
 def _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E: int, block_h: int,
-                 n_rest: int, scales: bool, pdl: dict) -> None:  # fmt: skip
+                 n_rest: int, scales: bool, pdl: dict, cfg: PermuteConfig) -> None:  # fmt: skip
     """Launches _rest_scales_kernel: column chunks 1..n_rest of every token's row (block_h
     columns each) to its rows in inv_perm, and with ``scales`` the row-block scale copy from the
-    rows' source tokens src, its programs spread among the chunk copies (SCALE_SPREAD) or all
-    first. (Also used alone, its inputs given, by scripts/stage_sweep.py.)"""
+    rows' source tokens src, its programs spread among the chunk copies (so that the
+    latency-bound gathers overlap payload traffic). (Also used alone, its inputs given, by
+    scripts/stage_sweep.py.)"""
     M, K = topk_ids.shape
     H = x.shape[1]
     m_sum, S = s_out.shape
     block_s = triton.next_power_of_2(S)
-    block_r = max(1, SCALE_TILE // block_s)
+    block_r = max(1, cfg.scale_tile // block_s)
     n_scale = triton.cdiv(m_sum, block_r) if scales else 0
-    stride = (M * n_rest + n_scale) // n_scale if SCALE_SPREAD and n_scale else 1
+    stride = (M * n_rest + n_scale) // n_scale if n_scale else 1
     _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
         x_scales, src, s_out, x, topk_ids, inv_perm, x_out,
         S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
         x_scales.stride(0), x_scales.stride(1), s_out.stride(0), s_out.stride(1),
         topk_ids.stride(0), topk_ids.stride(1), x.stride(0), x.stride(1),
         K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
-        LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, num_warps=4, **pdl,
+        LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache, num_warps=4, **pdl,
         **_scale_vec(x_scales, s_out),
-        **_rest_prefetch(x, pdl.get("PDL", False), block_h),
+        **_rest_prefetch(x, pdl.get("PDL", False), block_h, cfg),
     )  # fmt: skip
 
 
-def _rest_prefetch(x, on: bool, block_h: int) -> dict:
-    """The second kernel's L2-prefetch constexprs (PF_REST_WAVES, PF_REST_PER_SM; as the copy
-    kernel's PF_WAVES): on for direct launches with PDL (sm90) and 16-byte aligned rows."""
-    waves = PF_REST_WAVES if on and _pf_ok(x, block_h) else 0
-    return dict(PF_WAVES=waves, PF_DIST=_pf_dist(x, PF_REST_PER_SM, waves))
+def _rest_prefetch(x, on: bool, block_h: int, cfg: PermuteConfig) -> dict:
+    """The second kernel's L2-prefetch constexprs (cfg.pf_rest_*; as the copy kernel's): on for
+    direct launches with PDL (sm90) and 16-byte aligned rows."""
+    waves = cfg.pf_rest_waves if on and _pf_ok(x, block_h) else 0
+    return dict(PF_WAVES=waves, PF_DIST=_pf_dist(x, cfg.pf_rest_per_sm, waves))
 
 
 def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
-    """The row-block scale copy's VEC / S_C constexprs (see _rest_scales_kernel): on for dense
-    16-byte aligned scale rows (SCALE_VEC; not under torch.compile, whose fake tensors have no
-    address)."""
+    """The row-block scale copy's VEC / S_C constexprs (see _rest_scales_kernel): 16-byte
+    accesses for dense 16-byte aligned scale rows (not under torch.compile, whose fake tensors
+    have no address)."""
     on = (
-        SCALE_VEC
-        and not _checks._tracing(x_scales)
+        not _checks._tracing(x_scales)
         and _aligned16(x_scales)
         and s_out.stride(0) == 1
         and s_out.stride(1) % 4 == 0
@@ -671,16 +611,16 @@ def _scales_ok(x_scales) -> bool:
     return _aligned16(x_scales) and (x_scales.shape[1] * 4) % 16 == 0
 
 
-def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int) -> dict:
+def _prefetch_meta(x, x_scales, on: bool, by_row: bool, block_h: int, cfg: PermuteConfig) -> dict:
     """The copy kernel's L2-prefetch constexprs: all off unless ``on`` (a direct launch with PDL,
     so sm90) and the bulk prefetch can take the pieces (16-byte aligned, multiples of 16)."""
     # (``on`` first: under torch.compile the tensors are fake and have no address)
-    waves = PF_WAVES if on and _pf_ok(x, block_h) else 0
+    waves = cfg.pf_waves if on and _pf_ok(x, block_h) else 0
     scales_ok = on and x_scales is not None and _scales_ok(x_scales)
     return dict(
-        PF_SCALES=bool(on and scales_ok and by_row and PF_SCALES),
+        PF_SCALES=bool(on and scales_ok and by_row),  # (each token's scales, for the 2nd kernel)
         PF_WAVES=waves,
-        PF_DIST=_pf_dist(x, PF_PER_SM, waves),
+        PF_DIST=_pf_dist(x, cfg.pf_per_sm, waves),
     )
 
 
@@ -703,12 +643,15 @@ def _permute_triton(
     alignment: int,
     x_scales: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    config: Optional[PermuteConfig] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """permute on CUDA (or CPU tensors under TRITON_INTERPRET=1); returns the op's 5 tensors.
 
     Rows of x / x_scales that no (t, k) maps to (alignment padding, the unused tail) are left
     unwritten. Invalid ids are dropped by the kernels and reported through _checks.check_values.
+    ``config``: the launch parameters (default: CONFIG).
     """
+    cfg = CONFIG if config is None else config
     M, K = topk_ids.shape
     H = x.shape[1]
     E, A = num_experts, alignment
@@ -716,7 +659,7 @@ def _permute_triton(
     m_sum = reference.permuted_rows(M, K, E, A)
     S = x_scales.shape[1] if x_scales is not None else 0
     k_pad = triton.next_power_of_2(K)
-    tb = max(1, BLOCK_N // k_pad)  # whole tokens per block
+    tb = max(1, cfg.block_n // k_pad)  # whole tokens per block
     nb = triton.cdiv(M, tb)
 
     x_out = torch.empty((m_sum, H), dtype=x.dtype, device=dev)
@@ -725,18 +668,18 @@ def _permute_triton(
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
-    by_row = _by_row(S, scale_layout, M * K)
-    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, COPY_BYTES // x.element_size()))
+    by_row = _by_row(S, scale_layout, M * K, cfg)
+    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, cfg.copy_bytes // x.element_size()))
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = triton.cdiv(S, chunks)  # scales per column chunk
     sit, sik = topk_ids.stride()
     direct = _checks.direct_launch(x)
-    if not by_row and _at_most(M * k_pad, SMALL_ENTRIES):
-        in_kernel = _assert_in_kernel(direct)
+    if not by_row and _at_most(M * k_pad, cfg.small_entries):
+        in_kernel = _checks.assert_in_kernel(direct)
         block_h = min(
-            triton.next_power_of_2(max(H, 1)), max(16, SMALL_COPY_BYTES // x.element_size())
+            triton.next_power_of_2(max(H, 1)), max(16, cfg.small_copy_bytes // x.element_size())
         )
         chunks = max(triton.cdiv(H, block_h), 1)
         spc = triton.cdiv(S, chunks)
@@ -744,11 +687,12 @@ def _permute_triton(
             x, xs, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok,
             M, H, S, spc, E, A, m_sum, chunks,
             sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-            K=K, K_PAD=k_pad, N_PAD=triton.next_power_of_2(max(SMALL_ENTRIES, 1)),
+            K=K, K_PAD=k_pad, N_PAD=triton.next_power_of_2(max(cfg.small_entries, 1)),
             NUM_BINS=triton.next_power_of_2(E + 1), BLOCK_H=block_h,
-            BLOCK_S=triton.next_power_of_2(max(spc, 1)), HAS_SCALES=S > 0, BLOCK_ROWS=BLOCK_ROWS,
-            LOAD_POLICY=LOAD_POLICY, STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY,
-            ASSERT=in_kernel, num_warps=SMALL_WARPS, **_assert_build(in_kernel),
+            BLOCK_S=triton.next_power_of_2(max(spc, 1)), HAS_SCALES=S > 0,
+            BLOCK_ROWS=cfg.block_rows, LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache,
+            SCALE_POLICY=cfg.scale_policy, ASSERT=in_kernel, num_warps=cfg.small_warps,
+            **_checks.assert_build(in_kernel),
         )  # fmt: skip
         if not in_kernel:
             _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
@@ -769,34 +713,34 @@ def _permute_triton(
     # interpreter and wrap_triton's higher-order op see neither the option nor gdc_wait). The
     # first one is launched in stream order: it may not start before the work ahead of permute
     # (the producer of x and topk_ids, the last user of the memory it is given) is done
-    use_pdl = PDL and direct
+    use_pdl = direct
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
         TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
-    in_kernel = _assert_in_kernel(direct)
+    in_kernel = _checks.assert_in_kernel(direct)
     _q._kernel(_scan_kernel)[(E + 1,)](
-        counts, bad, totals, ok, E, nb, BLOCK=BLOCK_SCAN, ASSERT=in_kernel, num_warps=4, **pdl,
-        **_assert_build(in_kernel),
+        counts, bad, totals, ok, E, nb, BLOCK=cfg.block_scan, ASSERT=in_kernel, num_warps=4,
+        **pdl, **_checks.assert_build(in_kernel),
     )  # fmt: skip
     # with row-block scales split off the column chunks past the first to the scale kernel
-    chunks_a = 1 if by_row and SPLIT_CHUNKS else chunks
-    fills = triton.cdiv((E + 1) * FILL_SPLIT, chunks_a)  # rows of fill programs after the tokens'
+    chunks_a = 1 if by_row else chunks
+    fills = triton.cdiv((E + 1) * cfg.fill_split, chunks_a)  # fill programs' rows after tokens'
     _q._kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
         M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
         HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
-        BLOCK_ROWS=BLOCK_ROWS, SPLIT=FILL_SPLIT, LOAD_POLICY=LOAD_POLICY,
-        STORE_CACHE=STORE_CACHE, SCALE_POLICY=SCALE_POLICY, num_warps=COPY_WARPS, **pdl,
-        **_prefetch_meta(x, x_scales, use_pdl, by_row, block_h),
+        BLOCK_ROWS=cfg.block_rows, SPLIT=cfg.fill_split, LOAD_POLICY=cfg.load_policy,
+        STORE_CACHE=cfg.store_cache, SCALE_POLICY=cfg.scale_policy, num_warps=cfg.copy_warps,
+        **pdl, **_prefetch_meta(x, x_scales, use_pdl, by_row, block_h, cfg),
     )  # fmt: skip
     if by_row:
         _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E, block_h,
-                     chunks - chunks_a, True, pdl)  # fmt: skip
+                     chunks - chunks_a, True, pdl, cfg)  # fmt: skip
     if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
     return x_out, s_out, m_indices, inv_perm, offsets
@@ -805,8 +749,8 @@ def _permute_triton(
 # ------------------------------------------------------------------------------------------ op
 def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
     """The common all-good case (CUDA tensors) in one expression: every eager call pays for
-    validation, and each tensor attribute read costs ~0.2 µs of host time, so devices are compared
-    as ints (get_device) and dtypes by identity. Any False falls through to the checks below,
+    validation, and each tensor attribute read costs host time, so devices are compared as ints
+    (get_device) and dtypes by identity. Any False falls through to the checks below,
     which say what is wrong."""
     try:
         xs, ids = x.shape, topk_ids.shape

@@ -20,6 +20,7 @@ CUDA-graph safe (static shapes, fixed grid, no host sync). ``group_size`` is the
 unrelated to the permute ``alignment``.
 """
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from epmoe import _checks, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _library, reference
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
     _FP8_MAX,
@@ -44,20 +45,34 @@ from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
 OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
 
-# ------------------------------------------------------------------------------ launch heuristics
-# W prefill sweep on H200 (scripts/stage_sweep.py): 1024 x 4 rows at 4 warps 44.8 us, 2048 x 1 row
-# 52 us, 4096 x 4 rows 60 us (register pressure)
-FP8_TILE = 1024  # elements per fp8 program and row
-FP8_BLOCK_M = 4  # rows per fp8 program: four independent row loads in flight per thread
-FP8_TILE_MASKED = 8192  # masked (decode): a whole row per program, few programs find no live row
-INT8_SINGLE_PASS_MAX = 8192  # rows up to this many elements stay in registers (one HBM read)
-INT8_CHUNK = 4096  # chunk of the two-pass loop for longer rows (second read hits L2)
-INT8_ROW_TILE = 4096  # unmasked int8: rows shorter than this are batched into one program
-INT8_WARPS = 4  # unmasked int8 (W prefill, H 7168: 4 warps 50.7 us, 8 warps 52.0 us)
-MASKED_PROGRAMS = 2048  # target programs over [E, slots] for masked inputs; each loops over rows
-MIN_SLOTS = 16  # row slots per expert at least, so ~8 live rows per expert run in parallel
 TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
-MAX_WARPS = 8
+
+
+# ------------------------------------------------------------------------------ launch config
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """Launch parameters of the quantize kernels; max_warps, min_slots and masked_programs also
+    steer the activation kernels (design notes: docs/kernels.md)."""
+
+    fp8_tile: int = 1024  # elements per fp8 program and row (larger tiles: register pressure)
+    fp8_block_m: int = 4  # rows per fp8 program: four independent row loads in flight a thread
+    fp8_tile_masked: int = 8192  # masked (decode): a row per program, few find no live row
+    int8_single_pass_max: int = 8192  # rows up to this many elements stay in registers
+    int8_chunk: int = 4096  # chunk of the two-pass loop for longer rows (second read hits L2)
+    int8_row_tile: int = 4096  # unmasked int8: shorter rows are batched into one program
+    int8_warps: int = 4  # unmasked int8 (more warps wait longer on the row's amax)
+    masked_programs: int = 2048  # target programs over [E, slots] for masked inputs (row loops)
+    min_slots: int = 16  # row slots per expert at least: ~8 live rows per expert in parallel
+    max_warps: int = 8  # warps of programs over 4096 elements
+
+
+CONFIG = QuantizeConfig()
+
+
+def override(**fields):
+    """Context manager: quantize (and the activation kernels' shared fields) launch with these
+    CONFIG fields inside the block (sweeps, scripts/compile_kernels.py, tests)."""
+    return _config.override(__name__, **fields)
 
 
 @triton.jit
@@ -168,8 +183,8 @@ def _kernel(k):
 
 
 def _warps(elements: int) -> int:
-    """4 warps up to 4096 elements a program (32 a thread), MAX_WARPS above."""
-    return MAX_WARPS if elements > 4096 else 4
+    """4 warps up to 4096 elements a program (32 a thread), CONFIG.max_warps above."""
+    return CONFIG.max_warps if elements > 4096 else 4
 
 
 def alloc_scales(lead: Tuple[int, ...], groups: int, layout: str, device) -> torch.Tensor:
@@ -210,23 +225,26 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
     if not masked:
         return blocks
     # (sym_min: t may be an unbacked size under torch.compile, and min() would guard on it)
-    return torch.sym_min(blocks, max(MIN_SLOTS, MASKED_PROGRAMS // max(e, 1)))
+    cfg = CONFIG
+    return torch.sym_min(blocks, max(cfg.min_slots, cfg.masked_programs // max(e, 1)))
 
 
 def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:
     """(BLOCK_G, groups per program, rows per program) of the fp8 kernels."""
     block_g = triton.next_power_of_2(group_size)
-    tile = FP8_TILE if not masked else FP8_TILE_MASKED
+    cfg = CONFIG
+    tile = cfg.fp8_tile if not masked else cfg.fp8_tile_masked
     gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
-    return block_g, gpp, (FP8_BLOCK_M if not masked else 1)
+    return block_g, gpp, (cfg.fp8_block_m if not masked else 1)
 
 
 def int8_tiling(n: int, masked: bool) -> Tuple[int, int, bool]:
     """(BLOCK, rows per program, single pass) of the int8 kernels for rows of n elements:
     small rows are batched up to 4096 elements a program (more loads in flight per thread)."""
-    single = n <= INT8_SINGLE_PASS_MAX
-    block = triton.next_power_of_2(max(n, 1)) if single else INT8_CHUNK
-    block_m = 1 if masked else max(1, INT8_ROW_TILE // block)
+    cfg = CONFIG
+    single = n <= cfg.int8_single_pass_max
+    block = triton.next_power_of_2(max(n, 1)) if single else cfg.int8_chunk
+    block_m = 1 if masked else max(1, cfg.int8_row_tile // block)
     return block, block_m, single
 
 
@@ -267,7 +285,7 @@ def launch_quant(
     else:
         block, block_m, single = int8_tiling(H, masked)
         slots = num_slots(E, T, masked, block_m)
-        warps = _warps(block_m * block) if masked or not INT8_WARPS else INT8_WARPS
+        warps = _warps(block_m * block) if masked else CONFIG.int8_warps
         _kernel(_quant_int8_kernel)[(slots, E)](
             x, q, s, mm, T, H, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst,

@@ -13,6 +13,7 @@ never read) and writes the sum once, rounded to nearest even. Rows outside [0, M
 debug mode; under torch.compile an async assert after the kernel); they are never read.
 """
 
+import dataclasses
 import importlib
 
 import torch
@@ -20,18 +21,31 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _library, reference
 from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
 _q = importlib.import_module("epmoe.ops.quantize")
 
 OP = "unpermute"
-_assert_in_kernel = _checks.assert_in_kernel  # (patched by scripts/compile_kernels.py)
 
-# ------------------------------------------------------------------------------ launch heuristics
-BLOCK_BYTES = 4096  # output bytes per program: bf16 -> 2048 columns, 16 fp32 accumulators a thread
-UNPERMUTE_WARPS = 4
+
+# ------------------------------------------------------------------------------ launch config
+@dataclasses.dataclass(frozen=True)
+class UnpermuteConfig:
+    """Launch parameters of the unpermute kernel (design notes: docs/kernels.md)."""
+
+    block_bytes: int = 4096  # output bytes per program: bf16 -> 2048 columns, 16 fp32 a thread
+    warps: int = 4
+
+
+CONFIG = UnpermuteConfig()
+
+
+def override(**fields):
+    """Context manager: unpermute launches with these CONFIG fields inside the block (sweeps,
+    scripts/compile_kernels.py, tests)."""
+    return _config.override(__name__, **fields)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -85,20 +99,20 @@ def _unpermute_triton(
     H = y.shape[1]
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the rows inside
-    # the kernel: one launch, nothing after it (W on H200, graph replay: prefill 148.0 us vs 152.4
-    # with the async assert after the kernel, decode 10.3 vs 10.9 with it on a graph branch);
-    # otherwise (torch.compile, the interpreter) the kernel clears the flag on a bad row
-    in_kernel = _assert_in_kernel(_checks.direct_launch(y))
+    # the kernel: one launch, nothing after it; otherwise (torch.compile, the interpreter) the
+    # kernel clears the flag on a bad row
+    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(y))
+    cfg = CONFIG
     ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
-    block = min(triton.next_power_of_2(max(H, 1)), max(16, BLOCK_BYTES // y.element_size()))
+    block = min(triton.next_power_of_2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
     _q._kernel(_unpermute_kernel)[(M, triton.cdiv(H, block))](
         y, inv_perm, topk_weights, out, ok, H, y.shape[0],
         y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, ASSERT=in_kernel,
-        num_warps=UNPERMUTE_WARPS, **_checks.assert_build(in_kernel),
+        num_warps=cfg.warps, **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if not in_kernel:
         _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")

@@ -150,7 +150,7 @@ def test_overflow_without_checks_stays_in_bounds(monkeypatch):
     """The kernel itself (its check disabled): masked_m clamped to C, nothing past capacity."""
     import epmoe.comm.masked_layout as M
 
-    monkeypatch.setattr(M, "_assert_in_kernel", lambda direct: False)
+    monkeypatch.setattr(M._checks, "assert_in_kernel", lambda direct: False)
     monkeypatch.setattr(M._checks, "check_values", lambda *a, **k: None)
     x = L.tokens(5, 128, torch.Generator().manual_seed(7)).cuda()
     topk = torch.tensor([[0, 1], [0, -1], [0, 1], [1, -1], [0, -1]], device="cuda")
@@ -221,3 +221,17 @@ def test_bad_value_in_a_replay_trips_the_assert(case):
     assert "bad replay passed" not in res.stdout
     assert res.returncode != 0
     assert "assert" in res.stderr.lower(), res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", L.RAW_DTYPES)
+@pytest.mark.parametrize("H", [7168, 3 * 8 + 5])  # an fp8 payload row; a packed metadata row
+def test_scatter_raw_copies(dtype, H):
+    """quant="bf16" on 1- and 4-byte payloads: raw bytes (NaN / inf patterns kept)."""
+    gen = torch.Generator().manual_seed(H)
+    T, K, E, P = 96, 4, 8, 2
+    x = L.raw_tokens(T, H, dtype, gen).cuda()
+    topk = L.ids(T, K, E, gen, col_major=True).cuda()
+    out = ll_scatter(x, topk, E, T)
+    L.check_raw_scatter(out, x, topk, E, T)
+    peers = torch.where(topk[:, :P] >= 0, torch.arange(P, device="cuda"), -1)  # ranks as experts
+    L.check_raw_scatter(ll_scatter(x, peers, P, T), x, peers, P, T)

@@ -66,7 +66,7 @@ _DT = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
 # quantize: fp8 group tiles; int8 rows batched below INT8_ROW_TILE, one pass up to
 # INT8_SINGLE_PASS_MAX columns, two passes above; 2-D, 3-D, masked 3-D (row slots capped at
 # MASKED_PROGRAMS / E); both scale layouts
-_QI = _q.INT8_SINGLE_PASS_MAX
+_QI = _q.CONFIG.int8_single_pass_max
 for scheme, H in (("fp8", 7168), ("int8", 256), ("int8", _QI), ("int8", _QI + 128)):
     kname = f"_quant_{scheme}_kernel"
     single = {} if scheme == "fp8" else {"SINGLE_PASS": H <= _QI}
@@ -87,7 +87,7 @@ for scheme, H in (("fp8", 7168), ("int8", 256), ("int8", _QI), ("int8", _QI + 12
 # count / scan / copy chain above, and with DeepGEMM-layout scales from SCALES_BY_ROW_MIN_ENTRIES
 # entries a fourth kernel (the scales per row block, and the column chunks past the first). An
 # unbacked row count (exact-size dispatch) always takes the chain, per-token scales.
-_SMALL, _BYROW = _p.SMALL_ENTRIES, _p.SCALES_BY_ROW_MIN_ENTRIES
+_SMALL, _BYROW = _p.CONFIG.small_entries, _p.CONFIG.scales_by_row_min_entries
 _CHAIN = ["_count_tokens_kernel", "_scan_kernel", "_place_copy_kernel"]
 
 
@@ -121,8 +121,8 @@ for K, Ms in ((8, (1, _SMALL // 8, _SMALL // 8 + 1, _BYROW // 8 - 1, _BYROW // 8
 # silu_and_mul(_quant): column chunks past SILU_TILE / FP8_TILE outputs; int8 rows batched below
 # INT8_ROW_TILE, one pass up to INT8_SINGLE_PASS_MAX, two passes above; m_indices / expert_offsets
 # programs looping over the rows, capped at ROW_PROGRAMS / OFFSETS_PROGRAMS; masked 3-D
-_AI = _a.INT8_SINGLE_PASS_MAX
-_CAP = max(_a.ROW_PROGRAMS, _a.OFFSETS_PROGRAMS)
+_AI = _a.CONFIG.int8_single_pass_max
+_CAP = max(_a.CONFIG.row_programs, _a.CONFIG.offsets_programs)
 _VARIANTS = ("plain", "m_indices", "offsets", "both")
 
 
@@ -134,8 +134,8 @@ def _silu_kernel(scheme, inter, flags):
     return [("_silu_mul_int8_kernel", {**flags, "SINGLE_PASS": inter <= _AI})]
 
 
-for scheme, inter in ((None, 256), (None, _a.SILU_TILE + 128), ("fp8", 256),
-                      ("fp8", _a.FP8_TILE + 128), ("int8", 256), ("int8", _AI),
+for scheme, inter in ((None, 256), (None, _a.CONFIG.silu_tile + 128), ("fp8", 256),
+                      ("fp8", _a.CONFIG.fp8_tile + 128), ("int8", 256), ("int8", _AI),
                       ("int8", _AI + 128)):  # fmt: skip
     layouts = ("row",) if scheme is None else _q.SCALE_LAYOUTS
     name = "silu_and_mul" if scheme is None else "silu_and_mul_quant"
@@ -164,7 +164,7 @@ for scheme, inter in ((None, 256), (None, _a.SILU_TILE + 128), ("fp8", 256),
             case(f"{tag}-masked-{layout}-T{T}", name, args, want, kinds=kinds)
 
 # unpermute: one program per (token, column chunk of BLOCK_BYTES)
-for H in (512, _u.BLOCK_BYTES, 7168):
+for H in (512, _u.CONFIG.block_bytes, 7168):
     for dt in ("bfloat16", "float32"):
         for M in (1, 300):
             case(f"unpermute-{dt}-H{H}-M{M}", "unpermute",

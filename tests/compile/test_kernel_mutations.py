@@ -127,10 +127,11 @@ def analyse():
     spec = importlib.util.spec_from_file_location("compile_kernels", path)
     ck = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ck)
-    ck.P.SCALES_BY_ROW_MIN_ENTRIES = 0  # (as compile_kernels: the row-block scale kernel too)
+    with ck.P.override(scales_by_row_min_entries=0):  # (as compile_kernels: that kernel too)
+        launches = [ck.record(launch) for launch in ck.cases().values()]
     records, seen = [], set()
-    for launch in ck.cases().values():
-        for fn, args, kwargs in ck.record(launch):
+    for calls in launches:
+        for fn, args, kwargs in calls:
             jf = _jit_fn(fn)
             if jf.fn.__module__ == "epmoe.ops.gemm._int8":
                 continue

@@ -1,6 +1,7 @@
 """Inputs and comparisons shared by the Triton-kernel tests (interpret, GPU) of the local stages."""
 
 import contextlib
+import dataclasses
 import importlib
 from typing import Iterator, Optional
 
@@ -14,6 +15,12 @@ quantize_mod = importlib.import_module("epmoe.ops.quantize")
 permute_mod = importlib.import_module("epmoe.ops.permute")
 unpermute_mod = importlib.import_module("epmoe.ops.unpermute")
 activation_mod = importlib.import_module("epmoe.ops.activation")
+
+
+def set_config(monkeypatch, module, **fields) -> None:
+    """For this test, ``module``'s launch config (CONFIG) with ``fields`` replaced."""
+    monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.CONFIG, **fields))
+
 
 POISON_BYTES = (0xFF, 0x7F)  # NaN in every float format here; 0x7f7f... never a valid index
 

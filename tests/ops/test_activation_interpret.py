@@ -55,17 +55,17 @@ def _check_quant(y, scheme, masked_m=None, group_size=128, m_indices=None, layou
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_silu_2d(dtype, monkeypatch):
-    monkeypatch.setattr(A, "SILU_TILE", 64)  # I = 200: four column chunks, the last one masked
+    C.set_config(monkeypatch, A, silu_tile=64)  # I = 200: four column chunks, the last one masked
     y = (torch.randn((5, 400), generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     _check_silu(y)
 
 
 def test_silu_masked_and_m_indices(monkeypatch):
     # one slot per expert: each masked program loops over row blocks; 4-row blocks over 6 rows
-    monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 1)
-    monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
-    monkeypatch.setattr(A, "SILU_BLOCK_M", 4)
-    monkeypatch.setattr(A, "ROW_PROGRAMS", 1)  # m_indices: one program loops, prefetching ids
+    C.set_config(monkeypatch, C.quantize_mod, min_slots=1)
+    C.set_config(monkeypatch, C.quantize_mod, masked_programs=1)
+    C.set_config(monkeypatch, A, silu_block_m=4)
+    C.set_config(monkeypatch, A, row_programs=1)  # m_indices: one program loops, prefetching ids
     gen = torch.Generator().manual_seed(1)
     y3 = torch.randn((3, 4, 96), generator=gen).to(torch.bfloat16)
     _check_silu(y3, masked_m=torch.tensor([0, 4, 2], dtype=torch.int32))
@@ -86,11 +86,11 @@ def test_quant_2d(scheme, dtype, layout):
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_quant_masked_and_m_indices(scheme, monkeypatch):
-    monkeypatch.setattr(C.quantize_mod, "MIN_SLOTS", 2)  # masked: programs loop over rows
-    monkeypatch.setattr(C.quantize_mod, "MASKED_PROGRAMS", 1)
-    monkeypatch.setattr(A, "FP8_BLOCK_M", 4)  # 7 rows: a partial second block of rows
-    monkeypatch.setattr(A, "INT8_ROW_TILE", 1024)  # int8: 4-row blocks too (I = 128)
-    monkeypatch.setattr(A, "ROW_PROGRAMS", 1)  # m_indices: one program loops over both blocks
+    C.set_config(monkeypatch, C.quantize_mod, min_slots=2)  # masked: programs loop over rows
+    C.set_config(monkeypatch, C.quantize_mod, masked_programs=1)
+    C.set_config(monkeypatch, A, fp8_block_m=4)  # 7 rows: a partial second block of rows
+    C.set_config(monkeypatch, A, int8_row_tile=1024)  # int8: 4-row blocks too (I = 128)
+    C.set_config(monkeypatch, A, row_programs=1)  # m_indices: one program loops over both blocks
     gen = torch.Generator().manual_seed(3)
     y3 = torch.randn((4, 5, 512), generator=gen).to(torch.bfloat16)
     mm = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
@@ -111,8 +111,8 @@ def test_quant_edges(scheme):
 def test_quant_odd_group_and_two_pass(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     _check_quant(torch.randn((3, 384), generator=gen), "fp8", group_size=96)  # I = 192
-    monkeypatch.setattr(A, "INT8_SINGLE_PASS_MAX", 64)
-    monkeypatch.setattr(A, "INT8_CHUNK", 32)
+    C.set_config(monkeypatch, A, int8_single_pass_max=64)
+    C.set_config(monkeypatch, A, int8_chunk=32)
     _check_quant(torch.randn((3, 200), generator=gen).to(torch.bfloat16), "int8")
     y3 = torch.randn((2, 3, 200), generator=gen).to(torch.bfloat16)
     _check_quant(y3, "int8", masked_m=torch.tensor([3, 1]))
@@ -145,7 +145,7 @@ def test_bad_m_indices():
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_expert_offsets_skip_the_tail(scheme, monkeypatch):
     """Rows >= expert_offsets[-1] are never touched (they keep the poison); the rest as usual."""
-    monkeypatch.setattr(A, "OFFSETS_PROGRAMS", 2)  # two programs loop over the row blocks
+    C.set_config(monkeypatch, A, offsets_programs=2)  # two programs loop over the row blocks
     gen = torch.Generator().manual_seed(9)
     y = torch.randn((12, 256), generator=gen).to(torch.bfloat16)
     mi = torch.tensor([0, 0, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], dtype=torch.int32)

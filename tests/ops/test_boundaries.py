@@ -6,6 +6,7 @@ TRITON_INTERPRET=1 (conftest sets it when there is no GPU), so an off-by-one in 
 check (``>`` for ``>=``) or a dropped boundary fails here.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -30,17 +31,13 @@ def _triton(x, ids, e, a, scales=None, layout="row"):
 
 
 def _triton_one_kernel(x, ids, e, a, scales=None, layout="row"):
-    assert ids.shape[0] * 2 <= P.SMALL_ENTRIES  # (k_pad = 2 below): the one-kernel path
+    assert ids.shape[0] * 2 <= P.CONFIG.small_entries  # (k_pad = 2 below): the one-kernel path
     return P._permute_triton(x, ids, e, a, scales, layout)
 
 
 def _triton_chain(x, ids, e, a, scales=None, layout="row"):
-    old = P.SMALL_ENTRIES
-    P.SMALL_ENTRIES = 0  # the count / scan / copy chain
-    try:
-        return P._permute_triton(x, ids, e, a, scales, layout)
-    finally:
-        P.SMALL_ENTRIES = old
+    chain = dataclasses.replace(P.CONFIG, small_entries=0)  # the count / scan / copy chain
+    return P._permute_triton(x, ids, e, a, scales, layout, config=chain)
 
 
 PERMUTES = [
@@ -114,9 +111,9 @@ def test_token_count_at_the_one_kernel_threshold(extra, monkeypatch):
     token the count / scan / copy chain: both exact against the reference, right at the switch.
     The threshold is lowered to 64 entries (the interpreter takes ~13 s at the default 2048); the
     kernel's entry vector is sized from it, so the boundary is the same."""
-    monkeypatch.setattr(P, "SMALL_ENTRIES", 64)
+    C.set_config(monkeypatch, P, small_entries=64)
     k = 2
-    m = P.SMALL_ENTRIES // k + extra
+    m = P.CONFIG.small_entries // k + extra
     gen = torch.Generator().manual_seed(extra)
     x = torch.randn((m, 16), generator=gen).to(torch.bfloat16)
     ids = C.routing(m, k, 8, gen, local=0.8)
@@ -132,8 +129,7 @@ def test_token_count_at_the_one_kernel_threshold(extra, monkeypatch):
 def test_token_count_at_the_row_block_scale_threshold(extra, monkeypatch):
     """DeepGEMM-layout scales: below SCALES_BY_ROW_MIN_ENTRIES entries per token, from it on per
     row block (its own kernel). The threshold is lowered to keep the interpreter fast."""
-    monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 64)
-    monkeypatch.setattr(P, "SMALL_ENTRIES", 0)
+    C.set_config(monkeypatch, P, scales_by_row_min_entries=64, small_entries=0)
     k = 2
     m = 64 // k + extra
     gen = torch.Generator().manual_seed(3 + extra)

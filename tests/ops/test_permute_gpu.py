@@ -42,7 +42,7 @@ def _check(x, ids, e, a, scales=None, layout="row"):
         (torch.float8_e4m3fn, 56, "row"),
         (torch.int8, 1, "row"),
         # 8192 entries: DeepGEMM-layout scales by destination row block, in the second kernel
-        # with the second column chunk (permute.SPLIT_CHUNKS)
+        # with the column chunks past the first
         (torch.float8_e4m3fn, 56, "deepgemm"),
     ],
 )
@@ -52,7 +52,7 @@ def test_workload_w_like(dtype, s, layout):
     m, k, e, a, h = 1024, 8, 128, 128, 7168
     x = _payload(m, h, dtype, gen)
     scales = torch.rand((m, s), generator=gen) if s else None
-    assert layout == "row" or m * k >= C.permute_mod.SCALES_BY_ROW_MIN_ENTRIES
+    assert layout == "row" or m * k >= C.permute_mod.CONFIG.scales_by_row_min_entries
     _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)
 
 
@@ -71,10 +71,10 @@ def test_workload_w_like(dtype, s, layout):
 )
 @pytest.mark.parametrize("path", ["default", "chain"])
 def test_edge_cases(m, k, e, a, kind, path, monkeypatch):
-    """Up to permute.SMALL_ENTRIES entries one kernel does it all by default; "chain" forces the
-    count / scan / copy kernels."""
+    """Up to permute.CONFIG.small_entries entries one kernel does it all by default; "chain"
+    forces the count / scan / copy kernels."""
     if path == "chain":
-        monkeypatch.setattr(C.permute_mod, "SMALL_ENTRIES", 0)
+        C.set_config(monkeypatch, C.permute_mod, small_entries=0)
     gen = torch.Generator().manual_seed(m + e)
     x = _payload(m, 300, torch.bfloat16, gen)  # H = 300: a partial copy chunk
     _check(x, C.routing(m, k, e, gen, kind, local=0.6), e, a, torch.rand((m, 3), generator=gen))
@@ -144,7 +144,7 @@ def test_opcheck_cuda():
     [
         (512, 1024),  # DeepGEMM-layout scales per source token (4096 entries), one column chunk
         (1024, 7168),  # per destination row block (8192 entries), two chunks: the split kernels
-        (256, 7168),  # 2048 entries: the one kernel (permute.SMALL_ENTRIES)
+        (256, 7168),  # 2048 entries: the one kernel (permute.CONFIG.small_entries)
     ],
 )
 def test_cuda_graph_replay(m, h):
@@ -187,16 +187,14 @@ def test_l2_prefetch(m, h, dtype, s, layout, view, waves, per_sm, monkeypatch):
     programs an SM: past the grid, none issued), and are left off where the rows are not 16-byte
     aligned."""
     P = C.permute_mod
-    for name, val in dict(PF_SCALES=True, PF_WAVES=waves, PF_PER_SM=per_sm,
-                          PF_REST_WAVES=waves, PF_REST_PER_SM=per_sm,
-                          SMALL_ENTRIES=0).items():  # fmt: skip
-        monkeypatch.setattr(P, name, val)
+    pf = dict(pf_waves=waves, pf_per_sm=per_sm, pf_rest_waves=waves, pf_rest_per_sm=per_sm)
+    C.set_config(monkeypatch, P, small_entries=0, **pf)
     gen = torch.Generator().manual_seed(m + h)
     k, e, a = 8, 128, 128
     x = _payload(m, h + view, dtype, gen).cuda()[:, view:]
     scales = torch.rand((m, s), generator=gen) if s else None
     sc = None if scales is None else scales.cuda()
-    meta = P._prefetch_meta(x, sc, True, layout == "deepgemm", 4096 // x.element_size())
+    meta = P._prefetch_meta(x, sc, True, layout == "deepgemm", 4096 // x.element_size(), P.CONFIG)
     assert meta["PF_WAVES"] == (0 if view else waves)
     assert meta["PF_SCALES"] == (layout == "deepgemm")
     assert P._rest_prefetch(x, True, 4096 // x.element_size())["PF_WAVES"] == meta["PF_WAVES"]

@@ -20,13 +20,10 @@ P = C.permute_mod
 def small_blocks(request, monkeypatch):
     """Tiny blocks so a few dozen entries span several count / scan / copy blocks; every test
     that uses them runs twice: through the count / scan / copy chain, and through the one kernel
-    that small inputs take (permute.SMALL_ENTRIES)."""
-    monkeypatch.setattr(P, "SMALL_ENTRIES", 0 if request.param == "chain" else 256)
-    monkeypatch.setattr(P, "BLOCK_N", 8)
-    monkeypatch.setattr(P, "BLOCK_SCAN", 2)
-    monkeypatch.setattr(P, "BLOCK_ROWS", 16)
-    monkeypatch.setattr(P, "FILL_SPLIT", 2)
-    monkeypatch.setattr(P, "COPY_BYTES", 64)
+    that small inputs take (permute.CONFIG.small_entries)."""
+    small = 0 if request.param == "chain" else 256
+    tiny = dict(small_entries=small, block_n=8, block_scan=2, block_rows=16, fill_split=2)
+    C.set_config(monkeypatch, P, copy_bytes=64, **tiny)
 
 
 def _payload(m, h, dtype, gen):
@@ -83,24 +80,22 @@ def test_default_blocks_many_experts():
 
 
 @pytest.mark.parametrize(
-    "seed,empty,split,spread,s",
+    "seed,empty,s",
     [
-        (0, False, True, True, 8),
-        (1, True, True, False, 5),
-        (2, True, False, True, 8),
-        (3, True, True, True, 12),
+        (0, False, 8),
+        (1, True, 5),
+        (2, True, 8),
+        (3, True, 12),
     ],
 )
-def test_scale_rows_many_blocks(seed, empty, split, spread, s, small_blocks, monkeypatch):
+def test_scale_rows_many_blocks(seed, empty, s, small_blocks, monkeypatch):
     """Row-block scale copy across many count blocks (2 tokens each), experts with no entries
     between used ones (empty: only even ids), programs spanning experts and padding; with the
-    column chunks past the first copied by the scale kernel (split: 3 chunks of 64 bytes, the
-    last partial), its scale programs spread among those copies or first. s scales a row: 16-byte
+    column chunks past the first copied by the scale kernel (3 chunks of 64 bytes, the last
+    partial), its scale programs spread among those copies. s scales a row: 16-byte
     rows (8, 12) take the vector copy (permute._scale_vec), 20-byte ones (5) the plain one."""
-    monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)
-    monkeypatch.setattr(P, "SCALE_TILE", 32)  # 4 rows of 8 (padded) scales per program
-    monkeypatch.setattr(P, "SPLIT_CHUNKS", split)
-    monkeypatch.setattr(P, "SCALE_SPREAD", spread)
+    # 4 rows of 8 (padded) scales per program
+    C.set_config(monkeypatch, P, scales_by_row_min_entries=0, scale_tile=32)
     gen = torch.Generator().manual_seed(seed)
     m, k, e, a = 37, 3, 7, 4
     ids = C.routing(m, k, e, gen, local=0.7)
@@ -115,10 +110,11 @@ def test_scale_rows_many_blocks(seed, empty, split, spread, s, small_blocks, mon
 
 @pytest.mark.parametrize("by_row", [True, False])
 def test_deepgemm_scale_layout(by_row, small_blocks, monkeypatch):
-    """Both scale copies: per destination row block (default) and per source token."""
-    monkeypatch.setattr(P, "SCALES_BY_ROW", by_row)
-    monkeypatch.setattr(P, "SCALES_BY_ROW_MIN_ENTRIES", 0)  # this small case takes it too
-    monkeypatch.setattr(P, "SCALE_TILE", 16)  # 4 rows of 4 (padded) scales per program
+    """Both scale copies: per destination row block (from scales_by_row_min_entries: this small
+    case takes it too) and per source token (below it)."""
+    min_entries = 0 if by_row else 1 << 30
+    # 4 rows of 4 (padded) scales per program
+    C.set_config(monkeypatch, P, scales_by_row_min_entries=min_entries, scale_tile=16)
     gen = torch.Generator().manual_seed(8)
     m, k, e, a = 9, 3, 4, 8
     x = _payload(m, 16, torch.float8_e4m3fn, gen)

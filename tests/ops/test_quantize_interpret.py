@@ -68,8 +68,8 @@ def test_odd_group_size_and_width():
 
 def test_int8_two_pass(monkeypatch):
     """Rows longer than the single-pass limit take the chunked two-pass loop."""
-    monkeypatch.setattr(Q, "INT8_SINGLE_PASS_MAX", 64)
-    monkeypatch.setattr(Q, "INT8_CHUNK", 32)
+    C.set_config(monkeypatch, Q, int8_single_pass_max=64)
+    C.set_config(monkeypatch, Q, int8_chunk=32)
     x = torch.randn((3, 200), generator=torch.Generator().manual_seed(5)) * 3
     _run(x, "int8")
     _run(x.reshape(3, 2, 100), "int8", masked_m=torch.tensor([1, 2, 0]))

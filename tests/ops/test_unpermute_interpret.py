@@ -36,7 +36,7 @@ def _run(y, inv, w):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_reference(dtype, monkeypatch):
-    monkeypatch.setattr(U, "BLOCK_BYTES", 64)  # H = 40 spans several column chunks
+    C.set_config(monkeypatch, U, block_bytes=64)  # H = 40 spans several column chunks
     gen = torch.Generator().manual_seed(0)
     _run(*_inputs(9, 4, 30, 40, dtype, gen))
 
