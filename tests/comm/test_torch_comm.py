@@ -299,7 +299,7 @@ def _same_as_before_rank(rank, world):
 def _y_of(rx, rank):
     """Deterministic expert outputs of the received rows (distinct per rank and row)."""
     n = rx.shape[0]
-    base = torch.arange(n * SMALL["hidden_size"], dtype=torch.float32).view(n, -1)
+    base = torch.arange(n * SMALL["hidden_size"], dtype=torch.float32).view(n, SMALL["hidden_size"])
     return (torch.sin(base * 0.37 + rank) * (rank + 1)).bfloat16()
 
 
@@ -310,3 +310,50 @@ def test_ht_dispatch_same_rows_as_before(world):
     byte for byte (every row, padding included on CPU): bf16 / fp8 / int8 payloads with and
     without scales, column-major ids, -1 routing, tokens routed to no peer, T = 0 ranks."""
     assert run_ranks(_same_as_before_rank, world, "gloo") == [4 * 6 * 2] * world
+
+
+def _cuda_vs_cpu_rank(rank, world):
+    """The torch backend's HT on CUDA tensors (NCCL, the ll_scatter / ll_gather kernels) == the same
+    calls on CPU (gloo, their references): every specified byte (padding payload rows are
+    unspecified on CUDA; their ids are -1 and weights / scales 0 on both)."""
+    E, H = SMALL["num_experts"], SMALL["hidden_size"]
+    cpu_group = dist.new_group(backend="gloo")
+    gpu = epmoe.comm.create("torch", dist.group.WORLD, E, H, max_tokens_per_rank=64)
+    cpu = epmoe.comm.create("torch", cpu_group, E, H, max_tokens_per_rank=64)
+    checked = 0
+    for T in (0, 37, 64):
+        x, ids, w = tokens(T, seed=500 + T + rank, **SMALL)
+        ids = ids.t().contiguous().t()
+        for payload in ("bf16", "fp8", "int8"):
+            px, sc = (x, None) if payload == "bf16" else reference.quantize(x, payload)
+            for worst in (True, False):
+                args = (px, ids, w)
+                dc = ops.ht_dispatch(*args, cpu.key, x_scales=sc, worst_case=worst)
+                dg = ops.ht_dispatch(
+                    *(t.cuda() for t in args),
+                    gpu.key,
+                    x_scales=None if sc is None else sc.cuda(),
+                    worst_case=worst,
+                )
+                live = (dc.topk_ids >= 0).any(1)
+                assert torch.equal(dg.x.cpu()[live].view(torch.uint8), dc.x[live].view(torch.uint8))
+                for a, b in zip(dg[1:5], dc[1:5], strict=True):
+                    assert (a is None and b is None) or torch.equal(a.cpu(), b)
+                for a, b in zip(dg.handle, dc.handle, strict=True):
+                    assert torch.equal(a.cpu(), b)
+                y = _y_of(dc.x, rank)
+                back = ops.ht_combine(y.cuda(), dg.handle, gpu.key)
+                assert torch.equal(back.cpu(), ops.ht_combine(y, dc.handle, cpu.key))
+                checked += 1
+    return checked
+
+
+@pytest.mark.gpu
+def test_ht_cuda_equals_cpu_one_gpu():
+    """A world-1 NCCL group: the collectives run, the kernels pack and unpack."""
+    assert run_ranks(_cuda_vs_cpu_rank, 1, "nccl") == [18]
+
+
+@pytest.mark.multi_gpu
+def test_ht_cuda_equals_cpu_two_gpus():
+    assert run_ranks(_cuda_vs_cpu_rank, 2, "nccl") == [18, 18]
