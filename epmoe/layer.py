@@ -63,6 +63,36 @@ LOCAL_LL_STAGES = ("ll_scatter", "gemm1", "act", "gemm2", "ll_gather")
 STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + LOCAL_LL_STAGES))
 
 
+def _check_config(
+    num_experts, hidden_size, intermediate_size, top_k, quant, mode, max_tokens_per_rank,
+    ll_max_tokens,
+) -> Optional[int]:  # fmt: skip
+    """EPMoE's static arguments (ValueError naming the bad one); returns ll_max_tokens with
+    "auto"'s default filled in."""
+    for name, v in (
+        ("num_experts", num_experts),
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("top_k", top_k),
+    ):
+        _checks.check_positive_int(OP, name, v)
+    _checks.check_choice(OP, "quant", quant, reference.QUANT_SCHEMES)
+    _checks.check_choice(OP, "mode", mode, MODES)
+    if quant == "fp8":
+        _checks.check_multiple(OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)")
+        _checks.check_multiple(
+            OP, "intermediate_size", intermediate_size, 128, "for fp8 (128-channel groups)"
+        )
+    if mode == "ll":
+        _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
+    if mode == "auto":
+        ll_max_tokens = AUTO_LL_MAX_TOKENS if ll_max_tokens is None else ll_max_tokens
+        _checks.check_positive_int(OP, "ll_max_tokens", ll_max_tokens)
+    elif ll_max_tokens is not None:
+        raise _checks.fail(OP, "ll_max_tokens", "None unless mode='auto'", ll_max_tokens)
+    return ll_max_tokens
+
+
 class StageRecord:
     """The per-stage outputs of the forward passes run inside :meth:`EPMoE.record_stages`.
 
@@ -154,29 +184,10 @@ class EPMoE(nn.Module):
         **backend_kwargs,
     ):
         super().__init__()
-        for name, v in (
-            ("num_experts", num_experts),
-            ("hidden_size", hidden_size),
-            ("intermediate_size", intermediate_size),
-            ("top_k", top_k),
-        ):
-            _checks.check_positive_int(OP, name, v)
-        _checks.check_choice(OP, "quant", quant, reference.QUANT_SCHEMES)
-        _checks.check_choice(OP, "mode", mode, MODES)
-        if quant == "fp8":
-            _checks.check_multiple(
-                OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)"
-            )
-            _checks.check_multiple(
-                OP, "intermediate_size", intermediate_size, 128, "for fp8 (128-channel groups)"
-            )
-        if mode == "ll":
-            _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
-        if mode == "auto":
-            ll_max_tokens = AUTO_LL_MAX_TOKENS if ll_max_tokens is None else ll_max_tokens
-            _checks.check_positive_int(OP, "ll_max_tokens", ll_max_tokens)
-        elif ll_max_tokens is not None:
-            raise _checks.fail(OP, "ll_max_tokens", "None unless mode='auto'", ll_max_tokens)
+        ll_max_tokens = _check_config(
+            num_experts, hidden_size, intermediate_size, top_k, quant, mode,
+            max_tokens_per_rank, ll_max_tokens,
+        )  # fmt: skip
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
