@@ -130,7 +130,7 @@ def _cases():
             lambda: _eager.run(_perm._permute_triton, xq, ids, E, CFG.alignment, xs),
             # few entries: one kernel; else count, scan, place + copy (+ m_indices fill); the ids
             # are asserted inside (session 6 and before: a fourth launch, the async id check)
-            1 if ids.shape[0] * triton.next_power_of_2(ids.shape[1]) <= _perm.SMALL_ENTRIES else 3,
+            1 if ids.shape[0] * triton.next_power_of_2(ids.shape[1]) <= _perm.CONFIG.small_entries else 3,
         ),
         "unpermute": (
             lambda: unpermute(y, p.inv_perm, w),

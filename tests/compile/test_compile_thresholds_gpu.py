@@ -32,8 +32,8 @@ CONFIGS = [("ht", True), ("ht", False), ("ll", False)]
 def test_token_counts_straddle_the_thresholds():
     k = MOE["top_k"]
     entries = [t * k for t in TOKENS]
-    assert entries[0] <= _p.SMALL_ENTRIES < entries[1]
-    assert entries[1] < _p.SCALES_BY_ROW_MIN_ENTRIES <= entries[2]
+    assert entries[0] <= _p.CONFIG.small_entries < entries[1]
+    assert entries[1] < _p.CONFIG.scales_by_row_min_entries <= entries[2]
 
 
 def _layer(quant, mode, worst, group=None, backend="local"):
