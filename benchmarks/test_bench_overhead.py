@@ -46,6 +46,7 @@ CFG = _configs.CONFIGS["small"]
 
 _quant = importlib.import_module("epmoe.ops.quantize")
 _perm = importlib.import_module("epmoe.ops.permute")
+_SMALL = _perm.CONFIG.small_entries  # (t, k) entries up to which permute is one kernel
 _unperm = importlib.import_module("epmoe.ops.unpermute")
 _act = importlib.import_module("epmoe.ops.activation")
 
@@ -130,7 +131,7 @@ def _cases():
             lambda: _eager.run(_perm._permute_triton, xq, ids, E, CFG.alignment, xs),
             # few entries: one kernel; else count, scan, place + copy (+ m_indices fill); the ids
             # are asserted inside (session 6 and before: a fourth launch, the async id check)
-            1 if ids.shape[0] * triton.next_power_of_2(ids.shape[1]) <= _perm.CONFIG.small_entries else 3,
+            1 if ids.shape[0] * triton.next_power_of_2(ids.shape[1]) <= _SMALL else 3,
         ),
         "unpermute": (
             lambda: unpermute(y, p.inv_perm, w),
