@@ -64,35 +64,33 @@ Input ids are range-checked on a side stream (a device-side assert that overlaps
 kernels; joined before the op returns), or on the host with ``EPMOE_DEBUG=1``.
 """
 
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from epmoe import _checks, _deps
+
+# HT and LL halves of DeepEPComm (mixins); their constants by name, as this module exported them
+from epmoe.comm._deepep_ht import (  # noqa: F401 - re-exported
+    _HT_MAX_ROW_BYTES,
+    _HT_ROW_ALIGN,
+    _NVL_CHUNK_TOKENS,
+    HT_INTERNODE_WORLD,
+    HT_INTRANODE_WORLD,
+    _HTMixin,
+    _nvl_bytes_needed,
+)
+from epmoe.comm._deepep_ll import _LL_TOKEN_ALIGN, LL_HIDDEN_SIZES, _LLMixin, _qp_depth  # noqa: F401
 from epmoe.comm.base import Communicator
 
 OP = "deepep"
-LL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # compiled LL kernel variants
-HT_INTRANODE_WORLD = (2, 4, 8)  # intranode kernels are instantiated for these rank counts
-HT_INTERNODE_WORLD = (16, 24, 32, 48, 64, 96, 128, 144, 160)  # deep_ep's default config table
 NVL_PEERS = 8  # deep_ep puts ranks [8k, 8k + 8) on one node; a larger group spans nodes
 DEFAULT_NUM_NVL_BYTES = 1 << 30
 DEFAULT_NUM_RDMA_BYTES = 1 << 30  # internode HT only; LL sizes come from deep_ep's hint
 DEFAULT_NUM_SMS = 20  # deep_ep.Buffer.num_sms default
-_NVL_CHUNK_TOKENS = 256  # num_max_nvl_chunked_recv_tokens of deep_ep's intranode default configs
 _BUFFER_ALIGN = 128  # deep_ep NUM_BUFFER_ALIGNMENT_BYTES
 _INT_MAX = 2**31 - 1  # deep_ep keeps the NVL size in an int when RDMA bytes are also allocated
-_LL_TOKEN_ALIGN = 4  # LL scales are TMA-stored: P * max_tokens_per_rank must be a multiple of 4
-# deep_ep's sm90 intranode dispatch stages half a row (whole int4 pairs) plus an 8-byte mbarrier in
-# 8 KiB of shared memory per warp: rows are a multiple of 32 bytes and at most 16352 bytes.
-_HT_ROW_ALIGN, _HT_MAX_ROW_BYTES = 32, 2 * (8192 - 8) // 32 * 32
-
-
-def _qp_depth() -> int:
-    # deep_ep asserts NVSHMEM_QP_DEPTH >= 2 * (max_tokens_per_rank + 1) on every LL call.
-    return int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
 
 
 # ------------------------------------------------------------------------------------- registry
@@ -168,15 +166,7 @@ def release_buffers() -> None:
     _BUFFERS.clear()
 
 
-def _nvl_bytes_needed(world: int, num_sms: int, h_bytes: int, k: int, s: int, hidden: int) -> int:
-    """NVL bytes deep_ep's intranode dispatch and (bf16, unweighted) combine assert on."""
-    ch = num_sms // 2
-    meta = world * world * 4 + ch * world * 4 * 4  # prefix matrix, channel offsets, head/tail
-    per_token = max(h_bytes, 2 * hidden) + 4 + k * 12 + s * 4  # row, src idx, ids+weights, scales
-    return meta + ch * world * _NVL_CHUNK_TOKENS * per_token
-
-
-class DeepEPComm(Communicator):
+class DeepEPComm(_HTMixin, _LLMixin, Communicator):
     """deep_ep backend (``backend="deepep"``); see the module docstring for buffers and contracts.
 
     Args:
@@ -362,143 +352,6 @@ class DeepEPComm(Communicator):
             _checks.check_ids(topk_ids, self.num_experts, op, "topk_ids")
         return side
 
-    # ------------------------------------------------------------------------------ validation
-    def _check_ht(self, x, topk_ids, x_scales, worst_case: bool) -> None:
-        op, P = "dispatch", self.world_size
-        allowed = HT_INTERNODE_WORLD if self.internode else HT_INTRANODE_WORLD
-        if P not in allowed:
-            raise _checks.fail(op, "world_size", f"one of {allowed} for deepep HT", P)
-        if worst_case and self.internode:
-            raise _checks.fail(
-                op,
-                "worst_case",
-                "False across nodes (deep_ep's num_worst_tokens is intranode only)",
-                True,
-            )
-        h_bytes = x.shape[1] * x.element_size()
-        align = 16 if self.internode else _HT_ROW_ALIGN  # deep_ep copies int4s (pairs intranode)
-        if h_bytes % align or (not self.internode and h_bytes > _HT_MAX_ROW_BYTES):
-            limit = "" if self.internode else f", at most {_HT_MAX_ROW_BYTES},"
-            raise _checks.fail(
-                op,
-                "x",
-                f"rows of a multiple of {align} bytes{limit} for deep_ep",
-                f"{h_bytes} bytes",
-            )
-        if x_scales is not None and x.element_size() != 1:
-            raise _checks.fail(
-                op,
-                "x_scales",
-                f"None with a {x.dtype} payload (deep_ep carries scales with 1-byte payloads)",
-                "a tensor",
-            )
-        if not self.internode:
-            S = 0 if x_scales is None else x_scales.shape[1]
-            need = _nvl_bytes_needed(P, self.num_sms, h_bytes, topk_ids.shape[1], S, x.shape[1])
-            if need > self.num_nvl_bytes:
-                raise _checks.fail(
-                    op,
-                    "num_nvl_bytes",
-                    f"at least {need} for H={x.shape[1]}, "
-                    f"K={topk_ids.shape[1]}, num_sms={self.num_sms}",
-                    self.num_nvl_bytes,
-                )
-
-    def _check_ll(self, x, x_scales) -> None:
-        op, H, mt = "ll_dispatch", x.shape[1], self.max_tokens_per_rank
-        if H not in LL_HIDDEN_SIZES:
-            raise _checks.fail(op, "hidden_size", f"one of {LL_HIDDEN_SIZES} for deepep LL", H)
-        if x_scales is not None:
-            raise _checks.fail(
-                op, "x_scales", "None (deepep LL sends bf16 and casts to fp8 itself)", "a tensor"
-            )
-        if not mt:
-            raise _checks.fail(op, "max_tokens_per_rank", "a positive int for LL mode", mt)
-        if x.shape[0] > mt:
-            raise _checks.fail(op, "x", f"at most max_tokens_per_rank={mt} tokens", x.shape[0])
-        if (self.world_size * mt) % _LL_TOKEN_ALIGN:
-            raise _checks.fail(
-                op,
-                "max_tokens_per_rank",
-                f"world_size * max_tokens_per_rank a multiple of "
-                f"{_LL_TOKEN_ALIGN} (deep_ep stores LL scales with TMA)",
-                f"{self.world_size} * {mt}",
-            )
-        if 2 * (mt + 1) > _qp_depth():
-            raise _checks.fail(
-                op,
-                "max_tokens_per_rank",
-                f"at most {_qp_depth() // 2 - 1} (deep_ep needs "
-                f"NVSHMEM_QP_DEPTH={_qp_depth()} >= 2 * (max_tokens_per_rank + 1))",
-                mt,
-            )
-
-    def _check_same_tokens(self, T: int, device) -> None:
-        """Debug only (one all-reduce): worst-case HT without max_tokens_per_rank needs the same T
-        on every rank."""
-        t = torch.tensor([T, -T], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        hi, lo = int(t[0]), -int(t[1])
-        if hi != T or lo != T:
-            raise _checks.fail(
-                "dispatch",
-                "x",
-                f"the same token count on every rank for worst_case=True (ranks hold {lo}..{hi})",
-                T,
-            )
-
-    # ------------------------------------------------------------------------------------------ HT
-    def ht_dispatch(self, x, topk_ids, topk_weights, x_scales, worst_case):
-        self._check_ht(x, topk_ids, x_scales, worst_case)
-        self._check_device("dispatch", x)
-        T, P, dev = x.shape[0], self.world_size, x.device
-        cap = self.ht_capacity(T) if worst_case else 0
-        if (
-            worst_case
-            and not self.max_tokens_per_rank
-            and _checks.debug_enabled()
-            and not torch.cuda.is_current_stream_capturing()
-        ):
-            self._check_same_tokens(T, dev)
-        side = self._check_ids_async(topk_ids, "dispatch")
-        buf = self._buffer("ht")
-        dispatch_cfg, _ = self._configs()
-        ids = self._ids(topk_ids)
-        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
-        payload = x.contiguous() if x_scales is None else (x.contiguous(), x_scales.contiguous())
-        recv, rids, rw, counts_list, handle, _ = buf.dispatch(
-            payload,
-            num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=ids,
-            topk_weights=topk_weights.contiguous(),
-            num_worst_tokens=P * cap,
-            config=dispatch_cfg,
-        )
-        if x_scales is None:
-            rx, rs = recv, recv.new_empty((recv.shape[0], 0), dtype=torch.float32)
-        else:
-            rx, rs = recv
-        rids = rids.to(torch.int64)
-        if counts_list:  # exact mode: deep_ep already synced the per-expert counts to the host
-            counts = torch.empty((self.num_local_experts,), dtype=torch.int32, device=dev)
-            host = torch.tensor(counts_list, dtype=torch.int32, pin_memory=True)
-            side = side if side is not None else self._side_stream(dev)
-            with torch.cuda.stream(side):  # overlaps the dispatch kernel
-                counts.copy_(host, non_blocking=True)
-        else:
-            counts = self._local_counts(rids)
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
-        if self.internode:
-            handle = list(handle)  # is_token_in_rank is already first
-        else:
-            prefix, chan_prefix, recv_chan_prefix, src_idx, in_rank_h, send_head = handle
-            handle = [in_rank_h, prefix, chan_prefix, recv_chan_prefix, src_idx, send_head]
-        return [rx, rs, rids, rw, counts] + handle
-
     def _side_stream(self, dev) -> torch.cuda.Stream:
         """This communicator's side stream on ``dev``, ordered after the current stream's work."""
         side = self._side.get(dev)
@@ -506,147 +359,6 @@ class DeepEPComm(Communicator):
             side = self._side[dev] = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         return side
-
-    def _local_counts(self, ids: torch.Tensor) -> torch.Tensor:
-        """int32 `[E]` (token, k) entries per local expert; -1 lands in a dropped bin E."""
-        E = self.num_local_experts
-        bucket = ids.remainder(E + 1).reshape(-1)  # -1 -> E, local ids unchanged
-        one = self._ones.get(ids.device)
-        if one is None:
-            one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
-        c = torch.zeros(E + 1, dtype=torch.int32, device=ids.device)
-        return c.scatter_add_(0, bucket, one.expand(bucket.numel()))[:E]
-
-    def ht_dispatch_fake(self, x, topk_ids, topk_weights, x_scales, worst_case):
-        self._check_ht(x, topk_ids, x_scales, worst_case)
-        if self.internode:
-            raise NotImplementedError(
-                "deepep: tracing internode HT dispatch is not supported (its 10-tensor handle has "
-                "no fake here); run it eagerly"
-            )
-        P, (T, K), H = self.world_size, topk_ids.shape, x.shape[1]
-        n = P * self.ht_capacity(T) if worst_case else torch.library.get_ctx().new_dynamic_size()
-        S = 0 if x_scales is None else x_scales.shape[1]
-        ch, i32 = self.num_sms // 2, torch.int32
-        return [
-            x.new_empty((n, H)),
-            x.new_empty((n, S), dtype=torch.float32),
-            x.new_empty((n, K), dtype=torch.int64),
-            x.new_empty((n, K), dtype=torch.float32),
-            x.new_empty((self.num_local_experts,), dtype=i32),
-            x.new_empty((T, P), dtype=torch.bool),
-            x.new_empty((P, P), dtype=i32),
-            x.new_empty((P, ch), dtype=i32),
-            x.new_empty((P, ch), dtype=i32),
-            x.new_empty((n,), dtype=i32),
-            x.new_empty((T, P), dtype=i32),
-        ]
-
-    def ht_combine(self, y, handle):
-        # deep_ep's combine rewrites the -1 entries of its send heads in place (idempotently);
-        # the op declares no handle mutation, so it works on copies ([T, P] int32: negligible).
-        if self.internode:
-            dhandle = tuple(h.clone() if i in (8, 9) else h for i, h in enumerate(handle))
-        else:
-            if len(handle) != 6:
-                raise _checks.fail(
-                    "combine",
-                    "handle",
-                    "the 6 tensors of a deepep HT dispatch",
-                    f"{len(handle)} tensors",
-                )
-            in_rank, prefix, chan_prefix, recv_chan_prefix, src_idx, send_head = handle
-            if y.shape[0] != src_idx.shape[0]:
-                raise _checks.fail(
-                    "combine", "y", f"{src_idx.shape[0]} rows (the dispatch's N)", y.shape[0]
-                )
-            dhandle = (prefix, chan_prefix, recv_chan_prefix, src_idx, in_rank, send_head.clone())
-        self._check_device("combine", y)
-        buf = self._buffer("ht")
-        _, combine_cfg = self._configs()
-        out, _, _ = buf.combine(y.contiguous(), dhandle, topk_weights=None, config=combine_cfg)
-        return out
-
-    # ------------------------------------------------------------------------------------------ LL
-    def ll_dispatch(self, x, topk_ids, x_scales, use_fp8):
-        self._check_ll(x, x_scales)
-        self._check_device("ll_dispatch", x)
-        side = self._check_ids_async(topk_ids, "ll_dispatch")
-        buf = self._buffer("ll")
-        E, C = self.num_local_experts, self.ll_capacity
-        recv, count, handle, _, _ = buf.low_latency_dispatch(
-            x.contiguous(),
-            self._ids(topk_ids),
-            self.max_tokens_per_rank,
-            self.num_experts,
-            use_fp8=use_fp8,
-            round_scale=False,
-            use_ue8m0=False,
-            async_finish=False,
-            return_recv_hook=False,
-        )
-        if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
-        if use_fp8:
-            rx, rs = recv
-        else:
-            rx, rs = recv, x.new_empty((E, C, 0), dtype=torch.float32)
-        return [rx, rs, count, handle[0], handle[1]]
-
-    def ll_dispatch_fake(self, x, topk_ids, x_scales, use_fp8):
-        self._check_ll(x, x_scales)
-        E, C, H, P = self.num_local_experts, self.ll_capacity, x.shape[1], self.world_size
-        if use_fp8:
-            S = H // 128
-            rx = x.new_empty((E, C, H), dtype=torch.float8_e4m3fn)
-            rs = x.new_empty_strided((E, C, S), (S * C, 1, C), dtype=torch.float32)
-        else:
-            rx, rs = x.new_empty((E, C, H)), x.new_empty((E, C, 0), dtype=torch.float32)
-        return [
-            rx,
-            rs,
-            x.new_empty((E,), dtype=torch.int32),
-            x.new_empty((E, C), dtype=torch.int32),
-            x.new_empty((E, P), dtype=torch.int64),
-        ]
-
-    def _ll_combine(self, y, topk_ids, topk_weights, handle, out):
-        mt = self.max_tokens_per_rank
-        if len(handle) != 2:
-            raise _checks.fail(
-                "ll_combine",
-                "handle",
-                "the 2 tensors of a deepep LL dispatch",
-                f"{len(handle)} tensors",
-            )
-        if topk_ids.shape[0] > mt:
-            raise _checks.fail(
-                "ll_combine",
-                "topk_ids",
-                f"at most max_tokens_per_rank={mt} rows",
-                topk_ids.shape[0],
-            )
-        self._check_device("ll_combine", y)
-        buf = self._buffer("ll")
-        dhandle = (handle[0], handle[1], mt, self.hidden_size, self.num_experts)
-        combined, _, _ = buf.low_latency_combine(
-            y.contiguous(),
-            self._ids(topk_ids),
-            topk_weights.contiguous(),
-            dhandle,
-            zero_copy=False,
-            async_finish=False,
-            return_recv_hook=False,
-            out=out,
-        )
-        return combined
-
-    def ll_combine(self, y, topk_ids, topk_weights, handle):
-        return self._ll_combine(y, topk_ids, topk_weights, handle, None)
-
-    def ll_combine_out(self, out, y, topk_ids, topk_weights, handle) -> None:
-        """deep_ep writes straight into ``out`` (bf16 `[T, H]`, contiguous)."""
-        self._ll_combine(y, topk_ids, topk_weights, handle, out)
 
 
 __all__ = ["DeepEPComm", "LL_HIDDEN_SIZES", "release_buffers"]
