@@ -1,7 +1,7 @@
 """Eager fast path: the public op functions call their CUDA implementation without the dispatcher.
 
-A ``torch.library`` custom op or triton op costs 15-20 µs of host time per eager call before its
-own Python runs (autograd wrapper, redispatch, the dynamo-disable wrapper; measured in
+A ``torch.library`` custom op or triton op adds host time to every eager call before its own
+Python runs (autograd wrapper, redispatch, the dynamo-disable wrapper; measured in
 ``benchmarks/test_bench_overhead.py``), several times the launch of a small kernel. The public
 functions of :mod:`epmoe.ops` (``quantize``, ``permute``, ...) therefore call the op's
 implementation directly, with the same validation, when nothing could tell the difference:
@@ -17,7 +17,7 @@ Otherwise, and always with ``EPMOE_EAGER_DISPATCH=1``, the call goes through
 
 :func:`run` calls the implementation the way a triton op's eager call does, with ``wrap_triton``
 switched off: outside a triton op ``wrap_triton(kernel)[grid](...)`` otherwise routes every
-launch through the triton_kernel_wrapper higher-order op, ~100 µs of Python per launch.
+launch through the triton_kernel_wrapper higher-order op (much Python per launch).
 """
 
 import contextlib

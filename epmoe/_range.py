@@ -1,8 +1,8 @@
 """Device-side range check: one small kernel instead of four torch ops (ge, lt, and, all).
 
 Value checks run on every call (ids in range, masked_m counts <= capacity). As torch ops they cost
-four launches before the ``_assert_async`` (one ``x + x`` took 8-11 µs of host time on the H200
-host) and four graph nodes per replay. :func:`range_ok` computes the same 0-d bool with one Triton
+four launches before the ``_assert_async`` (each a host-side op call) and four graph nodes per
+replay. :func:`range_ok` computes the same 0-d bool with one Triton
 program for the small inputs these checks see on the decode path; large inputs (prefill ids) keep
 the torch expression, whose kernels use the whole GPU.
 """
@@ -33,7 +33,7 @@ def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
     The kernel runs only on plain CUDA tensors with nothing tracing (``_eager.plain``) and is
     launched directly: these checks run inside op implementations, where ``wrap_triton`` would
-    route the launch through its higher-order op (~100 µs of host time). Anything else (CPU, fake
+    route the launch through its higher-order op (far more host time than the launch). Anything else (CPU, fake
     or traced tensors, large inputs) takes the torch expression, which every tracer records.
     """
     # plain() first: under tracing numel() may be an unbacked size that must not be guarded on
