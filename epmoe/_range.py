@@ -33,8 +33,9 @@ def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
     The kernel runs only on plain CUDA tensors with nothing tracing (``_eager.plain``) and is
     launched directly: these checks run inside op implementations, where ``wrap_triton`` would
-    route the launch through its higher-order op (far more host time than the launch). Anything else (CPU, fake
-    or traced tensors, large inputs) takes the torch expression, which every tracer records.
+    route the launch through its higher-order op (far more host time than the launch). Anything
+    else (CPU, fake or traced tensors, large inputs) takes the torch expression, which every
+    tracer records.
     """
     # plain() first: under tracing numel() may be an unbacked size that must not be guarded on
     if not _eager.plain(x) or x.numel() > MAX_ELEMENTS:

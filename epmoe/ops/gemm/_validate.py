@@ -9,10 +9,11 @@ from epmoe.ops.gemm._select import A_DTYPES, OP, scheme_of
 
 def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> bool:
     """The common all-good case (CUDA operands) in one pass: every eager call pays for validation
-    (the full checks below cost several small calls per argument). Each tensor attribute read costs
-    host time, so this reads each once: shapes kept as locals, devices as ints (get_device), dtypes compared by
-    identity. ``rows``: masked_m (masked) or m_indices, int32; ``offsets``: expert_offsets or
-    None. Any False falls through to the full checks, which say what is wrong."""
+    (the full checks below cost several small calls per argument). Each tensor attribute read
+    costs host time, so this reads each once: shapes kept as locals, devices as ints
+    (get_device), dtypes compared by identity. ``rows``: masked_m (masked) or m_indices, int32;
+    ``offsets``: expert_offsets or None. Any False falls through to the full checks, which say
+    what is wrong."""
     try:
         dt = a.dtype
         if dt not in A_DTYPES or w.dtype is not dt or not a.is_cuda:
