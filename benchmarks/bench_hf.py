@@ -45,7 +45,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -59,6 +58,7 @@ for _p in (os.path.dirname(_HERE), _HERE):
         sys.path.insert(0, _p)
 
 import _configs  # noqa: E402
+import _report  # noqa: E402
 
 _MOE = _configs.CONFIGS["qwen3-30b-a3b"]
 # Qwen/Qwen3-30B-A3B's config.json (the MoE sizes from the named config)
@@ -186,22 +186,6 @@ def _err(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     where = f" [{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else ""
     return f"{type(e).__name__}: {str(e)[:400]}{where}"
-
-
-def _versions() -> dict:
-    out = {"torch": torch.__version__}
-    for name in ("transformers", "triton", "deep_gemm", "epmoe"):
-        try:
-            out[name] = getattr(__import__(name), "__version__", "?")
-        except Exception:  # noqa: BLE001 - absent is a value here
-            out[name] = None
-    try:
-        out["git"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        out["git"] = None
-    return out
 
 
 def case_name(kind: str, tokens: int) -> str:
@@ -368,21 +352,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     cases = [("decode", b) for b in _ints(args.batches)]
     cases += [("prefill", t) for t in _ints(args.prefill)]
     t_start = time.perf_counter()
-    report = {
-        "schema": 1,
-        "command": "python benchmarks/bench_hf.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": _versions(),
-        "args": vars(args),
-        "budget_s": args.budget_s,
-        "elapsed_s": 0.0,
-        "complete": False,
-        "notes": [],
-        "skipped": [],
-        "runs": [],
-    }
+    report = _report.header("bench_hf.py", argv, args, device, "runs")
 
     def save():
         report["elapsed_s"] = round(time.perf_counter() - t_start, 1)

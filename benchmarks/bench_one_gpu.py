@@ -89,7 +89,6 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -105,6 +104,7 @@ for _p in (os.path.dirname(_HERE), _HERE):
         sys.path.insert(0, _p)
 
 import _configs  # noqa: E402
+import _report  # noqa: E402
 import _timing  # noqa: E402
 
 import epmoe  # noqa: E402
@@ -1022,23 +1022,6 @@ def table(records: List[dict]) -> str:
     )
 
 
-def _versions() -> dict:
-    out = {"torch": torch.__version__, "epmoe": getattr(epmoe, "__version__", None)}
-    for name in ("triton", "deep_gemm", "transformers"):
-        try:
-            out[name] = getattr(__import__(name), "__version__", "?")
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"unavailable ({type(e).__name__})"
-    try:
-        out["git"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=_HERE,
-        ).stdout.strip()  # fmt: skip
-    except Exception:  # noqa: BLE001
-        out["git"] = None
-    return out
-
-
 # -------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1083,21 +1066,7 @@ def main(argv=None) -> dict:
         steps.discard("raw")
     if args.no_transformers:
         steps.discard("grouped_mm")
-    report = {
-        "schema": 1,
-        "command": "python benchmarks/bench_one_gpu.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": _versions(),
-        "args": vars(args),
-        "budget_s": args.budget_s,
-        "elapsed_s": 0.0,
-        "complete": False,
-        "notes": [],
-        "skipped": [],
-        "cases": [],
-    }
+    report = _report.header("bench_one_gpu.py", argv, args, device, "cases")
     run = _Run(args, report, budget, device, timer, steps, max(tokens))
     try:
         report.update(timer.copy_gbps())
