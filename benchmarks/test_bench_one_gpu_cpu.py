@@ -42,8 +42,8 @@ def test_cpu_smoke_run(tmp_path, capsys):
         (q, m, t) for q in bench.SCHEMES for m in bench.MODES for t in (1, 200)
     }
     for c in on_disk["cases"]:
-        assert c["path"] == ("ll" if c["mode"] == "ll" or (c["mode"] == "auto" and c["T"] <= 128)
-                             else "ht"), c["id"]  # fmt: skip
+        auto_ll = c["mode"] == "auto" and c["T"] <= epmoe.layer.AUTO_LL_MAX_TOKENS
+        assert c["path"] == ("ll" if c["mode"] == "ll" or auto_ll else "ht"), c["id"]
         if not _usable(c):
             assert "warmup" in c["errors"], c["id"]
             continue
