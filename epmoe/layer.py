@@ -284,9 +284,9 @@ class EPMoE(nn.Module):
         """This rank's experts w float `[E, N, Kd]` -> (weights, scales) on the layer's device."""
         E, N, Kd = w.shape
         if self.quant == "bf16":
-            if not copy and w.dtype == torch.bfloat16 and w.device == self.device:
-                if w.is_contiguous():
-                    return w, None
+            in_place = w.dtype == torch.bfloat16 and w.device == self.device and w.is_contiguous()
+            if not copy and in_place:
+                return w, None
             out = torch.empty((E, N, Kd), dtype=torch.bfloat16, device=self.device)
             out.copy_(w)  # (a fresh tensor even when w is one already: never an alias)
             return out, None
