@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _eager
+from epmoe import _eager, _launch
 
 BLOCK = 1024
 MAX_ELEMENTS = 8 * BLOCK  # one program loops over at most 8 blocks
@@ -43,5 +43,6 @@ def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     ok = torch.empty((), dtype=torch.bool, device=x.device)
     flat = x.reshape(-1)
     with _eager.on_device(x):
-        _range_kernel[(1,)](flat, ok, flat.numel(), lo, hi, BLOCK=BLOCK, num_warps=4)
+        launch = _launch.direct(_range_kernel)[(1,)]
+        launch(flat, ok, flat.numel(), lo, hi, BLOCK=BLOCK, num_warps=4)
     return ok

@@ -40,11 +40,10 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from epmoe import _checks, _eager, _library, reference
+from epmoe import _checks, _eager, _launch, _library, reference
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
-    _INTERPRET,
     _int8_scale,
     _quant_fp8_groups,
     _quant_int8,
@@ -233,10 +232,7 @@ def _ll_gather_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side helpers
-def _kernel(k):
-    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors).
-    (Module attribute: scripts/compile_kernels.py patches it to record the launches.)"""
-    return k if _INTERPRET else wrap_triton(k)
+_kernel = _launch.kernel  # every stage launches through this one (tools may patch it)
 
 
 def alloc_scales(lead: Tuple[int, int], groups: int, layout: str, device) -> torch.Tensor:
@@ -255,11 +251,11 @@ def scatter_tiling(H: int, quant: str) -> Tuple[int, int, int]:
     """(R, W, chunks) of the scatter: each program copies an [R, W] tile of a row."""
     if quant == "fp8":
         groups = H // GROUP
-        r = min(triton.next_power_of_2(max(groups, 1)), TILE // GROUP)
-        return r, GROUP, max(triton.cdiv(groups, r), 1)
+        r = min(_launch.pow2(max(groups, 1)), TILE // GROUP)
+        return r, GROUP, max(_launch.cdiv(groups, r), 1)
     limit = INT8_SINGLE_MAX if quant == "int8" else TILE
-    w = min(triton.next_power_of_2(max(H, 1)), limit)
-    return 1, w, max(triton.cdiv(H, w), 1)  # (H = 0: one chunk still writes rows)
+    w = min(_launch.pow2(max(H, 1)), limit)
+    return 1, w, max(_launch.cdiv(H, w), 1)  # (H = 0: one chunk still writes rows)
 
 
 def _warps(elements: int) -> int:
@@ -296,7 +292,7 @@ def _ll_scatter_triton(
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
     ok = masked_m if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
     R, W, chunks = scatter_tiling(H, quant)
-    k_pad = triton.next_power_of_2(max(K, 1))
+    k_pad = _launch.pow2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
     # masked_m program
     _kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
@@ -305,7 +301,7 @@ def _ll_scatter_triton(
         x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         s.stride(0), s.stride(1), s.stride(2),
         K=K, K_PAD=k_pad, QUANT=_QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
-        BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=triton.next_power_of_2(E + 1), ASSERT=in_kernel,
+        BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
         num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if not in_kernel:
@@ -331,11 +327,11 @@ def _ll_gather_launch(
     ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
     w = topk_weights if topk_weights is not None else rows  # placeholder, never read
     sw = topk_weights.stride() if topk_weights is not None else (0, 0)
-    block = min(triton.next_power_of_2(max(H, 1)), GATHER_BYTES // 2)
-    _kernel(_ll_gather_kernel)[(T, triton.cdiv(H, block))](
+    block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)
+    _kernel(_ll_gather_kernel)[(T, _launch.cdiv(H, block))](
         y, rows, w, out, ok, H, C, E * C,
         y.stride(0), y.stride(1), y.stride(2), rows.stride(0), rows.stride(1), sw[0], sw[1],
-        K=K, K_PAD=triton.next_power_of_2(max(K, 1)), BLOCK_H=block,
+        K=K, K_PAD=_launch.pow2(max(K, 1)), BLOCK_H=block,
         HAS_W=topk_weights is not None, ASSERT=in_kernel, num_warps=4,
         **_checks.assert_build(in_kernel),
     )  # fmt: skip

@@ -25,10 +25,9 @@ import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import triton
 from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _launch, _library, reference
 
 # kernels and jit helpers by name (tests and scripts reach them as attributes of this module)
 from epmoe.ops._activation_kernels import (  # noqa: F401 - _approx etc. are re-exported
@@ -134,12 +133,12 @@ def _silu_and_mul_triton(
     (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
     _, _, (she, sht, _) = _q.as_3d(h)
     cfg = CONFIG
-    block = min(triton.next_power_of_2(max(inter, 1)), cfg.silu_tile)
+    block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
     block_m = 1 if rows.masked else cfg.silu_block_m
     slots = _slots(rows, block_m, m_indices)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
-    grid = (slots, E, triton.cdiv(inter, block))
+    grid = (slots, E, _launch.cdiv(inter, block))
     _q._kernel(_silu_mul_kernel)[grid](
         y, h, rows.bound, m_indices if m_indices is not None else y,
         T, inter, slots, sye, syt, syh, she, sht,
@@ -180,12 +179,12 @@ def _silu_and_mul_quant_triton(
         FAST=_FAST_MATH,
     )
     if scheme == "fp8":
-        block_g = triton.next_power_of_2(group_size)
+        block_g = _launch.pow2(group_size)
         tile = cfg.fp8_tile if not rows.masked else cfg.fp8_tile_masked
-        gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
+        gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
         block_m = 1 if rows.masked else cfg.fp8_block_m
         slots = _slots(rows, block_m, m_indices)
-        grid = (slots, E, triton.cdiv(groups, gpp))
+        grid = (slots, E, _launch.cdiv(groups, gpp))
         _q._kernel(_silu_mul_fp8_kernel)[grid](
             y, q, s, rows.bound, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
@@ -194,7 +193,7 @@ def _silu_and_mul_quant_triton(
         )  # fmt: skip
     else:
         single = inter <= cfg.int8_single_pass_max
-        block = triton.next_power_of_2(max(inter, 1)) if single else cfg.int8_chunk
+        block = _launch.pow2(max(inter, 1)) if single else cfg.int8_chunk
         block_m = 1 if rows.masked else max(1, cfg.int8_row_tile // block)
         slots = _slots(rows, block_m, m_indices)
         if rows.masked:

@@ -34,10 +34,9 @@ import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import triton
 from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _launch, _library, reference
 from epmoe.ops._permute_kernels import (
     _count_tokens_kernel,
     _place_copy_kernel,
@@ -148,16 +147,16 @@ def _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E: int, blo
     M, K = topk_ids.shape
     H = x.shape[1]
     m_sum, S = s_out.shape
-    block_s = triton.next_power_of_2(S)
+    block_s = _launch.pow2(S)
     block_r = max(1, cfg.scale_tile // block_s)
-    n_scale = triton.cdiv(m_sum, block_r) if scales else 0
+    n_scale = _launch.cdiv(m_sum, block_r) if scales else 0
     stride = (M * n_rest + n_scale) // n_scale if n_scale else 1
     _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
         x_scales, src, s_out, x, topk_ids, inv_perm, x_out,
         S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
         x_scales.stride(0), x_scales.stride(1), s_out.stride(0), s_out.stride(1),
         topk_ids.stride(0), topk_ids.stride(1), x.stride(0), x.stride(1),
-        K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=triton.next_power_of_2(K), BLOCK_H=block_h,
+        K=K, BLOCK_R=block_r, BLOCK_S=block_s, K_PAD=_launch.pow2(K), BLOCK_H=block_h,
         LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache, num_warps=4, **pdl,
         **_scale_vec(x_scales, s_out),
         **_rest_prefetch(x, pdl.get("PDL", False), block_h, cfg),
@@ -230,23 +229,21 @@ def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, d
     M, K = topk_ids.shape
     H = x.shape[1]
     S = x_scales.shape[1] if x_scales is not None else 0
-    k_pad = triton.next_power_of_2(K)
+    k_pad = _launch.pow2(K)
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
     sit, sik = topk_ids.stride()
     in_kernel = _checks.assert_in_kernel(direct)
-    block_h = min(
-        triton.next_power_of_2(max(H, 1)), max(16, cfg.small_copy_bytes // x.element_size())
-    )
-    chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
-    spc = triton.cdiv(S, chunks)  # scales per column chunk
+    block_h = min(_launch.pow2(max(H, 1)), max(16, cfg.small_copy_bytes // x.element_size()))
+    chunks = max(_launch.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
+    spc = _launch.cdiv(S, chunks)  # scales per column chunk
     _q._kernel(_small_permute_kernel)[(M * chunks + E + 1,)](
         x, xs, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok,
         M, H, S, spc, E, A, m_sum, chunks,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-        K=K, K_PAD=k_pad, N_PAD=triton.next_power_of_2(max(cfg.small_entries, 1)),
-        NUM_BINS=triton.next_power_of_2(E + 1), BLOCK_H=block_h,
-        BLOCK_S=triton.next_power_of_2(max(spc, 1)), HAS_SCALES=S > 0,
+        K=K, K_PAD=k_pad, N_PAD=_launch.pow2(max(cfg.small_entries, 1)),
+        NUM_BINS=_launch.pow2(E + 1), BLOCK_H=block_h,
+        BLOCK_S=_launch.pow2(max(spc, 1)), HAS_SCALES=S > 0,
         BLOCK_ROWS=cfg.block_rows, LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache,
         SCALE_POLICY=cfg.scale_policy, ASSERT=in_kernel, num_warps=cfg.small_warps,
         **_checks.assert_build(in_kernel),
@@ -265,14 +262,14 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     H = x.shape[1]
     dev = x.device
     S = x_scales.shape[1] if x_scales is not None else 0
-    k_pad = triton.next_power_of_2(K)
+    k_pad = _launch.pow2(K)
     tb = max(1, cfg.block_n // k_pad)  # whole tokens per block
-    nb = triton.cdiv(M, tb)
-    block_h = min(triton.next_power_of_2(max(H, 1)), max(16, cfg.copy_bytes // x.element_size()))
+    nb = _launch.cdiv(M, tb)
+    block_h = min(_launch.pow2(max(H, 1)), max(16, cfg.copy_bytes // x.element_size()))
     xs = x_scales if x_scales is not None else x
     ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-    chunks = max(triton.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
-    spc = triton.cdiv(S, chunks)  # scales per column chunk
+    chunks = max(_launch.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
+    spc = _launch.cdiv(S, chunks)  # scales per column chunk
     sit, sik = topk_ids.stride()
     # counts[e, b]: entries of expert e in block b, then those in blocks < b; bad[b]: invalid ids
     # of block b; totals[e]. sym_max, and no `if` on sizes below: M may be an unbacked size
@@ -294,7 +291,7 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
     _q._kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
-        TB=tb, K_PAD=k_pad, NUM_BINS=triton.next_power_of_2(E + 1), PDL=use_pdl, num_warps=4,
+        TB=tb, K_PAD=k_pad, NUM_BINS=_launch.pow2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
     in_kernel = _checks.assert_in_kernel(direct)
@@ -304,13 +301,13 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     )  # fmt: skip
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row else chunks
-    fills = triton.cdiv((E + 1) * cfg.fill_split, chunks_a)  # fill programs' rows after tokens'
+    fills = _launch.cdiv((E + 1) * cfg.fill_split, chunks_a)  # fill programs' rows after tokens'
     _q._kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
         M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-        K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=triton.next_power_of_2(max(spc, 1)),
-        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=triton.next_power_of_2(E),
+        K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=_launch.pow2(max(spc, 1)),
+        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=_launch.pow2(E),
         BLOCK_ROWS=cfg.block_rows, SPLIT=cfg.fill_split, LOAD_POLICY=cfg.load_policy,
         STORE_CACHE=cfg.store_cache, SCALE_POLICY=cfg.scale_policy, num_warps=cfg.copy_warps,
         **pdl, **_prefetch_meta(x, x_scales, use_pdl, by_row, block_h, cfg),
@@ -355,7 +352,7 @@ def _permute_triton(
     outs = (x_out, s_out, m_indices, inv_perm, offsets)
     by_row = _by_row(S, scale_layout, M * K, cfg)
     direct = _checks.direct_launch(x)
-    if not by_row and _at_most(M * triton.next_power_of_2(K), cfg.small_entries):
+    if not by_row and _at_most(M * _launch.pow2(K), cfg.small_entries):
         _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, cfg)
     else:
         _launch_chain(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, by_row, cfg)

@@ -26,9 +26,9 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _launch, _library, reference
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
     _FP8_MAX,
@@ -176,10 +176,7 @@ def _quant_int8_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side helpers
-def _kernel(k):
-    """wrap_triton(k) for Inductor; the bare kernel under TRITON_INTERPRET=1 (CPU tensors).
-    Every stage module launches through this one (module attribute: tools may patch it)."""
-    return k if _INTERPRET else wrap_triton(k)
+_kernel = _launch.kernel  # every stage launches through this one (tools may patch it)
 
 
 def _warps(elements: int) -> int:
@@ -221,7 +218,7 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
     Unmasked: one block per program. Masked: enough programs to fill the GPU when few rows are
     live, a fixed number so the grid does not depend on masked_m.
     """
-    blocks = triton.cdiv(t, block_m)
+    blocks = _launch.cdiv(t, block_m)
     if not masked:
         return blocks
     # (sym_min: t may be an unbacked size under torch.compile, and min() would guard on it)
@@ -231,10 +228,10 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
 
 def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:
     """(BLOCK_G, groups per program, rows per program) of the fp8 kernels."""
-    block_g = triton.next_power_of_2(group_size)
+    block_g = _launch.pow2(group_size)
     cfg = CONFIG
     tile = cfg.fp8_tile if not masked else cfg.fp8_tile_masked
-    gpp = min(triton.next_power_of_2(max(groups, 1)), max(1, tile // block_g))
+    gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
     return block_g, gpp, (cfg.fp8_block_m if not masked else 1)
 
 
@@ -243,7 +240,7 @@ def int8_tiling(n: int, masked: bool) -> Tuple[int, int, bool]:
     small rows are batched up to 4096 elements a program (more loads in flight per thread)."""
     cfg = CONFIG
     single = n <= cfg.int8_single_pass_max
-    block = triton.next_power_of_2(max(n, 1)) if single else cfg.int8_chunk
+    block = _launch.pow2(max(n, 1)) if single else cfg.int8_chunk
     block_m = 1 if masked else max(1, cfg.int8_row_tile // block)
     return block, block_m, single
 
@@ -275,7 +272,7 @@ def launch_quant(
         groups = H // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked)
         slots = num_slots(E, T, masked, block_m)
-        grid = (slots, E, triton.cdiv(groups, gpp))
+        grid = (slots, E, _launch.cdiv(groups, gpp))
         _kernel(_quant_fp8_kernel)[grid](
             x, q, s, mm, T, H, groups, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst, ssg,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _library, reference
+from epmoe import _checks, _config, _eager, _launch, _library, reference
 from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
@@ -106,12 +106,12 @@ def _unpermute_triton(
     ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
-    block = min(triton.next_power_of_2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
-    _q._kernel(_unpermute_kernel)[(M, triton.cdiv(H, block))](
+    block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
+    _q._kernel(_unpermute_kernel)[(M, _launch.cdiv(H, block))](
         y, inv_perm, topk_weights, out, ok, H, y.shape[0],
         y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
-        K=K, K_PAD=triton.next_power_of_2(K), BLOCK_H=block, ASSERT=in_kernel,
+        K=K, K_PAD=_launch.pow2(K), BLOCK_H=block, ASSERT=in_kernel,
         num_warps=cfg.warps, **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if not in_kernel:

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe import _launch
 from epmoe.ops.gemm._select import _INT8_ROW_BLOCK
 
 # Masked INT8 tiles: tl.dot needs >= 16 rows; the decode-shaped configs (4 warps, long K tiles)
@@ -189,8 +190,8 @@ _int8_masked_tuned = triton.autotune(_MASKED_CONFIGS, key=["N", "K", "E", "BLOCK
 def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
     """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes: tiles sized for expected_m."""
     em = max(1, min(expected_m or t, t))
-    block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, triton.next_power_of_2(em)))
-    split = max(1, min(triton.cdiv(t, block_m), triton.cdiv(em, block_m)))
+    block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, _launch.pow2(em)))
+    split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
     return block_m, split
 
 
@@ -223,7 +224,7 @@ def _int8_contiguous_triton(
     m_indices = m_indices.contiguous()
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(N, meta["BLOCK_N"]),)
 
     kernel = _int8_contiguous_tuned if config is None else _int8_contiguous_kernel
     kernel[grid](
@@ -277,7 +278,7 @@ def _int8_masked_triton(
     meta.setdefault("M_SPLIT", split)
 
     def grid(m):
-        return (triton.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
+        return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
 
     kernel = _int8_masked_tuned if config is None else _int8_masked_kernel
     kernel[grid](
@@ -288,6 +289,6 @@ def _int8_masked_triton(
         a_scales.stride(0), a_scales.stride(1),
         w_scales.stride(0), w_scales.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        CHECK=ok is not None, E_PAD=triton.next_power_of_2(E), **meta,
+        CHECK=ok is not None, E_PAD=_launch.pow2(E), **meta,
     )  # fmt: skip
     return out

@@ -1,0 +1,154 @@
+"""Triton launches of the stage kernels, and the host-side size helpers they use.
+
+:func:`kernel` is the one door every stage launches through: ``kernel(k)[grid](*args, **meta)``.
+
+- Under ``TRITON_INTERPRET=1`` (CPU tensors) it is the bare kernel.
+- While ``wrap_triton`` is on (torch.compile tracing, the triton op's traced body) it is
+  ``wrap_triton(k)``, so Inductor sees and compiles the kernel itself.
+- Otherwise (eager calls, the dispatcher's eager call, CUDA-graph capture of either) it is a
+  direct launch: the first call of each specialization goes through Triton's own ``run``
+  (compiling if needed) and keeps the compiled kernel; later calls with the same specialization
+  call its launcher straight away. Triton's ``run`` re-binds and re-specializes every argument
+  and rebuilds its cache key on each call, which is most of a small kernel's host time.
+
+The direct key is what Triton specializes on: the device, every keyword (constexprs and launch
+options), each tensor's dtype and 16-byte alignment, each int's ``== 1`` / multiple-of-16 / 32-bit
+range, and the type of any other argument. Runtime arguments are passed positionally, constexprs
+by keyword (a kernel that takes a runtime argument by keyword is never cached). Profiler launch
+hooks, when set, send every launch through Triton's own path.
+
+:func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
+those are Triton constexpr functions, which unwrap every argument on each call.
+"""
+
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+import triton
+from torch._library import triton as _triton_lib
+from torch.library import wrap_triton
+
+from epmoe._jit import _INTERPRET
+
+# Triton releases whose launcher takes (grid, stream, function, packed metadata, launch metadata,
+# enter hook, exit hook, *all bound arguments); others launch through Triton's own run
+_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+_CACHED = (3, 6) <= _VERSION < (4, 0)
+
+_wrap_enabled = _triton_lib.is_wrap_triton_enabled
+_Tensor = torch.Tensor
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def pow2(n):
+    """Smallest power of two >= n (1 for n <= 1); ints or SymInts."""
+    if type(n) is int:
+        return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    return triton.next_power_of_2(n)
+
+
+def cdiv(a, b):
+    """ceil(a / b) for ints or SymInts."""
+    return (a + b - 1) // b
+
+
+def kernel(k):
+    """The launchable form of Triton kernel ``k`` for the current context (see the module doc)."""
+    if _INTERPRET:
+        return k
+    if _wrap_enabled():
+        return wrap_triton(k)
+    return direct(k)
+
+
+def direct(k):
+    """The direct launch of ``k`` whatever the context (callers that know nothing traces them)."""
+    d = _DIRECT.get(id(k))
+    if d is None:
+        d = _DIRECT[id(k)] = _Direct(k) if _CACHED and not _is_autotuner(k) else _Plain(k)
+    return d
+
+
+def _is_autotuner(k) -> bool:
+    return not isinstance(k, triton.runtime.jit.JITFunction)
+
+
+class _Plain:
+    """Triton's own launch (releases or kernel kinds the cached launch does not cover)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid) -> Callable:
+        return self.fn[grid]
+
+
+class _Direct:
+    """Cached launches of one JITFunction (see the module doc)."""
+
+    __slots__ = ("fn", "cache", "n_params", "runtime", "defaults")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cache: Dict[Tuple, Any] = {}
+        self.n_params = len(fn.arg_names)
+        self.runtime = {p.name for p in fn.params if not p.is_constexpr}
+        self.defaults = {p.name: p.default for p in fn.params}
+
+    def __getitem__(self, grid) -> Callable:
+        if callable(grid):  # (a grid of the meta-parameters: Triton's own launch)
+            return self.fn[grid]
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid, args, meta) -> None:
+        if _hooked():
+            self.fn[grid](*args, **meta)
+            return
+        dev = torch._C._cuda_getDevice()
+        key = _key(dev, args, meta)
+        hit = self.cache.get(key)
+        if hit is None:
+            self._first(grid, args, meta, key)
+            return
+        run, function, packed, rest = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        run(grid[0], g1, g2, stream, function, packed, None, None, None, *args, *rest)
+
+    def _first(self, grid, args, meta, key) -> None:
+        """Triton's own launch (it compiles on a miss); the compiled kernel is kept for the key."""
+        compiled = self.fn[grid](*args, **meta)
+        names = self.fn.arg_names[len(args) :]
+        if compiled is None or any(n in self.runtime for n in meta):
+            return  # (a runtime argument by keyword: its value would be part of the key)
+        rest = tuple(meta[n] if n in meta else self.defaults[n] for n in names)
+        self.cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, rest)
+
+
+def _key(dev, args, meta) -> Tuple:
+    key = [dev, *meta.items()]
+    for a in args:
+        c = a.__class__
+        if c is int:
+            key.append((a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX))
+        elif c is _Tensor or isinstance(a, _Tensor):
+            key.append(a.dtype)
+            key.append(a.data_ptr() & 15 == 0)
+        else:
+            key.append(c)
+    return tuple(key)
+
+
+def _hooked() -> bool:
+    """A launch hook is installed (e.g. a Triton profiler): launches must go through Triton."""
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
+
+
+_DIRECT: Dict[int, Any] = {}

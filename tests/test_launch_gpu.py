@@ -1,0 +1,93 @@
+"""epmoe._launch on CUDA: the cached direct launch writes what Triton's own launch writes, keeps
+one compiled kernel per specialization, and yields to launch hooks."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from epmoe import _launch
+
+pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, a, FLIP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    y = tl.load(y_ptr + offs, mask=m)
+    v = a * x + y
+    if FLIP:
+        v = -v
+    tl.store(out_ptr + offs, v, mask=m)
+
+
+def _run(launch, x, y, n, a, flip, block=128):
+    out = torch.full_like(x, 7.0)
+    launch[(triton.cdiv(n, block),)](x, y, out, n, a, FLIP=flip, BLOCK=block, num_warps=4)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 16, 100, 1000])
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_direct_matches_triton(n, flip, offset):
+    x = torch.randn(n + offset, device="cuda")[offset:]
+    y = torch.randn(n + offset, device="cuda")[offset:]
+    d = _launch.direct(_axpy_kernel)
+    for _ in range(3):  # first call through Triton, then cached
+        got = _run(d, x, y, n, 2.5, flip)
+        want = _run(_axpy_kernel, x, y, n, 2.5, flip)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_one_entry_per_specialization():
+    d = _launch.direct(_axpy_kernel)
+    d.cache.clear()
+    x = torch.randn(4096, device="cuda")
+    for n in (100, 200, 300):  # same specialization (not 1, not a multiple of 16, int32)
+        _run(d, x, x, n, 1.0, False)
+    assert len(d.cache) == 1
+    _run(d, x, x, 256, 1.0, False)  # multiple of 16
+    _run(d, x[1:], x, 100, 1.0, False)  # unaligned
+    _run(d, x, x, 100, 1.0, True)  # constexpr
+    assert len(d.cache) == 4
+
+
+def test_graph_capture_replays():
+    d = _launch.direct(_axpy_kernel)
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    out = torch.empty_like(x)
+    launch = d[(8,)]
+    launch(x, y, out, 1000, 3.0, FLIP=False, BLOCK=128, num_warps=4)  # warm
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch(x, y, out, 1000, 3.0, FLIP=False, BLOCK=128, num_warps=4)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, 3.0 * x + y)
+
+
+def test_launch_hooks_take_tritons_path():
+    seen = []
+    hook = seen.append
+    rt = triton.knobs.runtime
+    d = _launch.direct(_axpy_kernel)
+    x = torch.randn(256, device="cuda")
+    _run(d, x, x, 256, 1.0, False)  # cached
+    if hasattr(rt.launch_enter_hook, "add"):
+        rt.launch_enter_hook.add(hook)
+        try:
+            _run(d, x, x, 256, 1.0, False)
+        finally:
+            rt.launch_enter_hook.remove(hook)
+    else:
+        rt.launch_enter_hook = hook
+        try:
+            _run(d, x, x, 256, 1.0, False)
+        finally:
+            rt.launch_enter_hook = None
+    assert len(seen) == 1
