@@ -26,7 +26,7 @@ import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script: make `epmoe` and `tests` importable
+if _ROOT not in sys.path:  # run as a script: make `epmoe` importable
     sys.path.insert(0, _ROOT)
 
 import _timing  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
@@ -65,15 +65,11 @@ def _entry(t: dict, nbytes: float) -> dict:
 
 # ------------------------------------------------------------------------------------ one rank
 def _bench_rank(rank, world, workload: dict, rounds: int, iters: int, num_sms: int):
+    from _baselines import raw_ht_combine, raw_ht_dispatch, raw_ll_combine, raw_ll_dispatch
+
     from epmoe import comm as epcomm
     from epmoe import ops
     from epmoe.comm import deepep
-    from tests.comm.test_deepep import (
-        raw_ht_combine,
-        raw_ht_dispatch,
-        raw_ll_combine,
-        raw_ll_dispatch,
-    )
 
     H, Et, K = workload["hidden"], workload["experts"], workload["top_k"]
     T, T_ll = workload["ht_tokens"], workload["ll_tokens"]

@@ -357,7 +357,7 @@ def _silu_mul(y: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- raw GEMMs
 def _raw_impls(scheme: str, layout: str, device):
     """(name, fn) of the raw grouped GEMM for ``scheme`` / ``layout`` on ``device``: fn(a, s, w,
-    ws, rows, em, out, offsets) writes ``out``. deep_gemm on CUDA (tests' raw baselines), the
+    ws, rows, em, out, offsets) writes ``out``. deep_gemm on CUDA (_baselines.py), the
     reference on CPU (the smoke run: same operands, no timing)."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -370,7 +370,7 @@ def _raw_impls(scheme: str, layout: str, device):
 
         return "reference (CPU)", ref
     if gemm._dg_role(f"{scheme}_{layout}", device):
-        from tests.ops.test_gemm_gpu import raw_deep_gemm_contiguous, raw_deep_gemm_masked
+        from _baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked
 
         if layout == "masked":
             return f"deep_gemm {scheme} masked", (
@@ -388,7 +388,7 @@ def _raw_impls(scheme: str, layout: str, device):
             lambda a, s, w, ws, rows, em, out, offs: torch.bmm(a, w.transpose(1, 2), out=out)
         )
     if scheme == "bf16" and hasattr(torch, "_grouped_mm"):
-        from tests.ops.test_gemm_gpu import raw_grouped_mm
+        from _baselines import raw_grouped_mm
 
         return "torch._grouped_mm (no deep_gemm bf16 contiguous)", (
             lambda a, s, w, ws, rows, em, out, offs: out.copy_(raw_grouped_mm(a, w, offs))

@@ -17,14 +17,10 @@ Run on the GPU machine:
 import _timing
 import pytest
 import torch
+from _baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked, raw_grouped_mm
 
 from epmoe import _deps, reference
 from epmoe.ops import gemm
-from tests.ops.test_gemm_gpu import (
-    raw_deep_gemm_contiguous,
-    raw_deep_gemm_masked,
-    raw_grouped_mm,
-)
 
 pytestmark = [
     pytest.mark.gpu,

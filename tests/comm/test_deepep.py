@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
 import epmoe
+from benchmarks._baselines import raw_ht_combine, raw_ht_dispatch, raw_ll_combine, raw_ll_dispatch
 from epmoe import comm as epcomm
 from epmoe import ops, reference
 from epmoe._multiproc import run_ranks
@@ -105,49 +106,6 @@ def _release():
     torch.cuda.synchronize()
     dist.barrier()
     deepep.release_buffers()
-
-
-# ------------------------------------------------- raw deep_ep calls (baselines; also the bench's)
-def _idx(ids: torch.Tensor) -> torch.Tensor:
-    import deep_ep
-
-    dt = getattr(deep_ep, "topk_idx_t", torch.int64)
-    return ids.to(dt if isinstance(dt, torch.dtype) else torch.int64).contiguous()
-
-
-def raw_ht_dispatch(buf, config, x, scales, ids, w, num_experts, num_worst_tokens=0):
-    """deep_ep HT dispatch as its README calls it: get_dispatch_layout + dispatch.
-    Returns (recv_x or (recv_x, recv_scales), recv_ids, recv_weights, counts list, handle)."""
-    ids = _idx(ids)
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, num_experts)
-    out = buf.dispatch(
-        x if scales is None else (x, scales),
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=ids,
-        topk_weights=w,
-        num_worst_tokens=num_worst_tokens,
-        config=config,
-    )
-    return out[:5]
-
-
-def raw_ht_combine(buf, config, y, handle):
-    """deep_ep HT combine (unweighted) with deep_ep's own handle tuple -> bf16 `[T, H]`."""
-    return buf.combine(y, handle, config=config)[0]
-
-
-def raw_ll_dispatch(buf, x, ids, max_tokens, num_experts, use_fp8):
-    """deep_ep LL dispatch -> (recv_x or (recv_x, scales), recv_count, handle)."""
-    out = buf.low_latency_dispatch(x, _idx(ids), max_tokens, num_experts, use_fp8=use_fp8)
-    return out[:3]
-
-
-def raw_ll_combine(buf, y, ids, w, handle, out=None):
-    """deep_ep LL combine (weighted) -> bf16 `[T, H]`."""
-    return buf.low_latency_combine(y, _idx(ids), w, handle, out=out)[0]
 
 
 # ================================================================================== CPU tests

@@ -8,6 +8,7 @@ Run on a GPU machine: pytest tests/ops/test_gemm_gpu.py  (the CPU-only helper te
 import pytest
 import torch
 
+from benchmarks._baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked
 from epmoe import reference
 from epmoe.ops import gemm
 from epmoe.ops.gemm import grouped_gemm
@@ -28,32 +29,6 @@ def _operands(scheme, lead, E, N, K, device, gen):
     wq, ws = reference.quantize_weights(w, scheme)
     wq, ws = gemm.prepare_weights(wq, ws, scheme, device)
     return aq, as_, wq, ws
-
-
-# Raw-library baselines; the benchmarks import these, so both call the libraries the same way.
-def raw_deep_gemm_contiguous(scheme, a, a_scales, w, w_scales, m_indices, out):
-    """deep_gemm's contiguous grouped GEMM called directly into ``out`` (bf16 `[M_sum, N]`)."""
-    fn = gemm._dg_functions()[f"{scheme}_contiguous"]
-    if scheme == "fp8":
-        fn((a, a_scales), (w, w_scales), out, m_indices)
-    else:
-        fn(a, w, out, m_indices)
-    return out
-
-
-def raw_deep_gemm_masked(scheme, a, a_scales, w, w_scales, masked_m, expected_m, out):
-    """deep_gemm's masked grouped GEMM called directly into ``out`` (bf16 `[E, T, N]`)."""
-    fn = gemm._dg_functions()[f"{scheme}_masked"]
-    if scheme == "fp8":
-        fn((a, a_scales), (w, w_scales), out, masked_m, expected_m)
-    else:
-        fn(a, w, out, masked_m, expected_m)
-    return out
-
-
-def raw_grouped_mm(a, w, expert_offsets):
-    """torch._grouped_mm on the contiguous layout (groups end at expert_offsets[1:])."""
-    return torch._grouped_mm(a, w.transpose(1, 2), offs=expert_offsets[1:])
 
 
 def needs_deep_gemm(scheme, layout="contiguous"):
