@@ -1,0 +1,74 @@
+"""GPU diagnostics of the compiled layer: where a torch.compile'd layer call spends its time
+(prints; no files). For each case, the torch.profiler table of repeated calls of the layer under
+``torch.compile`` (default mode) and ``mode="reduce-overhead"``, and of the eager layer: host
+self time per op and device time per kernel, and the launches per call.
+
+    PYTHONPATH=. python scripts/diag_compile.py [--tokens 32] [--cases fp8:ht,int8:ht,...]
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import epmoe
+
+QWEN3 = dict(H=2048, I=768, E=128, K=8)
+
+
+def _layer(quant, mode, T, H, I, E, K):
+    kw = dict(max_tokens_per_rank=T) if mode == "ll" else dict(worst_case=True)
+    layer = epmoe.EPMoE(E, H, I, K, quant=quant, mode=mode, device="cuda", backend="local", **kw)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn((E, 2 * I, H), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn((E, H, I), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    layer.load_weights(w1, w2)
+    x = torch.randn((T, H), device="cuda", generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn((T, K), device="cuda"), -1)
+    return layer, (x, ids, w)
+
+
+def _table(fn, n=20, rows=14):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    kernels = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)
+    dev = ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    return kernels / n, host, dev
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--cases", default="fp8:ht,int8:ht,bf16:ll,fp8:ll,int8:ll")
+    a = p.parse_args()
+    for case in a.cases.split(","):
+        quant, mode = case.split(":")
+        layer, args = _layer(quant, mode, a.tokens, **QWEN3)
+        layer.warmup([a.tokens])
+        for name in ("default", "reduce-overhead", "eager"):
+            torch._dynamo.reset()
+            fn = layer if name == "eager" else torch.compile(layer, mode=name, fullgraph=True)
+            try:
+                launches, host, dev = _table(lambda fn=fn, args=args: fn(*args))
+            except Exception as e:  # noqa: BLE001
+                print(f"=== {quant} {mode} T={a.tokens} {name}: failed {e!r}")
+                continue
+            print(f"=== {quant} {mode} T={a.tokens} {name}: {launches:.1f} kernels/call")
+            print(host)
+            if name != "eager":
+                print(dev)
+        del layer
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
