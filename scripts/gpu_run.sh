@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session (1x or 2x H200): environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
-# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo (EPMOE_CAP_<step> caps one step's seconds)
+# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo diag diag_compile (EPMOE_CAP_<step> caps one step's seconds)
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
@@ -49,6 +49,12 @@ for step in "$@"; do
     demo)
       timeout $((t - 10)) python3 -m epmoe demo ${EPMOE_DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
       echo "demo rc=$?" >> "$OUT/summary.txt" ;;
+    diag)
+      timeout $((t - 10)) python3 scripts/diag_layer.py ${EPMOE_DIAG_ARGS:-} > "$OUT/diag_layer.log" 2>&1
+      echo "diag rc=$?" >> "$OUT/summary.txt" ;;
+    diag_compile)
+      timeout $((t - 10)) python3 scripts/diag_compile.py ${EPMOE_DIAG_COMPILE_ARGS:-} > "$OUT/diag_compile.log" 2>&1
+      echo "diag_compile rc=$?" >> "$OUT/summary.txt" ;;
     sweep)
       timeout $((t - 10)) python3 scripts/stage_sweep.py --out "$OUT/sweep.jsonl" \
         --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} ${EPMOE_SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
