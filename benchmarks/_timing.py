@@ -13,6 +13,8 @@
 - :func:`device_time`: median device span of one call (first kernel start to last kernel end,
   profiler timestamps) under the same replay and flush, without the graph's launch on the device;
   :func:`replay_floor_ms` is that launch cost as :func:`time_cuda` sees it (a one-kernel graph).
+- :func:`host_us`: host µs per eager call, the GPU kept busy behind a sleep kernel (launches only
+  queue, nothing waits for the device).
 - :func:`record`: put rates, ceiling and baseline in ``benchmark.extra_info`` (keys ``gbps`` and
   ``ceiling_gbps`` are what ``epmoe bench`` reports) and let pytest-benchmark time the replay too.
 
@@ -21,6 +23,7 @@ Import from a benchmark module as ``import _timing`` (pytest puts ``benchmarks/`
 
 import functools
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -32,6 +35,8 @@ FLUSH_BYTES = 512 * 2**20  # > 8x the H100/H200 L2 (50 MiB): a memset of it evic
 COPY_BYTES = 2 * 2**30  # ceiling buffer: 2 GiB read + 2 GiB written
 ITERS = 100  # timed calls per measurement (median)
 WARMUP = 3  # eager calls before capture: compiles Triton kernels, faults pages in
+HOST_CALLS, HOST_REPEATS = 10, 3  # host_us: calls per timed pass, passes (median)
+HOST_SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep at H200 clocks: covers HOST_CALLS calls
 
 
 @dataclass
@@ -230,6 +235,30 @@ def launch_ms(fn: Callable[[], object], iters: int) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def host_us(
+    fn: Callable[[], object],
+    calls: int = HOST_CALLS,
+    repeats: int = HOST_REPEATS,
+    sleep_cycles: int = HOST_SLEEP_CYCLES,
+) -> float:
+    """Host µs per eager call of ``fn``: wall time of ``calls`` calls / ``calls``, each pass behind
+    a GPU sleep of ``sleep_cycles`` (the final sync is outside the timed span); median of
+    ``repeats`` passes."""
+    fn()
+    torch.cuda.synchronize()
+    vals = []
+    for _ in range(repeats):
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        vals.append((t1 - t0) / calls * 1e6)
+    return statistics.median(vals)
 
 
 def paired_ms(

@@ -25,7 +25,7 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
 - ``host_us``: host time per eager call: wall time of N calls divided by N, with the GPU first
   given a ~50 ms sleep kernel so it stays busy behind the host (launches only queue; nothing the
   host does waits for the device, and the final ``torch.cuda.synchronize`` is outside the timed
-  region). A call that syncs shows up as the sleep's length.
+  region; ``_timing.host_us``). A call that syncs shows up as the sleep's length.
 - ``launches``: device activities of one eager call from ``torch.profiler`` (CUDA activity):
   kernels, plus memcpy/memset as ``copies``; ``kernels`` counts them by name. (Under the profiler
   epmoe's eager fast path takes the dispatcher route; both launch the same kernels.)
@@ -123,8 +123,6 @@ COMPILE_RESERVE_S = 40.0  # a compile step starts only with this much of the run
 COMPILE_BUDGET_S = 180.0  # what compile steps may spend in all (default --compile-budget-s)
 W_STD = 0.02  # weight scale: GEMM outputs of O(1) at these sizes
 GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
-HOST_CALLS, HOST_REPEATS = 10, 3
-HOST_SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep at H200 clocks: covers HOST_CALLS calls
 CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
 WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
 _FATAL = (
@@ -180,19 +178,7 @@ class CudaTimer:
 
     def host_us(self, fn) -> float:
         """Host µs per eager call with the GPU kept busy (see module docstring)."""
-        fn()
-        torch.cuda.synchronize()
-        vals = []
-        for _ in range(HOST_REPEATS):
-            if hasattr(torch.cuda, "_sleep"):
-                torch.cuda._sleep(HOST_SLEEP_CYCLES)
-            t0 = time.perf_counter()
-            for _ in range(HOST_CALLS):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            vals.append((t1 - t0) / HOST_CALLS * 1e6)
-        return statistics.median(vals)
+        return _timing.host_us(fn)
 
     def launches(self, fn) -> dict:
         """Device activities of one eager call (torch.profiler, CUDA activity)."""

@@ -4,8 +4,9 @@
    ``triton_kernel_wrapper_functional`` node: clones in the default mode, and the reason
    reduce-overhead skips CUDA graphs), per mode and scheme;
 2. where the host time of an eager layer call goes: host µs of each stage's public call (the GPU
-   kept busy, so nothing waits), of a bare Triton launch and of ``x + x``, and a cProfile of
-   repeated layer calls (top functions).
+   kept busy, so nothing waits: ``_timing.host_us``, as bench_one_gpu measures it), of a bare
+   Triton launch and of ``x + x``, and a cProfile of repeated layer calls (top functions).
+3. the torch backend vs the local backend, eager and CUDA-graph ms (``_timing.time_cuda``).
 
     PYTHONPATH=. python scripts/diag_layer.py [--shape qwen3] [--tokens 32]
 """
@@ -13,12 +14,18 @@
 import argparse
 import cProfile
 import io
+import os
 import pstats
-import time
+import sys
 
 import torch
 
-import epmoe
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
+import _timing  # noqa: E402  (benchmarks/_timing.py: the timing every benchmark uses)
+
+import epmoe  # noqa: E402
 
 
 def _layer(quant, mode, H, I, E, K, T, **kw):
@@ -59,21 +66,6 @@ def mutations(layer, args):
     return found
 
 
-def _host_us(fn, n=100):
-    """Host µs per call of fn with the GPU busy behind a sleep (n calls stay below the launch
-    queue's depth, so no launch blocks)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(5e8))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
 def stage_costs(T=32, H=2048, I=768, E=128, K=8):
     """Host µs of each stage call of the fp8 chains, one by one, and of the bare launches."""
     from epmoe import ops
@@ -107,14 +99,14 @@ def stage_costs(T=32, H=2048, I=768, E=128, K=8):
         "ll_scatter fp8": lambda: ll_scatter(x, ids, E, 128, "fp8", scale_layout="deepgemm"),
         "ll_gather": lambda: ll_gather(ym, rows, w),
     }  # fmt: skip
-    return {k: _host_us(fn) for k, fn in out.items()}
+    return {k: _timing.host_us(fn) for k, fn in out.items()}
 
 
 def host(layer, args, n=60):
     for _ in range(5):
         layer(*args)
     torch.cuda.synchronize()
-    us = _host_us(lambda: layer(*args), n=100)  # (at most ~9 launches a call: no queue stall)
+    us = _timing.host_us(lambda: layer(*args))
     torch.cuda._sleep(int(2e9))
     pr = cProfile.Profile()
     pr.enable()
@@ -127,25 +119,12 @@ def host(layer, args, n=60):
     return us, s.getvalue()
 
 
-def _ms(fn, graph: bool, n=30):
-    """Median ms of fn (eager, or replays of a CUDA graph of one call), CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[n // 2]
+def _ms(fn, graph: bool) -> float:
+    """Median ms of fn: eager launches, or replays of a CUDA graph of one call."""
+    t = _timing.time_cuda(fn, iters=30, use_graph=graph)
+    if graph and t.method != "cuda_graph":
+        raise RuntimeError("CUDA graph capture failed")
+    return t.ms
 
 
 def torch_backend(H=2048, I=768, E=128, K=8):
