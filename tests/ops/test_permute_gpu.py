@@ -197,5 +197,6 @@ def test_l2_prefetch(m, h, dtype, s, layout, view, waves, per_sm, monkeypatch):
     meta = P._prefetch_meta(x, sc, True, layout == "deepgemm", 4096 // x.element_size(), P.CONFIG)
     assert meta["PF_WAVES"] == (0 if view else waves)
     assert meta["PF_SCALES"] == (layout == "deepgemm")
-    assert P._rest_prefetch(x, True, 4096 // x.element_size())["PF_WAVES"] == meta["PF_WAVES"]
+    rest = P._rest_prefetch(x, True, 4096 // x.element_size(), P.CONFIG)
+    assert rest["PF_WAVES"] == meta["PF_WAVES"]
     _check(x, C.routing(m, k, e, gen, local=0.5), e, a, scales, layout)
