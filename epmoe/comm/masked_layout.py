@@ -49,6 +49,7 @@ from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _quant_int8,
     round_float,
 )
+from epmoe.ops.quantize import _bad_rows  # by name: Inductor copies @triton.jit callees
 
 QUANTS = ("bf16", "fp8", "int8")
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -223,11 +224,8 @@ def _ll_gather_kernel(
     if c == 0:
         kk = tl.arange(0, K_PAD)
         rr = tl.load(rows_ptr + t * stride_rt + kk * stride_rk, mask=kk < K, other=-1)
-        bad = (rr < -1) | (rr >= NROWS)
-        if ASSERT:
-            n_bad = tl.sum(bad.to(tl.int32), axis=0)
-            tl.device_assert(n_bad == 0, "ll_gather: rows expected rows in [0, E*C) or -1")
-        else:
+        bad = _bad_rows(rr, NROWS, ASSERT, "ll_gather: rows expected rows in [0, E*C) or -1")
+        if not ASSERT:
             tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
 
 

@@ -89,6 +89,18 @@ def _fp8_tile(
     return r // GROUPS_PER_PROG, groups, inner, groups[:, None] * GROUP + inner[None, :]
 
 
+@triton.jit
+def _bad_rows(rows, R, ASSERT: tl.constexpr, MSG: tl.constexpr):
+    """Mask of ``rows`` outside [0, R) other than -1 (the gather kernels' row check); with ASSERT
+    (a debug=True build) asserts there are none, with message MSG. ``rows`` is loaded by the
+    caller: torch.compile would see a pointer read in a jit helper as written."""
+    bad = (rows < -1) | (rows >= R)
+    if ASSERT:
+        n_bad = tl.sum(bad.to(tl.int32), axis=0)
+        tl.device_assert(n_bad == 0, MSG)
+    return bad
+
+
 # -------------------------------------------------------------------------------------- kernels
 # Grid (slots, E, column chunks). A program handles BLOCK_M rows at a time, row blocks slot,
 # slot + NUM_SLOTS, ... below the expert's bound: one block when unmasked (NUM_SLOTS covers T), a

@@ -22,7 +22,10 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
-from epmoe.ops.quantize import round_float  # by name: Inductor copies @triton.jit callees
+from epmoe.ops.quantize import (  # by name: Inductor copies @triton.jit callees
+    _bad_rows,
+    round_float,
+)
 
 # epmoe.ops re-exports a function named ``quantize``: import the module itself.
 _q = importlib.import_module("epmoe.ops.quantize")
@@ -81,11 +84,8 @@ def _unpermute_kernel(
     if c == 0:
         kk = tl.arange(0, K_PAD)
         rows = tl.load(inv_ptr + t * stride_it + kk * stride_ik, mask=kk < K, other=-1)
-        bad = (rows < -1) | (rows >= R)
-        if ASSERT:
-            n_bad = tl.sum(bad.to(tl.int32), axis=0)
-            tl.device_assert(n_bad == 0, "unpermute: inv_perm expected rows in [0, M_sum) or -1")
-        else:
+        bad = _bad_rows(rows, R, ASSERT, "unpermute: inv_perm expected rows in [0, M_sum) or -1")
+        if not ASSERT:
             tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
 
 
