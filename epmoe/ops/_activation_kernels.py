@@ -41,10 +41,22 @@ def _silu_mul(g, u, FAST: tl.constexpr):
 
 
 @triton.jit
-def _live_rows(t, ids, bound):
-    """Rows t of this loop step: (t as int64, live mask: below bound, m_indices ids not -1)."""
+def _row_blocks(slot, rows, NUM_SLOTS, BLOCK_M: tl.constexpr):
+    """A program's row blocks: slot, slot + NUM_SLOTS, ... Returns (its first row, the rows of
+    its first block `[BLOCK_M]`, the step between its blocks, the m_indices ids of a kernel
+    without m_indices: 0 `[BLOCK_M]`)."""
+    step = NUM_SLOTS * BLOCK_M
+    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    start = slot * BLOCK_M
+    return start, start + rows, step, ids
+
+
+@triton.jit
+def _live_rows(t, ids, bound, step):
+    """Rows t of this loop step: (t as int64, live mask: below bound, m_indices ids not -1, rows
+    of the next step)."""
     live = (t < bound) & (ids >= 0)
-    return t.to(tl.int64), live
+    return t.to(tl.int64), live, t + step
 
 
 @triton.jit
@@ -83,17 +95,14 @@ def _silu_mul_kernel(
     if HAS_MASK:
         bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
-    step = NUM_SLOTS * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
-    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    start, first, step, ids = _row_blocks(slot, rows, NUM_SLOTS, BLOCK_M)
     if HAS_ROWS:
-        first = slot * BLOCK_M + rows
         ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
-    for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t = t0 + rows
-        t64, live = _live_rows(t, ids, bound)
+    for t0 in tl.range(start, bound, step, num_stages=STAGES):
+        t64, live, nxt = _live_rows(t0 + rows, ids, bound, step)
         if HAS_ROWS:  # the next step's m_indices
-            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
+            ids = tl.load(mi_ptr + nxt, mask=nxt < bound, other=-1)
         m = live[:, None] & (cols[None, :] < I)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         g = tl.load(y_rows + cols[None, :] * stride_yh, mask=m, other=0.0)
@@ -124,16 +133,13 @@ def _silu_mul_fp8_kernel(
     if HAS_MASK:
         bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
-    step = NUM_SLOTS * BLOCK_M
-    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    start, first, step, ids = _row_blocks(slot, rows, NUM_SLOTS, BLOCK_M)
     if HAS_ROWS:
-        first = slot * BLOCK_M + rows
         ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
-    for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t = t0 + rows
-        t64, live = _live_rows(t, ids, bound)
+    for t0 in tl.range(start, bound, step, num_stages=STAGES):
+        t64, live, nxt = _live_rows(t0 + rows, ids, bound, step)
         if HAS_ROWS:  # the next step's m_indices
-            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
+            ids = tl.load(mi_ptr + nxt, mask=nxt < bound, other=-1)
         live = live & gmask
         m = live[:, None] & (inner[None, :] < GROUP)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
@@ -165,17 +171,14 @@ def _silu_mul_int8_kernel(
     if HAS_MASK:
         bound = tl.minimum(tl.load(mm_ptr + e).to(tl.int32), T)
     e64 = e.to(tl.int64)
-    step = NUM_SLOTS * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
-    ids = tl.zeros(rows.shape, dtype=tl.int32)
+    start, first, step, ids = _row_blocks(slot, rows, NUM_SLOTS, BLOCK_M)
     if HAS_ROWS:
-        first = slot * BLOCK_M + rows
         ids = tl.load(mi_ptr + first, mask=first < bound, other=-1)
-    for t0 in tl.range(slot * BLOCK_M, bound, step, num_stages=STAGES):
-        t = t0 + rows
-        t64, live = _live_rows(t, ids, bound)
+    for t0 in tl.range(start, bound, step, num_stages=STAGES):
+        t64, live, nxt = _live_rows(t0 + rows, ids, bound, step)
         if HAS_ROWS:  # the next step's m_indices
-            ids = tl.load(mi_ptr + (t + step), mask=t + step < bound, other=-1)
+            ids = tl.load(mi_ptr + nxt, mask=nxt < bound, other=-1)
         y_rows = (y_ptr + e64 * stride_ye + t64 * stride_yt)[:, None]
         q_rows = (q_ptr + e64 * stride_qe + t64 * stride_qt)[:, None]
         if SINGLE_PASS:
