@@ -1,7 +1,7 @@
 """Triton INT8 W8A8 grouped GEMMs (int8 x int8 -> int32 on tensor cores, per-token x per-channel
 scales, bf16 out): the contiguous and masked kernels, their autotune configs and launchers."""
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -187,6 +187,27 @@ _int8_masked_tuned = triton.autotune(_MASKED_CONFIGS, key=["N", "K", "E", "BLOCK
 )
 
 
+_BEST: Dict[Tuple, dict] = {}  # (autotuner, device, static key) -> the tuned config's launch kwargs
+
+
+def _launch_tuned(tuned, key: Tuple, grid, args: Tuple, meta: dict) -> None:
+    """Launch autotuned kernel ``tuned``: its first call per static ``key`` goes through the
+    autotuner (tuning if needed); later calls launch the chosen config directly, without the
+    autotuner's per-call key building and re-binding (the kernels run inside an opaque custom op:
+    never traced)."""
+    if _launch._INTERPRET:
+        tuned[grid](*args, **meta)
+        return
+    key = (id(tuned), torch.cuda.current_device(), *key)
+    best = _BEST.get(key)
+    if best is None:
+        tuned[grid](*args, **meta)
+        _BEST[key] = tuned.best_config.all_kwargs()
+        return
+    full = {**meta, **best}
+    _launch.direct(tuned.fn)[grid(full)](*args, **full)
+
+
 def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
     """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes: tiles sized for expected_m."""
     em = max(1, min(expected_m or t, t))
@@ -226,8 +247,7 @@ def _int8_contiguous_triton(
     def grid(meta):
         return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(N, meta["BLOCK_N"]),)
 
-    kernel = _int8_contiguous_tuned if config is None else _int8_contiguous_kernel
-    kernel[grid](
+    args = (
         a, w, a_scales, w_scales, m_indices, out,
         M, N, K, E,
         a.stride(0), a.stride(1),
@@ -235,8 +255,11 @@ def _int8_contiguous_triton(
         a_scales.stride(0),
         w_scales.stride(0), w_scales.stride(1),
         out.stride(0), out.stride(1),
-        **(config or {}),
     )  # fmt: skip
+    if config is None:
+        _launch_tuned(_int8_contiguous_tuned, (N, K, E, a.dtype, out.dtype), grid, args, {})
+    else:
+        _int8_contiguous_kernel[grid](*args, **config)
     return out
 
 
@@ -280,8 +303,7 @@ def _int8_masked_triton(
     def grid(m):
         return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
 
-    kernel = _int8_masked_tuned if config is None else _int8_masked_kernel
-    kernel[grid](
+    args = (
         a, w, a_scales, w_scales, masked_m, out, ok if ok is not None else masked_m,
         T, N, K, E,
         a.stride(0), a.stride(1), a.stride(2),
@@ -289,6 +311,11 @@ def _int8_masked_triton(
         a_scales.stride(0), a_scales.stride(1),
         w_scales.stride(0), w_scales.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        CHECK=ok is not None, E_PAD=_launch.pow2(E), **meta,
     )  # fmt: skip
+    meta.update(CHECK=ok is not None, E_PAD=_launch.pow2(E))
+    if config is None:
+        key = (N, K, E, meta["BLOCK_M"], a.dtype, out.dtype)
+        _launch_tuned(_int8_masked_tuned, key, grid, args, meta)
+    else:
+        _int8_masked_kernel[grid](*args, **meta)
     return out
