@@ -13,6 +13,7 @@
 - :func:`device_time`: median device span of one call (first kernel start to last kernel end,
   profiler timestamps) under the same replay and flush, without the graph's launch on the device;
   :func:`replay_floor_ms` is that launch cost as :func:`time_cuda` sees it (a one-kernel graph).
+- :func:`wall_ms`: wall-clock milliseconds of each of ``iters`` calls (CPU runs: no CUDA events).
 - :func:`host_us`: host µs per eager call, the GPU kept busy behind a sleep kernel (launches only
   queue, nothing waits for the device).
 - :func:`record`: put rates, ceiling and baseline in ``benchmark.extra_info`` (keys ``gbps`` and
@@ -235,6 +236,18 @@ def launch_ms(fn: Callable[[], object], iters: int) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> list:
+    """Wall-clock ms of each of ``iters`` calls of ``fn`` after ``warmup`` calls (CPU timing)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def host_us(

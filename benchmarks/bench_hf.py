@@ -161,13 +161,9 @@ class CpuTimer:
         self.iters, self.warmup = iters, warmup
 
     def __call__(self, fn) -> dict:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        import _timing
+
+        times = _timing.wall_ms(fn, self.iters, self.warmup)
         return {"step_ms": statistics.median(times), "min_ms": min(times), "method": "cpu"}
 
 

@@ -208,14 +208,7 @@ class CpuTimer:
         pass
 
     def eager(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return statistics.median(_timing.wall_ms(fn, self.iters, self.warmup))
 
     def loop(self, fn) -> float:
         t0 = time.perf_counter()

@@ -10,8 +10,8 @@ Run: ``epmoe bench --tiny`` or ``pytest benchmarks/test_bench_cpu.py --benchmark
 """
 
 import statistics
-import time
 
+import _timing
 import pytest
 import torch
 
@@ -25,13 +25,7 @@ SHAPE = TINY_CPU
 
 
 def _median_seconds(fn, reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_timing.wall_ms(fn, reps)) / 1e3
 
 
 @pytest.fixture(scope="module")
