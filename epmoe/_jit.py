@@ -83,3 +83,15 @@ def _quant_int8(x, s):
     half = ((v.to(tl.int32, bitcast=True) & -2147483648) | 0x3F000000).to(tl.float32, bitcast=True)
     r = tl.minimum(tl.maximum(v + half, -_INT8_MAX), _INT8_MAX)
     return r.to(tl.int8)
+
+
+@triton.jit
+def _bad_rows(rows, R, ASSERT: tl.constexpr, MSG: tl.constexpr):
+    """Mask of ``rows`` outside [0, R) other than -1 (the gather kernels' row check); with ASSERT
+    (a debug=True build) asserts there are none, with message MSG. ``rows`` is loaded by the
+    caller: torch.compile would see a pointer read in a jit helper as written."""
+    bad = (rows < -1) | (rows >= R)
+    if ASSERT:
+        n_bad = tl.sum(bad.to(tl.int32), axis=0)
+        tl.device_assert(n_bad == 0, MSG)
+    return bad

@@ -38,7 +38,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from epmoe import _checks, reference  # noqa: E402
+from epmoe import _checks, _launch, reference  # noqa: E402
 
 Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
@@ -68,10 +68,8 @@ class _Recorder:
 def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
-    saved = (Q._kernel, _checks.check_values, G._int8_masked_kernel, G._int8_contiguous_kernel)
-    saved_ml = ML._kernel
-    Q._kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through Q._kernel
-    ML._kernel = Q._kernel  # (the comm floor's masked-layout kernels: their own launcher)
+    saved = (_launch.kernel, _checks.check_values, G._int8_masked_kernel, G._int8_contiguous_kernel)
+    _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
     _checks.check_values = lambda *a, **k: None
     # the INT8 GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)
@@ -79,8 +77,7 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     try:
         launch()
     finally:
-        ML._kernel = saved_ml
-        Q._kernel, _checks.check_values = saved[:2]
+        _launch.kernel, _checks.check_values = saved[:2]
         G._int8_masked_kernel, G._int8_contiguous_kernel = saved[2:]
     return calls
 
@@ -250,7 +247,7 @@ def cases() -> Dict[str, Callable[[], object]]:
         "unpermute, asserting": lambda: [
             U._unpermute_triton(y2, inv, w) for _ in _within(_asserting())
         ],
-        "range check": lambda: Q._kernel(R._range_kernel)[(1,)](
+        "range check": lambda: _launch.kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
         "int8 contiguous GEMM": lambda: G._int8_contiguous_triton(

@@ -44,12 +44,12 @@ from torch.library import triton_op
 
 from epmoe import _checks, _eager, _launch, _library, reference
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
+    _bad_rows,
     _int8_scale,
     _quant_fp8_groups,
     _quant_int8,
     round_float,
 )
-from epmoe.ops.quantize import _bad_rows  # by name: Inductor copies @triton.jit callees
 
 QUANTS = ("bf16", "fp8", "int8")
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -230,7 +230,6 @@ def _ll_gather_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side helpers
-_kernel = _launch.kernel  # every stage launches through this one (tools may patch it)
 
 
 def alloc_scales(lead: Tuple[int, int], groups: int, layout: str, device) -> torch.Tensor:
@@ -293,7 +292,7 @@ def _ll_scatter_triton(
     k_pad = _launch.pow2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
     # masked_m program
-    _kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
+    _launch.kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
         xk, topk_ids, xok, s, masked_m, rows, ok,
         T, H, C, E, expert_lo, NG, G, chunks,
         x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
@@ -326,7 +325,7 @@ def _ll_gather_launch(
     w = topk_weights if topk_weights is not None else rows  # placeholder, never read
     sw = topk_weights.stride() if topk_weights is not None else (0, 0)
     block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)
-    _kernel(_ll_gather_kernel)[(T, _launch.cdiv(H, block))](
+    _launch.kernel(_ll_gather_kernel)[(T, _launch.cdiv(H, block))](
         y, rows, w, out, ok, H, C, E * C,
         y.stride(0), y.stride(1), y.stride(2), rows.stride(0), rows.stride(1), sw[0], sw[1],
         K=K, K_PAD=_launch.pow2(max(K, 1)), BLOCK_H=block,

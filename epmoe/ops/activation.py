@@ -139,7 +139,7 @@ def _silu_and_mul_triton(
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
     grid = (slots, E, _launch.cdiv(inter, block))
-    _q._kernel(_silu_mul_kernel)[grid](
+    _launch.kernel(_silu_mul_kernel)[grid](
         y, h, rows.bound, m_indices if m_indices is not None else y,
         T, inter, slots, sye, syt, syh, she, sht,
         BLOCK=block, BLOCK_M=block_m, HAS_MASK=rows.has_bound,
@@ -185,7 +185,7 @@ def _silu_and_mul_quant_triton(
         block_m = 1 if rows.masked else cfg.fp8_block_m
         slots = _slots(rows, block_m, m_indices)
         grid = (slots, E, _launch.cdiv(groups, gpp))
-        _q._kernel(_silu_mul_fp8_kernel)[grid](
+        _launch.kernel(_silu_mul_fp8_kernel)[grid](
             y, q, s, rows.bound, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
             GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
@@ -200,7 +200,7 @@ def _silu_and_mul_quant_triton(
             warps = _q._warps(block * block_m)
         else:
             warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
-        _q._kernel(_silu_mul_int8_kernel)[(slots, E)](
+        _launch.kernel(_silu_mul_int8_kernel)[(slots, E)](
             y, q, s, rows.bound, mi, T, inter, slots,
             sye, syt, syh, sqe, sqt, sse, sst,
             BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags,

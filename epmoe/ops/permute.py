@@ -151,7 +151,7 @@ def _launch_rest(x, x_scales, topk_ids, inv_perm, src, x_out, s_out, E: int, blo
     block_r = max(1, cfg.scale_tile // block_s)
     n_scale = _launch.cdiv(m_sum, block_r) if scales else 0
     stride = (M * n_rest + n_scale) // n_scale if n_scale else 1
-    _q._kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
+    _launch.kernel(_rest_scales_kernel)[(M * n_rest + n_scale,)](
         x_scales, src, s_out, x, topk_ids, inv_perm, x_out,
         S, m_sum, M, H, E, max(n_rest, 1), n_scale, stride,
         x_scales.stride(0), x_scales.stride(1), s_out.stride(0), s_out.stride(1),
@@ -237,7 +237,7 @@ def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, d
     block_h = min(_launch.pow2(max(H, 1)), max(16, cfg.small_copy_bytes // x.element_size()))
     chunks = max(_launch.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
     spc = _launch.cdiv(S, chunks)  # scales per column chunk
-    _q._kernel(_small_permute_kernel)[(M * chunks + E + 1,)](
+    _launch.kernel(_small_permute_kernel)[(M * chunks + E + 1,)](
         x, xs, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok,
         M, H, S, spc, E, A, m_sum, chunks,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
@@ -289,20 +289,20 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     # (the producer of x and topk_ids, the last user of the memory it is given) is done
     use_pdl = direct
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
-    _q._kernel(_count_tokens_kernel)[(nb,)](
+    _launch.kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
         TB=tb, K_PAD=k_pad, NUM_BINS=_launch.pow2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
     in_kernel = _checks.assert_in_kernel(direct)
-    _q._kernel(_scan_kernel)[(E + 1,)](
+    _launch.kernel(_scan_kernel)[(E + 1,)](
         counts, bad, totals, ok, E, nb, BLOCK=cfg.block_scan, ASSERT=in_kernel, num_warps=4,
         **pdl, **_checks.assert_build(in_kernel),
     )  # fmt: skip
     # with row-block scales split off the column chunks past the first to the scale kernel
     chunks_a = 1 if by_row else chunks
     fills = _launch.cdiv((E + 1) * cfg.fill_split, chunks_a)  # fill programs' rows after tokens'
-    _q._kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
+    _launch.kernel(_place_copy_kernel)[((M + fills) * chunks_a,)](
         x, xs, topk_ids, counts, totals, inv_perm, src, x_out, s_out, m_indices, offsets,
         M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),

@@ -89,18 +89,6 @@ def _fp8_tile(
     return r // GROUPS_PER_PROG, groups, inner, groups[:, None] * GROUP + inner[None, :]
 
 
-@triton.jit
-def _bad_rows(rows, R, ASSERT: tl.constexpr, MSG: tl.constexpr):
-    """Mask of ``rows`` outside [0, R) other than -1 (the gather kernels' row check); with ASSERT
-    (a debug=True build) asserts there are none, with message MSG. ``rows`` is loaded by the
-    caller: torch.compile would see a pointer read in a jit helper as written."""
-    bad = (rows < -1) | (rows >= R)
-    if ASSERT:
-        n_bad = tl.sum(bad.to(tl.int32), axis=0)
-        tl.device_assert(n_bad == 0, MSG)
-    return bad
-
-
 # -------------------------------------------------------------------------------------- kernels
 # Grid (slots, E, column chunks). A program handles BLOCK_M rows at a time, row blocks slot,
 # slot + NUM_SLOTS, ... below the expert's bound: one block when unmasked (NUM_SLOTS covers T), a
@@ -188,7 +176,6 @@ def _quant_int8_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side helpers
-_kernel = _launch.kernel  # every stage launches through this one (tools may patch it)
 
 
 def _warps(elements: int) -> int:
@@ -285,7 +272,7 @@ def launch_quant(
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked)
         slots = num_slots(E, T, masked, block_m)
         grid = (slots, E, _launch.cdiv(groups, gpp))
-        _kernel(_quant_fp8_kernel)[grid](
+        _launch.kernel(_quant_fp8_kernel)[grid](
             x, q, s, mm, T, H, groups, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst, ssg,
             GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
@@ -295,7 +282,7 @@ def launch_quant(
         block, block_m, single = int8_tiling(H, masked)
         slots = num_slots(E, T, masked, block_m)
         warps = _warps(block_m * block) if masked else CONFIG.int8_warps
-        _kernel(_quant_int8_kernel)[(slots, E)](
+        _launch.kernel(_quant_int8_kernel)[(slots, E)](
             x, q, s, mm, T, H, slots,
             sxe, sxt, sxh, sqe, sqt, sse, sst,
             BLOCK_H=block, BLOCK_M=block_m, SINGLE_PASS=single, HAS_MASK=masked,

@@ -14,7 +14,6 @@ debug mode; under torch.compile an async assert after the kernel); they are neve
 """
 
 import dataclasses
-import importlib
 
 import torch
 import triton
@@ -22,13 +21,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
-from epmoe.ops.quantize import (  # by name: Inductor copies @triton.jit callees
-    _bad_rows,
-    round_float,
-)
-
-# epmoe.ops re-exports a function named ``quantize``: import the module itself.
-_q = importlib.import_module("epmoe.ops.quantize")
+from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
 
 OP = "unpermute"
 
@@ -107,7 +100,7 @@ def _unpermute_triton(
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
     block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
-    _q._kernel(_unpermute_kernel)[(M, _launch.cdiv(H, block))](
+    _launch.kernel(_unpermute_kernel)[(M, _launch.cdiv(H, block))](
         y, inv_perm, topk_weights, out, ok, H, y.shape[0],
         y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
