@@ -18,6 +18,11 @@ def versions() -> dict:
             out[name] = getattr(__import__(name), "__version__", "?")
         except Exception as e:  # noqa: BLE001 - absent is a value here
             out[name] = f"unavailable ({type(e).__name__})"
+    tree = os.path.join(_HERE, "..", ".tree-rev")  # written by the caller where .git is stale
+    if os.path.exists(tree):
+        with open(tree) as f:
+            out["git"] = f.read().strip()
+        return out
     try:
         out["git"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,

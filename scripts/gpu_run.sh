@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session (1x or 2x H200): environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
+# (the device's .git may be stale: carry .tree-rev, written here by `git describe --always --dirty > .tree-rev`)
 # steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo diag diag_compile (EPMOE_CAP_<step> caps one step's seconds)
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
@@ -15,6 +16,7 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m 2>/dev/null | head -5
   python3 -m epmoe env
+  echo "tree: $(cat .tree-rev 2>/dev/null || echo unknown)"
 } > "$OUT/env.txt" 2>&1
 for step in "$@"; do
   t=$(left)
