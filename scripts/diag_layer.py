@@ -68,7 +68,7 @@ def mutations(layer, args):
 
 def stage_costs(T=32, H=2048, I=768, E=128, K=8):
     """Host µs of each stage call of the fp8 chains, one by one, and of the bare launches."""
-    from epmoe import ops
+    from epmoe import _launch, ops
     from epmoe._range import _range_kernel
     from epmoe.comm.masked_layout import ll_gather, ll_scatter
 
@@ -99,7 +99,38 @@ def stage_costs(T=32, H=2048, I=768, E=128, K=8):
         "ll_scatter fp8": lambda: ll_scatter(x, ids, E, 128, "fp8", scale_layout="deepgemm"),
         "ll_gather": lambda: ll_gather(ym, rows, w),
     }  # fmt: skip
-    return {k: _timing.host_us(fn) for k, fn in out.items()}
+    out["direct Triton launch (_launch.direct(_range_kernel), 5 args)"] = lambda: _launch.direct(
+        _range_kernel
+    )[(1,)](ids, flag, ids.numel(), -1, E, BLOCK=1024)
+    out.update(_gemm_costs(a, sa, mm, H, I, E, K))
+    res = {}
+    for k, fn in out.items():
+        try:
+            res[k] = _timing.host_us(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"host {k}: failed {e!r}")
+    return res
+
+
+def _gemm_costs(a, sa, mm, H, I, E, K):
+    """The masked fp8 GEMM1 of the LL chain: epmoe's op (public, trusted) and deep_gemm's own call
+    on the same operands (the library's host cost, which no wrapper can remove)."""
+    from _baselines import raw_deep_gemm_masked
+
+    from epmoe.ops import gemm
+
+    layer, _ = _layer("fp8", "ll", H, I, E, K, a.shape[1])
+    w, ws = layer.w1, layer.w1_scale
+    em = layer.expected_m()
+    out = torch.empty((E, a.shape[1], 2 * I), dtype=torch.bfloat16, device="cuda")
+    kw = dict(masked_m=mm, a_scales=sa, w_scales=ws, expected_m=em)
+    return {
+        "grouped_gemm masked fp8 (public)": lambda: gemm.grouped_gemm(a, w, **kw),
+        "grouped_gemm masked fp8 (trusted)": lambda: gemm.grouped_gemm(a, w, trusted=True, **kw),
+        "raw deep_gemm masked fp8 call": lambda: raw_deep_gemm_masked(
+            "fp8", a, sa, w, ws, mm, em, out
+        ),
+    }
 
 
 def host(layer, args, n=60):
