@@ -526,7 +526,8 @@ class EPMoE(nn.Module):
         return max(1, -(-rows // self.num_experts))
 
     def _forward_ll(self, st, x, topk_ids, topk_weights):
-        if self.local and x.shape[0] > self.ll_max_tokens:
+        # (the communicator's LL capacity is ll_max_tokens: checked here for the trusted chain)
+        if x.shape[0] > self.ll_max_tokens:
             raise _checks.fail(
                 "ll_dispatch",
                 "x",
