@@ -60,7 +60,7 @@ class _Gen:
         self.c, self.direct, self.fail, self.cuda_attr = contract, direct, fail, cuda_attr
         self.lines: List[str] = []
         self.depth = 2
-        self.shapes: Dict[str, str] = {}
+        self.shapes: Dict[str, str] = {}  # (and "<device>" once _D is bound)
 
     def const(self, value) -> str:
         name = f"_c{len(self.c._globals)}"
@@ -216,12 +216,13 @@ class _Required(_Step):
             g.unless(f"{rank} == {nd[0]}" if len(nd) == 1 else f"{rank} in {nd}")
         if t.shape is not None:
             t.shape.emit(g)
-        if first:
-            if g.c._device_refs:  # (only when another tensor is compared with it)
-                g.line(f"_D = {n}.get_device()")
+        if t.device and not first:
+            if "<device>" not in g.shapes:  # the first tensor's device, read where first needed
+                f = g.c.first
+                g.line(f"_D = {f}.get_device()")
                 if not g.direct:  # CPU and meta share get_device() -1: compare those as devices
-                    g.line(f"_XD = None if _D >= 0 else {n}.device")
-        elif t.device:
+                    g.line(f"_XD = None if _D >= 0 else {f}.device")
+                g.shapes["<device>"] = "_D"
             same = f"{n}.get_device() == _D"
             g.unless(same if g.direct else f"{same} if _XD is None else {n}.device == _XD")
 
@@ -358,7 +359,6 @@ class Contract:
         self.op, self.params, self.steps = op, tuple(params.split()), steps
         tensors = list(_tensors(steps))
         self.first = tensors[0].name if tensors else None
-        self._device_refs = any(t.device for t in tensors[1:])
         srcs = [e for e in _sources(steps) if isinstance(e, str)]
         self._shape_refs = {m.group(1) for e in srcs for m in _SHAPE_REF.finditer(e)}
         self.consts = dict(torch=torch, **(consts or {}))
