@@ -102,30 +102,6 @@ def check_multiple(op: str, arg: str, v: int, of: int, why: str = "") -> None:
         raise fail(op, arg, f"a multiple of {of}{' ' + why if why else ''}", v)
 
 
-def check_masked_m(op: str, masked_m: Optional[torch.Tensor], x: torch.Tensor, x_name: str) -> None:
-    """masked_m (None, or int32/int64 `[E]` on x's device) of a masked `[E, T, *]` ``x``."""
-    if masked_m is None:
-        return
-    if x.dim() != 3:
-        raise fail(op, "masked_m", f"None for a 2-D {x_name}", "a tensor")
-    check_dtype(op, "masked_m", masked_m, INDEX_DTYPES)
-    check_shape(op, "masked_m", masked_m, (x.shape[0],))
-    check_device(op, "masked_m", masked_m, x)
-
-
-def plain_on(t: object, dtypes: Sequence[torch.dtype], dev: int, shape: Sequence[int]) -> bool:
-    """Fast-path check (ops' one-pass ``_valid``): t is a plain ``torch.Tensor`` without grad, of
-    one of ``dtypes``, on device index ``dev`` (``get_device()``), of exactly this shape. False
-    sends the call to the full checks, which say what is wrong."""
-    return (
-        type(t) is torch.Tensor
-        and not t.requires_grad
-        and t.dtype in dtypes
-        and t.get_device() == dev
-        and t.shape == shape
-    )
-
-
 def _tracing(t: torch.Tensor) -> bool:
     """Under torch.compile, or t is a fake tensor (itself or inside a functional / functorch
     wrapper, which look like plain tensors). Every eager call asks, so a plain tensor is answered

@@ -66,7 +66,7 @@ def _untraced() -> bool:
 def calm() -> bool:
     """The global half of direct(): the fast path is on and nothing traces or intercepts calls.
     An op's one-pass validation then checks the tensors' half (plain ``torch.Tensor``, CUDA, no
-    grad) while it reads them anyway (e.g. with :func:`epmoe._checks.plain_on`)."""
+    grad) while it reads them anyway (a contract's ``direct``, :mod:`epmoe._contract`)."""
     return _ENABLED and _untraced()
 
 

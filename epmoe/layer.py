@@ -21,28 +21,27 @@ a second copy of the chain: ``with layer.record_stages() as rec: out = layer(x, 
 """
 
 import contextlib
+import functools
+import importlib
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from epmoe import _checks, comm, reference
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
-from epmoe.ops import (
-    gemm,
-    grouped_gemm,
-    ht_combine,
-    ht_dispatch,
-    ll_combine,
-    ll_dispatch,
-    permute,
-    quantize,
-    silu_and_mul,
-    silu_and_mul_quant,
-    unpermute,
-)
+from epmoe import _checks, _eager, comm, reference
+from epmoe._contract import Contract, Rule, Tensor
+from epmoe.comm import masked_layout as _ml
+from epmoe.ops import activation as _act
+from epmoe.ops import combine as _combine
+from epmoe.ops import dispatch as _dispatch
+from epmoe.ops import gemm
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
+from epmoe.ops.quantize import _quantize_trusted, quantize
+
+# epmoe.ops re-exports functions named ``permute`` and ``unpermute``: import the modules themselves
+_permute = importlib.import_module("epmoe.ops.permute")
+_unpermute = importlib.import_module("epmoe.ops.unpermute")
 
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
@@ -61,6 +60,53 @@ LL_STAGES = ("ll_dispatch", "quantize", "gemm1", "act", "gemm2", "ll_combine")
 LOCAL_HT_STAGES = ("quantize", "permute", "gemm1", "act", "gemm2", "unpermute")
 LOCAL_LL_STAGES = ("ll_scatter", "gemm1", "act", "gemm2", "ll_gather")
 STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + LOCAL_LL_STAGES))
+
+FORWARD = Contract(
+    OP,
+    "x topk_ids topk_weights hidden_size top_k device",
+    Tensor("x", (torch.bfloat16,), shape=(None, "hidden_size")),
+    Rule(
+        "x.device == device",
+        "x",
+        lambda a: f"device {a.device} (the layer's)",
+        lambda a: a.x.device,
+    ),
+    Tensor("topk_ids", (torch.int64,), shape=("x.shape[0]", "top_k")),
+    Tensor("topk_weights", (torch.float32,), shape=("x.shape[0]", "top_k")),
+)
+
+
+class _Stages(NamedTuple):
+    """The stage functions the forward pass chains."""
+
+    quantize: Callable
+    ht_dispatch: Callable
+    permute: Callable
+    grouped_gemm: Callable
+    silu_and_mul: Callable
+    silu_and_mul_quant: Callable
+    unpermute: Callable
+    ht_combine: Callable
+    ll_dispatch: Callable
+    ll_combine: Callable
+    ll_scatter: Callable
+    ll_gather: Callable
+
+
+# the public ops: each checks its inputs (CPU, torch.compile, tensors needing grad, ...)
+_PUBLIC = _Stages(
+    quantize, _dispatch.ht_dispatch, _permute.permute,
+    functools.partial(gemm.grouped_gemm, trusted=True), _act.silu_and_mul,
+    _act.silu_and_mul_quant, _unpermute.unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
+    _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather,
+)  # fmt: skip
+# eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
+_TRUSTED = _Stages(
+    _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute._permute_trusted,
+    gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
+    _unpermute._unpermute_trusted, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
+    _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
+)  # fmt: skip
 
 
 def _check_config(
@@ -308,51 +354,26 @@ class EPMoE(nn.Module):
         return q, s
 
     # ------------------------------------------------------------------------------------ forward
-    def _valid(self, x, topk_ids, topk_weights) -> bool:
-        """The usual call in one pass (each tensor attribute read once: every eager call pays for
-        validation); False sends it to the full checks, which say what is wrong."""
-        try:
-            xs = x.shape
-            T = xs[0]
-            return (
-                self.w1 is not None
-                and x.dtype is torch.bfloat16
-                and topk_ids.dtype is torch.int64
-                and topk_weights.dtype is torch.float32
-                and len(xs) == 2
-                and xs[1] == self.hidden_size
-                and topk_ids.shape == (T, self.top_k)
-                and topk_weights.shape == (T, self.top_k)
-                and x.device == self.device
-                and topk_ids.device == self.device
-                and topk_weights.device == self.device
-            )
-        except (AttributeError, TypeError, IndexError):
-            return False
-
-    def _validate(self, x, topk_ids, topk_weights) -> None:
-        if self._valid(x, topk_ids, topk_weights):
-            return
-        _checks.check_dtype(OP, "x", x, (torch.bfloat16,))
-        _checks.check_shape(OP, "x", x, (None, self.hidden_size))
-        _checks.check_dtype(OP, "topk_ids", topk_ids, (torch.int64,))
-        _checks.check_shape(OP, "topk_ids", topk_ids, (x.shape[0], self.top_k))
-        _checks.check_dtype(OP, "topk_weights", topk_weights, (torch.float32,))
-        _checks.check_shape(OP, "topk_weights", topk_weights, (x.shape[0], self.top_k))
-        if x.device != self.device:
-            raise _checks.fail(OP, "x", f"device {self.device} (the layer's)", x.device)
-        _checks.check_device(OP, "topk_ids", topk_ids, x)
-        _checks.check_device(OP, "topk_weights", topk_weights, x)
-        if self.w1 is None:
-            raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
-
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """x bf16 `[T, H]`, topk_ids int64 `[T, K]` global ids or -1, topk_weights float32 `[T, K]`
         -> bf16 `[T, H]`."""
-        self._validate(x, topk_ids, topk_weights)
+        args = (x, topk_ids, topk_weights, self.hidden_size, self.top_k, self.device)
+        # checked once here: on the direct path the stages run without their own checks
+        direct = _eager.calm() and FORWARD.direct(*args) and self._trusts_stages()
+        if not direct:
+            FORWARD.check(*args)
+        if self.w1 is None:
+            raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
+        st = _TRUSTED if direct else _PUBLIC
         if self.uses_ll(x.shape[0]):
-            return self._forward_ll(x, topk_ids, topk_weights)
-        return self._forward_ht(x, topk_ids, topk_weights)
+            return self._forward_ll(st, x, topk_ids, topk_weights)
+        return self._forward_ht(st, x, topk_ids, topk_weights)
+
+    def _trusts_stages(self) -> bool:
+        """A stage may take the previous stage's output unchecked: no record_stages(replace=...)
+        hook stands between them."""
+        rec = self._stage_record
+        return rec is None or not rec._replace
 
     def uses_ll(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens takes the LL (masked) path: mode "ll", or "auto"
@@ -396,12 +417,12 @@ class EPMoE(nn.Module):
             return value
         return rec._add(stage, value)
 
-    def _act(self, y, masked_m=None, m_indices=None, expert_offsets=None):
+    def _act(self, st, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
         if self.quant == "bf16":
-            return silu_and_mul(y, masked_m, m_indices, expert_offsets), None
+            return st.silu_and_mul(y, masked_m, m_indices, expert_offsets), None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
-        return silu_and_mul_quant(
+        return st.silu_and_mul_quant(
             y,
             self.quant,
             masked_m=masked_m,
@@ -413,22 +434,23 @@ class EPMoE(nn.Module):
     def _scale_layout(self) -> str:
         return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
 
-    def _forward_ht(self, x, topk_ids, topk_weights):
+    def _forward_ht(self, st, x, topk_ids, topk_weights):
+        """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
         if self.quant != "bf16":
-            x, scales = self._emit("quantize", quantize(x, self.quant))
+            x, scales = self._emit("quantize", st.quantize(x, self.quant))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
-            return self._experts_ht(x, scales, topk_ids, topk_weights)
+            return self._experts_ht(st, x, scales, topk_ids, topk_weights)
         worst = self.worst_case and self.mode == "ht"
         d = self._emit(
-            "dispatch", ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
+            "dispatch", st.ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
         )
-        y = self._experts_ht(d.x, d.x_scales, d.topk_ids, d.topk_weights)
-        return self._emit("combine", ht_combine(y, d.handle, self.comm_key))
+        y = self._experts_ht(st, d.x, d.x_scales, d.topk_ids, d.topk_weights)
+        return self._emit("combine", st.ht_combine(y, d.handle, self.comm_key))
 
-    def _experts_ht(self, x, scales, topk_ids, topk_weights):
+    def _experts_ht(self, st, x, scales, topk_ids, topk_weights):
         """permute -> GEMM1 -> activation -> GEMM2 -> unpermute on rows with local ids."""
-        p = permute(
+        p = st.permute(
             x,
             topk_ids,
             self.num_local_experts,
@@ -437,30 +459,28 @@ class EPMoE(nn.Module):
             scale_layout=self._scale_layout(),
         )
         p = self._emit("permute", p)
-        y = grouped_gemm(
+        y = st.grouped_gemm(  # (rows: permute writes only -1 or [0, E))
             p.x,
             self.w1,
             m_indices=p.m_indices,
             a_scales=p.x_scales,
             w_scales=self.w1_scale,
             expert_offsets=p.expert_offsets,
-            trusted=True,  # permute writes only -1 or [0, E)
         )
         y = self._emit("gemm1", y)
         # padding rows and the unused tail are skipped
-        act = self._act(y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+        act = self._act(st, y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
         h, hs = self._emit("act", act)
-        y = grouped_gemm(
+        y = st.grouped_gemm(
             h,
             self.w2,
             m_indices=p.m_indices,
             a_scales=hs,
             w_scales=self.w2_scale,
             expert_offsets=p.expert_offsets,
-            trusted=True,  # permute writes only -1 or [0, E)
         )
         y = self._emit("gemm2", y)
-        return self._emit("unpermute", unpermute(y, p.inv_perm, topk_weights))
+        return self._emit("unpermute", st.unpermute(y, p.inv_perm, topk_weights))
 
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
@@ -505,8 +525,9 @@ class EPMoE(nn.Module):
         rows = self.world_size * self.ll_max_tokens * self.top_k
         return max(1, -(-rows // self.num_experts))
 
-    def _forward_ll(self, x, topk_ids, topk_weights):
-        if self.local and x.shape[0] > self.ll_max_tokens:
+    def _forward_ll(self, st, x, topk_ids, topk_weights):
+        # (the communicator's LL capacity is ll_max_tokens: checked here for the trusted chain)
+        if x.shape[0] > self.ll_max_tokens:
             raise _checks.fail(
                 "ll_dispatch",
                 "x",
@@ -514,7 +535,7 @@ class EPMoE(nn.Module):
                 x.shape[0],
             )
         if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
-            scattered = ll_scatter(
+            scattered = st.ll_scatter(
                 x,
                 topk_ids,
                 self.num_local_experts,
@@ -523,23 +544,23 @@ class EPMoE(nn.Module):
                 scale_layout=self._scale_layout(),
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(a, s if self.quant != "bf16" else None, masked_m)
-            return self._emit("ll_gather", ll_gather(y, rows, topk_weights))
-        d = ll_dispatch(x, topk_ids, self.comm_key, use_fp8=self.quant == "fp8")
+            y = self._experts_ll(st, a, s if self.quant != "bf16" else None, masked_m)
+            return self._emit("ll_gather", st.ll_gather(y, rows, topk_weights))
+        d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=self.quant == "fp8")
         d = self._emit("ll_dispatch", d)
         a, s = d.x, d.x_scales
         if self.quant == "int8":
-            a, s = self._emit("quantize", quantize(a, "int8", masked_m=d.masked_m))
-        y = self._experts_ll(a, s, d.masked_m)
-        out = ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
+            a, s = self._emit("quantize", st.quantize(a, "int8", masked_m=d.masked_m))
+        y = self._experts_ll(st, a, s, d.masked_m)
+        out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
         return self._emit("ll_combine", out)
 
-    def _experts_ll(self, a, s, masked_m):
+    def _experts_ll(self, st, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
-        em = self.expected_m()
-        # the counts come from a dispatch that clamps them to the capacity
-        kw = dict(masked_m=masked_m, expected_m=em, trusted=True)
-        y = self._emit("gemm1", grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw))
-        h, hs = self._emit("act", self._act(y, masked_m))
-        y = grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)
+        # (the counts come from a dispatch that clamps them to the capacity)
+        kw = dict(masked_m=masked_m, expected_m=self.expected_m())
+        y = st.grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw)
+        y = self._emit("gemm1", y)
+        h, hs = self._emit("act", self._act(st, y, masked_m))
+        y = st.grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)
         return self._emit("gemm2", y)

@@ -191,26 +191,31 @@ def torch_backend(H=2048, I=768, E=128, K=8):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--parts", default="stages,torch,layers,mutations", help="comma-separated")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     H, I, E, K = 2048, 768, 128, 8
-    for name, us in stage_costs(a.tokens).items():
-        print(f"host {us:8.1f} us  {name}")
-    try:
-        torch_backend()
-    except Exception as e:  # noqa: BLE001
-        print(f"torch backend failed: {e!r}")
-    for quant in ("bf16", "fp8", "int8"):
+    if "stages" in parts:
+        for name, us in stage_costs(a.tokens).items():
+            print(f"host {us:8.1f} us  {name}")
+    if "torch" in parts:
+        try:
+            torch_backend()
+        except Exception as e:  # noqa: BLE001
+            print(f"torch backend failed: {e!r}")
+    for quant in ("bf16", "fp8", "int8") if parts & {"layers", "mutations"} else ():
         for mode in ("ht", "ll"):
             layer, args = _layer(quant, mode, H, I, E, K, a.tokens)
             try:
-                us, prof = host(layer, args)
-                print(f"=== {quant} {mode} T={a.tokens}: host {us:.1f} us/call")
+                us, prof = host(layer, args) if "layers" in parts else (None, "")
+                if us is not None:
+                    print(f"=== {quant} {mode} T={a.tokens}: host {us:.1f} us/call")
                 if quant == "fp8":
                     print(prof)
             except Exception as e:  # noqa: BLE001
                 print(f"=== {quant} {mode}: host failed {e!r}")
             try:
-                for name, clone in mutations(layer, args):
+                for name, clone in mutations(layer, args) if "mutations" in parts else ():
                     print(f"  kernel {name}: tensors_to_clone={clone}")
             except Exception as e:  # noqa: BLE001
                 print(f"  mutation analysis failed: {e!r}")

@@ -62,7 +62,7 @@ def main() -> None:
         "t.get_device()": lambda: xq.get_device(),
         "_eager.plain (3 tensors)": lambda: _eager.plain(xq, ids, xs),
         "_eager.run(no-op)": lambda: _eager.run(nothing),
-        "permute _valid": lambda: P._valid(xq, ids, E, A, xs, "deepgemm"),
+        "permute direct check": lambda: P.CONTRACT.direct(xq, ids, E, A, xs, "deepgemm"),
         "PermuteResult(...)": lambda: P.PermuteResult(xq, xs, ids, ids, ids),
         "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
         "_checks._tracing": lambda: _checks._tracing(xq),
@@ -72,7 +72,7 @@ def main() -> None:
         ),
         "permute _permute_impl": lambda: _eager.run(P._permute_impl, xq, ids, E, A, xs, "deepgemm"),
         "permute public": lambda: permute(xq, ids, E, A, xs, "deepgemm"),
-        "gemm int8 masked _valid": lambda: G._valid(a8, w8, a8s, w8s, True),
+        "gemm int8 masked direct check": lambda: G.MASKED.direct(a8, w8, mm, a8s, w8s),
         "gemm int8 masked raw": lambda: _eager.run(G._masked_cuda_impl, a8, w8, mm, a8s, w8s, 0),
         "gemm int8 masked public": lambda: gemm.grouped_gemm(
             a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s

@@ -31,20 +31,6 @@ def test_check_values_under_compile_is_a_graph_assert():
         compiled(torch.tensor(False), torch.ones(2))
 
 
-def test_plain_on_fast_check():
-    """The fast validations' tensor check (_checks.plain_on; CPU tensors: device -1)."""
-    i32 = _checks.INT32
-    t = torch.zeros(4, dtype=torch.int32)
-    assert _checks.plain_on(t, i32, -1, (4,))
-    assert _checks.plain_on(t.long(), _checks.INDEX_DTYPES, -1, torch.Size([4]))
-    assert not _checks.plain_on(t, i32, 0, (4,))  # other device
-    assert not _checks.plain_on(t, i32, -1, (3,))  # other shape
-    assert not _checks.plain_on(t.long(), i32, -1, (4,))  # other dtype
-    assert not _checks.plain_on(torch.nn.Parameter(t, requires_grad=False), i32, -1, (4,))
-    assert not _checks.plain_on(t.view(2, 2), i32, -1, (4,))
-    assert not _checks.plain_on(torch.zeros(4, requires_grad=True), (torch.float32,), -1, (4,))
-
-
 def test_in_kernel_asserts_only_on_direct_launches_off_debug():
     """CPU tensors (the interpreter) and fake tensors (torch.compile) are not direct launches, so
     they keep the check after the kernels; debug mode never asserts in a kernel."""

@@ -186,3 +186,25 @@ def test_forward_and_backward_safe_with_grad_weights():
     x, ids, w = tokens(5, seed=6, **SMALL)
     out = layer(x, ids, w)
     assert not out.requires_grad
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_trusted_chain_matches_the_checked_chain(quant, mode, monkeypatch):
+    """The layer's direct path chains its stages' trusted entries (the launches without the
+    metadata checks; on CUDA only): run here on CPU tensors through the Triton interpreter (the
+    GEMMs on their reference backend), it agrees with the chain of public ops, which check
+    every stage."""
+    import importlib
+
+    layer_mod = importlib.import_module("epmoe.layer")
+    ops = importlib.import_module("epmoe.ops.gemm._ops")
+    monkeypatch.setattr(ops, "_backend", lambda *_: "reference")
+    layer = make_layer(quant, mode)
+    x, ids, w = tokens(9, seed=1, **SMALL)
+    forward = layer._forward_ll if mode == "ll" else layer._forward_ht
+    trusted = forward(layer_mod._TRUSTED, x, ids, w)
+    public = forward(layer_mod._PUBLIC, x, ids, w)
+    check_layer_output(trusted, x, ids, w, *global_weights(**SMALL), quant)
+    torch.testing.assert_close(trusted.float(), public.float(), rtol=2e-2, atol=2e-2)

@@ -43,6 +43,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _eager, _launch, _library, reference
+from epmoe._contract import Case, Choice, Contract, Let, Multiple, PositiveInt, Rule, Tensor
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _bad_rows,
     _int8_scale,
@@ -337,58 +338,32 @@ def _ll_gather_launch(
 
 
 # ------------------------------------------------------------------------------ ll_scatter op
-def _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> bool:
-    """The common all-good case in one pass (every eager call pays for validation); any False
-    falls through to the full checks, which say what is wrong."""
-    try:
-        xs, ids = x.shape, topk_ids.shape
-        ng = E if NG is None else NG
-        return (
-            (x.dtype is torch.bfloat16 or (quant == "bf16" and x.dtype in _RAW))
-            and len(xs) == 2
-            and len(ids) == 2
-            and ids[0] == xs[0]
-            and topk_ids.dtype in _checks.INDEX_DTYPES
-            and topk_ids.device == x.device
-            and type(E) is int
-            and E > 0
-            and type(C) is int
-            and C > 0
-            and type(lo) is int
-            and lo >= 0
-            and type(ng) is int
-            and lo + E <= ng
-            and quant in _QCODE
-            and scale_layout in SCALE_LAYOUTS
-            and (quant != "fp8" or xs[1] % GROUP == 0)
-        )
-    except (AttributeError, TypeError, IndexError):
-        return False
-
-
-def _validate_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout) -> None:
-    if _valid_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout):
-        return
-    op = "ll_scatter"
-    _checks.check_dtype(op, "x", x, tuple(_RAW) if quant == "bf16" else (torch.bfloat16,))
-    _checks.check_ndim(op, "x", x, (2,))
-    _checks.check_dtype(op, "topk_ids", topk_ids, _checks.INDEX_DTYPES)
-    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
-    _checks.check_device(op, "topk_ids", topk_ids, x)
-    _checks.check_positive_int(op, "num_experts", E)
-    _checks.check_positive_int(op, "capacity", C)
-    _checks.check_choice(op, "quant", quant, QUANTS)
-    _checks.check_choice(op, "scale_layout", scale_layout, SCALE_LAYOUTS)
-    if isinstance(lo, bool) or not isinstance(lo, int) or lo < 0:
-        raise _checks.fail(op, "expert_lo", "a non-negative int", repr(lo))
-    ng = E if NG is None else NG
-    _checks.check_positive_int(op, "num_global_experts", ng)
-    if lo + E > ng:
-        raise _checks.fail(
-            op, "num_global_experts", f"at least expert_lo + num_experts = {lo + E}", ng
-        )
-    if quant == "fp8":
-        _checks.check_multiple(op, "x.shape[1]", x.shape[1], GROUP, "(fp8 groups)")
+SCATTER = Contract(
+    "ll_scatter",
+    "x topk_ids num_experts capacity quant expert_lo num_global_experts scale_layout",
+    Tensor("x", "RAW if quant == 'bf16' else BF16", ndim=(2,)),
+    Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("x.shape[0]", None)),
+    PositiveInt("num_experts"),
+    PositiveInt("capacity"),
+    Choice("quant", QUANTS),
+    Choice("scale_layout", SCALE_LAYOUTS),
+    Rule(
+        "type(expert_lo) is int and expert_lo >= 0",
+        "expert_lo",
+        "a non-negative int",
+        lambda a: repr(a.expert_lo),
+    ),
+    Let("ng", "num_experts if num_global_experts is None else num_global_experts"),
+    PositiveInt("ng", "num_global_experts"),
+    Rule(
+        "expert_lo + num_experts <= ng",
+        "num_global_experts",
+        lambda a: f"at least expert_lo + num_experts = {a.expert_lo + a.num_experts}",
+        lambda a: a.ng,
+    ),
+    Case("quant == 'fp8'", [Multiple("x.shape[1]", "x.shape[1]", GROUP, "(fp8 groups)")]),
+    consts=dict(RAW=tuple(_RAW), BF16=(torch.bfloat16,)),
+)
 
 
 def _scatter_reference(x, topk_ids, E, C, quant, lo, NG, scale_layout):
@@ -401,7 +376,7 @@ def _scatter_reference(x, topk_ids, E, C, quant, lo, NG, scale_layout):
 
 
 def _ll_scatter_impl(x, topk_ids, E, C, quant="bf16", lo=0, NG=None, scale_layout="row"):
-    _validate_scatter(x, topk_ids, E, C, quant, lo, NG, scale_layout)
+    SCATTER.check(x, topk_ids, E, C, quant, lo, NG, scale_layout)
     if x.is_cuda:
         return _ll_scatter_triton(x, topk_ids, E, C, quant, lo, NG, scale_layout)
     return _scatter_reference(x, topk_ids, E, C, quant, lo, NG, scale_layout)
@@ -465,66 +440,38 @@ def ll_scatter(
 
 
 # ------------------------------------------------------------------------------- ll_gather ops
-def _valid_gather(y, rows, topk_weights) -> bool:
-    """The common all-good case in one pass; any False falls through to the full checks."""
-    try:
-        rs = rows.shape
-        dev = y.device
-        return (
-            y.dtype is torch.bfloat16
-            and y.dim() == 3
-            and rows.dtype in _checks.INDEX_DTYPES
-            and len(rs) == 2
-            and rows.device == dev
-            and (
-                topk_weights is None
-                or (
-                    topk_weights.dtype is torch.float32
-                    and topk_weights.shape == rs
-                    and topk_weights.device == dev
-                )
-            )
-        )
-    except (AttributeError, TypeError):
-        return False
+_GATHER = (
+    Tensor("y", (torch.bfloat16,), ndim=(3,)),
+    Tensor("rows", _checks.INDEX_DTYPES, ndim=(2,)),
+    Tensor("topk_weights", (torch.float32,), shape="rows.shape", optional=True),
+)
+GATHER = Contract("ll_gather", "y rows topk_weights", *_GATHER)
+GATHER_OUT = Contract(
+    "ll_gather",
+    "y rows topk_weights out",
+    *_GATHER,
+    Tensor("out", (torch.bfloat16,), shape=("rows.shape[0]", "y.shape[2]")),
+    Rule(
+        "out.is_contiguous()", "out", "a contiguous tensor", lambda a: f"strides {a.out.stride()}"
+    ),
+)
 
 
-def _validate_gather(y, rows, topk_weights) -> None:
-    if _valid_gather(y, rows, topk_weights):
-        return
-    op = "ll_gather"
-    _checks.check_dtype(op, "y", y, (torch.bfloat16,))
-    _checks.check_ndim(op, "y", y, (3,))
-    _checks.check_dtype(op, "rows", rows, _checks.INDEX_DTYPES)
-    _checks.check_ndim(op, "rows", rows, (2,))
-    _checks.check_device(op, "rows", rows, y)
-    if topk_weights is not None:
-        _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
-        _checks.check_shape(op, "topk_weights", topk_weights, tuple(rows.shape))
-        _checks.check_device(op, "topk_weights", topk_weights, y)
-
-
-def _validate_out(y, rows, out) -> None:
-    op = "ll_gather"
-    _checks.check_dtype(op, "out", out, (torch.bfloat16,))
-    _checks.check_shape(op, "out", out, (rows.shape[0], y.shape[2]))
-    _checks.check_device(op, "out", out, y)
-    if not out.is_contiguous():
-        raise _checks.fail(op, "out", "a contiguous tensor", f"strides {out.stride()}")
+def _ll_gather_cuda(y, rows, topk_weights=None):
+    out = torch.empty((rows.shape[0], y.shape[2]), dtype=torch.bfloat16, device=y.device)
+    _ll_gather_launch(y, rows, topk_weights, out)
+    return out
 
 
 def _ll_gather_impl(y, rows, topk_weights=None):
-    _validate_gather(y, rows, topk_weights)
+    GATHER.check(y, rows, topk_weights)
     if y.is_cuda:
-        out = torch.empty((rows.shape[0], y.shape[2]), dtype=torch.bfloat16, device=y.device)
-        _ll_gather_launch(y, rows, topk_weights, out)
-        return out
+        return _ll_gather_cuda(y, rows, topk_weights)
     return reference.ll_gather(y, rows, topk_weights)
 
 
 def _ll_gather_out_impl(y, rows, topk_weights, out) -> None:
-    _validate_gather(y, rows, topk_weights)
-    _validate_out(y, rows, out)
+    GATHER_OUT.check(y, rows, topk_weights, out)
     if y.is_cuda:
         _ll_gather_launch(y, rows, topk_weights, out)
     else:
@@ -578,3 +525,18 @@ def ll_gather(
     else:
         _ll_gather_out_op(y, rows, topk_weights, out)
     return out
+
+
+def _ll_scatter_trusted(
+    x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0, num_global_experts=None,
+    scale_layout="row",
+):  # fmt: skip
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary): the launch without the metadata checks."""
+    args = (x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout)
+    return _eager.run(_ll_scatter_triton, *args)
+
+
+def _ll_gather_trusted(y, rows, topk_weights=None):
+    """ll_gather's entry for the layer's direct path (see _ll_scatter_trusted)."""
+    return _eager.run(_ll_gather_cuda, y, rows, topk_weights)

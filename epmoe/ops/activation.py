@@ -28,6 +28,17 @@ import torch
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe._contract import (
+    Case,
+    Choice,
+    Contract,
+    Multiple,
+    PositiveInt,
+    Rule,
+    Shape,
+    Tensor,
+    masked_m_steps,
+)
 
 # kernels and jit helpers by name (tests and scripts reach them as attributes of this module)
 from epmoe.ops._activation_kernels import (  # noqa: F401 - _approx etc. are re-exported
@@ -220,103 +231,47 @@ def _int8_warps(elements, thread_elems: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ ops
-def _valid(y, masked_m, m_indices, expert_offsets) -> bool:
-    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once
-    (every eager call pays for validation; see epmoe.ops.permute._valid). Any False falls through
-    to the full checks, which say what is wrong."""
-    try:
-        ys = y.shape
-        nd = len(ys)
-        if not (y.is_cuda and y.dtype in _checks.FLOAT_DTYPES and nd in (2, 3) and ys[-1] % 2 == 0):
-            return False
-        dev = y.get_device()
-        if masked_m is not None and not (
-            nd == 3 and _checks.plain_on(masked_m, _checks.INDEX_DTYPES, dev, ys[:1])
-        ):
-            return False
-        if m_indices is not None and not (
-            nd == 2 and _checks.plain_on(m_indices, _checks.INT32, dev, ys[:1])
-        ):
-            return False
-        if expert_offsets is None:
-            return True
-        es = expert_offsets.shape
-        return (
-            nd == 2
-            and expert_offsets.dtype is torch.int32
-            and len(es) == 1
-            and es[0] >= 1
-            and expert_offsets.get_device() == dev
+def _act_steps():
+    """The contract steps of y and its row arguments, shared by both ops."""
+    rows = [
+        Case(
+            f"{name} is not None",
+            [
+                Rule("len(y.shape) == 2", name, "None for a 3-D y", "a tensor"),
+                Tensor(name, _checks.INT32, ndim=(1,)),
+            ],
         )
-    except (AttributeError, TypeError, IndexError):
-        return False
-
-
-def _validate(op, y, masked_m=None, m_indices=None, expert_offsets=None) -> None:
-    if _valid(y, masked_m, m_indices, expert_offsets):
-        return
-    _checks.check_dtype(op, "y", y, _checks.FLOAT_DTYPES)
-    _checks.check_ndim(op, "y", y, (2, 3))
-    _checks.check_multiple(op, "y.shape[-1]", y.shape[-1], 2, "(gate and up halves)")
-    _checks.check_masked_m(op, masked_m, y, "y")
-    for name, t in (("m_indices", m_indices), ("expert_offsets", expert_offsets)):
-        if t is None:
-            continue
-        if y.dim() != 2:
-            raise _checks.fail(op, name, "None for a 3-D y", "a tensor")
-        _checks.check_dtype(op, name, t, (torch.int32,))
-        _checks.check_ndim(op, name, t, (1,))
-        _checks.check_device(op, name, t, y)
-    if m_indices is not None:
-        _checks.check_shape(op, "m_indices", m_indices, (y.shape[0],))
-    if expert_offsets is not None and expert_offsets.shape[0] < 1:
-        raise _checks.fail(op, "expert_offsets", "[E + 1] with E >= 0", list(expert_offsets.shape))
-
-
-def _plain(y, expert_offsets) -> bool:
-    """y is a plain ``torch.Tensor`` without grad and expert_offsets (None allowed) a plain one:
-    the tensors' half of ``_eager.direct`` for them (``_valid`` checks masked_m and m_indices
-    with ``_checks.plain_on``)."""
+        for name in ("m_indices", "expert_offsets")
+    ]
+    offsets_len = Rule(
+        "expert_offsets.shape[0] >= 1",
+        "expert_offsets",
+        "[E + 1] with E >= 0",
+        lambda a: list(a.expert_offsets.shape),
+    )
     return (
-        type(y) is torch.Tensor
-        and not y.requires_grad
-        and (expert_offsets is None or type(expert_offsets) is torch.Tensor)
+        Tensor("y", _checks.FLOAT_DTYPES, ndim=(2, 3)),
+        Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)"),
+        *masked_m_steps("y"),
+        *rows,
+        Case("m_indices is not None", [Shape("m_indices", ("y.shape[0]",))]),
+        Case("expert_offsets is not None", [offsets_len]),
     )
 
 
-def _quant_args_ok(y, scheme, group_size, scale_layout) -> bool:
-    return (
-        type(group_size) is int
-        and group_size > 0
-        and scale_layout in _q.SCALE_LAYOUTS
-        and (scheme == "int8" or (scheme == "fp8" and (y.shape[-1] // 2) % group_size == 0))
-    )
-
-
-def _valid_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets):
-    """silu_and_mul_quant's usual eager call (plain CUDA tensors, good arguments) in one pass: the
-    public function then launches straight away (see epmoe.ops.permute.permute)."""
-    try:
-        return (
-            _plain(y, expert_offsets)
-            and _valid(y, masked_m, m_indices, expert_offsets)
-            and _quant_args_ok(y, scheme, group_size, scale_layout)
-        )
-    except (AttributeError, TypeError, IndexError):
-        return False
-
-
-def _validate_quant(
-    y, scheme, masked_m, group_size, m_indices=None, scale_layout="row", expert_offsets=None
-) -> None:
-    _validate(OPQ, y, masked_m, m_indices, expert_offsets)
-    if _quant_args_ok(y, scheme, group_size, scale_layout):
-        return
-    _checks.check_choice(OPQ, "scheme", scheme, ("fp8", "int8"))
-    _checks.check_positive_int(OPQ, "group_size", group_size)
-    _checks.check_choice(OPQ, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
-    if scheme == "fp8":
-        _checks.check_multiple(OPQ, "y.shape[-1] // 2", y.shape[-1] // 2, group_size, "(fp8 group)")
+CONTRACT = Contract(OP, "y masked_m m_indices expert_offsets", *_act_steps())
+CONTRACT_QUANT = Contract(
+    OPQ,
+    "y scheme masked_m group_size m_indices scale_layout expert_offsets",
+    *_act_steps(),
+    Choice("scheme", ("fp8", "int8")),
+    PositiveInt("group_size"),
+    Choice("scale_layout", _q.SCALE_LAYOUTS),
+    Case(
+        "scheme == 'fp8'",
+        [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
+    ),
+)
 
 
 def _reference_quant(y, scheme, group_size, scale_layout):
@@ -325,7 +280,7 @@ def _reference_quant(y, scheme, group_size, scale_layout):
 
 
 def _silu_and_mul_impl(y, masked_m=None, m_indices=None, expert_offsets=None):
-    _validate(OP, y, masked_m, m_indices, expert_offsets)
+    CONTRACT.check(y, masked_m, m_indices, expert_offsets)
     if y.is_cuda:
         return _silu_and_mul_triton(y, masked_m, m_indices, expert_offsets)
     return reference.silu_and_mul(y)
@@ -335,7 +290,7 @@ def _silu_and_mul_quant_impl(
     y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
     expert_offsets=None,
 ):  # fmt: skip
-    _validate_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
+    CONTRACT_QUANT.check(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
     if y.is_cuda:
         return _silu_and_mul_quant_triton(
             y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets
@@ -395,11 +350,7 @@ def silu_and_mul(
     Returns:
         y.dtype `[..., I]`.
     """
-    if (
-        _eager.calm()
-        and _plain(y, expert_offsets)
-        and _valid(y, masked_m, m_indices, expert_offsets)
-    ):
+    if _eager.calm() and CONTRACT.direct(y, masked_m, m_indices, expert_offsets):
         return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
     if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
         return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices, expert_offsets)
@@ -430,8 +381,23 @@ def silu_and_mul_quant(
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
     args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    if _eager.calm() and _valid_quant(*args):  # the usual eager call, validated in one pass
+    if _eager.calm() and CONTRACT_QUANT.direct(*args):  # the usual eager call, in one pass
         return _eager.run(_silu_and_mul_quant_triton, *args)
     if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
         return _eager.run(_silu_and_mul_quant_impl, *args)
     return _silu_and_mul_quant_op(*args)
+
+
+def _silu_and_mul_trusted(y, masked_m=None, m_indices=None, expert_offsets=None):
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before): the launch without the metadata checks."""
+    return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
+
+
+def _silu_and_mul_quant_trusted(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
+    expert_offsets=None,
+):  # fmt: skip
+    """silu_and_mul_quant's entry for the layer's direct path (see _silu_and_mul_trusted)."""
+    args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
+    return _eager.run(_silu_and_mul_quant_triton, *args)

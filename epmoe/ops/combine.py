@@ -15,37 +15,49 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from epmoe import _checks, _eager
+from epmoe import _eager
+from epmoe._contract import Contract, Rule, Tensor
 from epmoe.comm import _registry
 
+HT = Contract(
+    "combine",
+    "y handle hidden_size",
+    Tensor("y", (torch.bfloat16,), shape=(None, "hidden_size")),
+    Rule("len(handle) != 0", "handle", "the handle returned by ht_dispatch", "[]"),
+)
+_LL = (
+    Tensor("y", (torch.bfloat16,), shape=("num_local_experts", "ll_capacity", "hidden_size")),
+    Tensor("topk_ids", (torch.int64,), device=False),
+    Tensor("topk_weights", (torch.float32,), shape="topk_ids.shape", device=False),
+)
+_LL_PARAMS = "y topk_ids topk_weights num_local_experts ll_capacity hidden_size"
+LL = Contract("ll_combine", _LL_PARAMS, *_LL)
+LL_OUT = Contract(
+    "ll_combine",
+    _LL_PARAMS + " out",
+    *_LL,
+    Tensor("out", (torch.bfloat16,), shape=("topk_ids.shape[0]", "y.shape[2]")),
+    Rule(
+        "out.is_contiguous()", "out", "a contiguous tensor", lambda a: f"strides {a.out.stride()}"
+    ),
+)
 
-def _validate_ht(comm, y, handle) -> None:
-    _checks.check_dtype("combine", "y", y, (torch.bfloat16,))
-    _checks.check_shape("combine", "y", y, (None, comm.hidden_size))
-    if len(handle) == 0:
-        raise _checks.fail("combine", "handle", "the handle returned by ht_dispatch", "[]")
+
+def _check_ht(comm, y, handle) -> None:
+    HT.check(y, handle, comm.hidden_size)
 
 
-def _validate_out(y, topk_ids, out) -> None:
-    _checks.check_dtype("ll_combine", "out", out, (torch.bfloat16,))
-    _checks.check_shape("ll_combine", "out", out, (topk_ids.shape[0], y.shape[2]))
-    _checks.check_device("ll_combine", "out", out, y)
-    if not out.is_contiguous():
-        raise _checks.fail("ll_combine", "out", "a contiguous tensor", f"strides {out.stride()}")
-
-
-def _validate_ll(comm, y, topk_ids, topk_weights) -> None:
-    op = "ll_combine"
-    _checks.check_dtype(op, "y", y, (torch.bfloat16,))
-    _checks.check_shape(op, "y", y, (comm.num_local_experts, comm.ll_capacity, comm.hidden_size))
-    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
-    _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
-    _checks.check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape))
+def _check_ll(comm, y, topk_ids, topk_weights, out=None) -> None:
+    sizes = (comm.num_local_experts, comm.ll_capacity, comm.hidden_size)
+    if out is None:
+        LL.check(y, topk_ids, topk_weights, *sizes)
+    else:
+        LL_OUT.check(y, topk_ids, topk_weights, *sizes, out)
 
 
 def _ht_combine_impl(y, handle, comm_key):
     comm = _registry.get(comm_key)
-    _validate_ht(comm, y, handle)
+    _check_ht(comm, y, handle)
     return comm.ht_combine(y, list(handle))
 
 
@@ -57,13 +69,13 @@ def _ht_combine_op(y: torch.Tensor, handle: List[torch.Tensor], comm_key: int) -
 @_ht_combine_op.register_fake
 def _(y, handle, comm_key):
     comm = _registry.get(comm_key)
-    _validate_ht(comm, y, handle)
+    _check_ht(comm, y, handle)
     return y.new_empty((handle[0].shape[0], y.shape[1]))
 
 
 def _ll_combine_impl(y, topk_ids, topk_weights, handle, comm_key):
     comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
+    _check_ll(comm, y, topk_ids, topk_weights)
     return comm.ll_combine(y, topk_ids, topk_weights, list(handle))
 
 
@@ -81,14 +93,13 @@ def _ll_combine_op(
 @_ll_combine_op.register_fake
 def _(y, topk_ids, topk_weights, handle, comm_key):
     comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
+    _check_ll(comm, y, topk_ids, topk_weights)
     return y.new_empty((topk_ids.shape[0], y.shape[2]))
 
 
 def _ll_combine_out_impl(y, topk_ids, topk_weights, handle, comm_key, out) -> None:
     comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
-    _validate_out(y, topk_ids, out)
+    _check_ll(comm, y, topk_ids, topk_weights, out)
     comm.ll_combine_out(out, y, topk_ids, topk_weights, list(handle))
 
 
@@ -107,8 +118,7 @@ def _ll_combine_out_op(
 @_ll_combine_out_op.register_fake
 def _(y, topk_ids, topk_weights, handle, comm_key, out):
     comm = _registry.get(comm_key)
-    _validate_ll(comm, y, topk_ids, topk_weights)
-    _validate_out(y, topk_ids, out)
+    _check_ll(comm, y, topk_ids, topk_weights, out)
 
 
 def ht_combine(y: torch.Tensor, handle: Sequence[torch.Tensor], comm_key: int) -> torch.Tensor:
@@ -133,3 +143,14 @@ def ll_combine(
     op = _ll_combine_out_impl if direct else _ll_combine_out_op
     op(y, topk_ids, topk_weights, list(handle), comm_key, out)
     return out
+
+
+def _ht_combine_trusted(y, handle, comm_key):
+    """The layer's entry on its direct path (eager, plain CUDA tensors made by the stages
+    before): the communicator without the metadata checks."""
+    return _registry.get(comm_key).ht_combine(y, list(handle))
+
+
+def _ll_combine_trusted(y, topk_ids, topk_weights, handle, comm_key):
+    """ll_combine's entry for the layer's direct path (see _ht_combine_trusted)."""
+    return _registry.get(comm_key).ll_combine(y, topk_ids, topk_weights, list(handle))

@@ -24,7 +24,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from epmoe import _checks, _eager
+from epmoe import _eager
+from epmoe._contract import Case, Contract, Multiple, Rule, Tensor
 from epmoe.comm import _registry
 
 _PAYLOAD = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -47,37 +48,36 @@ class LLDispatchResult(NamedTuple):
     handle: Tuple[torch.Tensor, ...]
 
 
-def _validate_ht(comm, x, topk_ids, topk_weights, x_scales) -> None:
-    op = "dispatch"
-    _checks.check_dtype(op, "x", x, _PAYLOAD)
-    _checks.check_shape(op, "x", x, (None, comm.hidden_size))
-    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
-    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
-    _checks.check_dtype(op, "topk_weights", topk_weights, (torch.float32,))
-    _checks.check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape))
-    _checks.check_device(op, "topk_ids", topk_ids, x)
-    _checks.check_device(op, "topk_weights", topk_weights, x)
-    if x_scales is not None:
-        _checks.check_dtype(op, "x_scales", x_scales, (torch.float32,))
-        _checks.check_shape(op, "x_scales", x_scales, (x.shape[0], None))
-        _checks.check_device(op, "x_scales", x_scales, x)
+HT = Contract(
+    "dispatch",
+    "x topk_ids topk_weights x_scales hidden_size",
+    Tensor("x", _PAYLOAD, shape=(None, "hidden_size")),
+    Tensor("topk_ids", (torch.int64,), shape=("x.shape[0]", None)),
+    Tensor("topk_weights", (torch.float32,), shape="topk_ids.shape"),
+    Tensor("x_scales", (torch.float32,), shape=("x.shape[0]", None), optional=True),
+)
+LL = Contract(
+    "ll_dispatch",
+    "x topk_ids use_fp8 hidden_size max_tokens_per_rank",
+    Tensor("x", (torch.bfloat16,), shape=(None, "hidden_size")),
+    Tensor("topk_ids", (torch.int64,), shape=("x.shape[0]", None)),
+    Rule("max_tokens_per_rank", "max_tokens_per_rank", "a positive int for LL mode", "None"),
+    Rule(
+        "x.shape[0] <= max_tokens_per_rank",
+        "x",
+        lambda a: f"at most max_tokens_per_rank={a.max_tokens_per_rank} tokens",
+        lambda a: a.x.shape[0],
+    ),
+    Case("use_fp8", [Multiple("hidden_size", "x.shape[1]", 128, "(fp8 groups)")]),
+)
 
 
-def _validate_ll(comm, x, topk_ids, use_fp8) -> None:
-    op = "ll_dispatch"
-    _checks.check_dtype(op, "x", x, (torch.bfloat16,))
-    _checks.check_shape(op, "x", x, (None, comm.hidden_size))
-    _checks.check_dtype(op, "topk_ids", topk_ids, (torch.int64,))
-    _checks.check_shape(op, "topk_ids", topk_ids, (x.shape[0], None))
-    _checks.check_device(op, "topk_ids", topk_ids, x)
-    if not comm.max_tokens_per_rank:
-        raise _checks.fail(op, "max_tokens_per_rank", "a positive int for LL mode", None)
-    if x.shape[0] > comm.max_tokens_per_rank:
-        raise _checks.fail(
-            op, "x", f"at most max_tokens_per_rank={comm.max_tokens_per_rank} tokens", x.shape[0]
-        )
-    if use_fp8:
-        _checks.check_multiple(op, "hidden_size", x.shape[1], 128, "(fp8 groups)")
+def _check_ht(comm, x, topk_ids, topk_weights, x_scales) -> None:
+    HT.check(x, topk_ids, topk_weights, x_scales, comm.hidden_size)
+
+
+def _check_ll(comm, x, topk_ids, use_fp8) -> None:
+    LL.check(x, topk_ids, use_fp8, comm.hidden_size, comm.max_tokens_per_rank)
 
 
 def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
@@ -85,7 +85,7 @@ def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
 
     def impl(x, topk_ids, topk_weights, x_scales, comm_key):
         comm = _registry.get(comm_key)
-        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+        _check_ht(comm, x, topk_ids, topk_weights, x_scales)
         return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
 
     @torch.library.custom_op(f"epmoe::{name}", mutates_args=(), tags=tags)
@@ -101,7 +101,7 @@ def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
     @op.register_fake
     def _(x, topk_ids, topk_weights, x_scales, comm_key):
         comm = _registry.get(comm_key)
-        _validate_ht(comm, x, topk_ids, topk_weights, x_scales)
+        _check_ht(comm, x, topk_ids, topk_weights, x_scales)
         return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, worst_case)
 
     return op, impl
@@ -115,7 +115,7 @@ _ht_dispatch_exact_op, _ht_dispatch_exact_impl = _register_ht_dispatch(
 
 def _ll_dispatch_impl(x, topk_ids, comm_key, use_fp8):
     comm = _registry.get(comm_key)
-    _validate_ll(comm, x, topk_ids, use_fp8)
+    _check_ll(comm, x, topk_ids, use_fp8)
     return comm.ll_dispatch(x, topk_ids, None, use_fp8)
 
 
@@ -129,7 +129,7 @@ def _ll_dispatch_op(
 @_ll_dispatch_op.register_fake
 def _(x, topk_ids, comm_key, use_fp8):
     comm = _registry.get(comm_key)
-    _validate_ll(comm, x, topk_ids, use_fp8)
+    _check_ll(comm, x, topk_ids, use_fp8)
     return comm.ll_dispatch_fake(x, topk_ids, None, use_fp8)
 
 
@@ -146,7 +146,10 @@ def ht_dispatch(
         op = _ht_dispatch_impl if worst_case else _ht_dispatch_exact_impl
     else:
         op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
-    out = op(x, topk_ids, topk_weights, x_scales, comm_key)
+    return _ht_result(op(x, topk_ids, topk_weights, x_scales, comm_key), x_scales)
+
+
+def _ht_result(out, x_scales) -> HTDispatchResult:
     rx, rs, rids, rw, counts = out[:5]
     return HTDispatchResult(
         rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:])
@@ -158,5 +161,21 @@ def ll_dispatch(
 ) -> LLDispatchResult:
     """LL dispatch into the masked `[E, C, H]` layout (see module docstring)."""
     op = _ll_dispatch_impl if _eager.direct(x, topk_ids) else _ll_dispatch_op
-    out = op(x, topk_ids, comm_key, use_fp8)
+    return _ll_result(op(x, topk_ids, comm_key, use_fp8), use_fp8)
+
+
+def _ll_result(out, use_fp8: bool) -> LLDispatchResult:
     return LLDispatchResult(out[0], out[1] if use_fp8 else None, out[2], tuple(out[3:]))
+
+
+def _ht_dispatch_trusted(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False):
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before): the communicator without the metadata checks."""
+    comm = _registry.get(comm_key)
+    return _ht_result(comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case), x_scales)
+
+
+def _ll_dispatch_trusted(x, topk_ids, comm_key, use_fp8=False):
+    """ll_dispatch's entry for the layer's direct path (see _ht_dispatch_trusted)."""
+    comm = _registry.get(comm_key)
+    return _ll_result(comm.ll_dispatch(x, topk_ids, None, use_fp8), use_fp8)

@@ -37,6 +37,7 @@ import torch
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe._contract import Choice, Contract, PositiveInt, Tensor
 from epmoe.ops._permute_kernels import (
     _count_tokens_kernel,
     _place_copy_kernel,
@@ -360,63 +361,20 @@ def _permute_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
-def _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> bool:
-    """The common all-good case (CUDA tensors) in one expression: every eager call pays for
-    validation, and each tensor attribute read costs host time, so devices are compared as ints
-    (get_device) and dtypes by identity. Any False falls through to the checks below,
-    which say what is wrong."""
-    try:
-        xs, ids = x.shape, topk_ids.shape
-        dev = x.get_device()
-        return (
-            type(x) is torch.Tensor  # (plain tensors without grad: see _eager.calm)
-            and type(topk_ids) is torch.Tensor
-            and not x.requires_grad
-            and type(num_experts) is int
-            and num_experts > 0
-            and type(alignment) is int
-            and alignment > 0
-            and scale_layout in _q.SCALE_LAYOUTS
-            and x.is_cuda
-            and len(xs) == 2
-            and len(ids) == 2
-            and ids[0] == xs[0]
-            and topk_ids.dtype in _checks.INDEX_DTYPES
-            and topk_ids.get_device() == dev
-            and (
-                x_scales is None
-                or (
-                    type(x_scales) is torch.Tensor
-                    and not x_scales.requires_grad
-                    and x_scales.dtype is torch.float32
-                    and x_scales.dim() == 2
-                    and x_scales.shape[0] == xs[0]
-                    and x_scales.get_device() == dev
-                )
-            )
-        )
-    except (AttributeError, TypeError, IndexError):
-        return False
-
-
-def _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout="row") -> None:
-    if _valid(x, topk_ids, num_experts, alignment, x_scales, scale_layout):
-        return
-    _checks.check_ndim(OP, "x", x, (2,))
-    _checks.check_choice(OP, "scale_layout", scale_layout, _q.SCALE_LAYOUTS)
-    _checks.check_dtype(OP, "topk_ids", topk_ids, _checks.INDEX_DTYPES)
-    _checks.check_shape(OP, "topk_ids", topk_ids, (x.shape[0], None))
-    _checks.check_device(OP, "topk_ids", topk_ids, x)
-    _checks.check_positive_int(OP, "num_experts", num_experts)
-    _checks.check_positive_int(OP, "alignment", alignment)
-    if x_scales is not None:
-        _checks.check_dtype(OP, "x_scales", x_scales, (torch.float32,))
-        _checks.check_shape(OP, "x_scales", x_scales, (x.shape[0], None))
-        _checks.check_device(OP, "x_scales", x_scales, x)
+CONTRACT = Contract(
+    OP,
+    "x topk_ids num_experts alignment x_scales scale_layout",
+    Tensor("x", None, ndim=(2,)),
+    Choice("scale_layout", _q.SCALE_LAYOUTS),
+    Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("x.shape[0]", None)),
+    PositiveInt("num_experts"),
+    PositiveInt("alignment"),
+    Tensor("x_scales", (torch.float32,), shape=("x.shape[0]", None), optional=True),
+)
 
 
 def _permute_impl(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
-    _validate(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    CONTRACT.check(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
     if x.is_cuda:
         return _permute_triton(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
     return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
@@ -467,7 +425,7 @@ def permute(
         inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
     """
     args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    if _eager.calm() and _valid(*args):  # the usual eager call, validated in one pass
+    if _eager.calm() and CONTRACT.direct(*args):  # the usual eager call, checked in one pass
         xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_triton, *args)
     elif _eager.direct(x, topk_ids, x_scales):  # (the full checks say what is wrong)
         xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_impl, *args)
@@ -476,4 +434,12 @@ def permute(
         _checks.check_positive_int(OP, "num_experts", num_experts)
         _checks.check_positive_int(OP, "alignment", alignment)
         xp, sp, m_indices, inv_perm, offsets = _permute_op(*args)
+    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)
+
+
+def _permute_trusted(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before): the launch without the metadata checks."""
+    args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
+    xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_triton, *args)
     return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
     _FP8_MAX,
@@ -308,45 +309,19 @@ def _quantize_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
-def _valid(x, scheme, group_size, masked_m, scale_layout) -> bool:
-    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once
-    (every eager call pays for validation; see epmoe.ops.permute._valid). Any False falls through
-    to the full checks, which say what is wrong."""
-    try:
-        xs = x.shape
-        nd = len(xs)
-        return (
-            x.is_cuda
-            and (scheme == "fp8" or scheme == "int8")
-            and type(group_size) is int
-            and group_size > 0
-            and scale_layout in SCALE_LAYOUTS
-            and x.dtype in _checks.FLOAT_DTYPES
-            and (nd == 2 or nd == 3)
-            and (scheme == "int8" or xs[-1] % group_size == 0)
-            and (
-                masked_m is None
-                or (
-                    nd == 3
-                    and _checks.plain_on(masked_m, _checks.INDEX_DTYPES, x.get_device(), xs[:1])
-                )
-            )
-        )
-    except (AttributeError, TypeError, IndexError):
-        return False
-
-
-def _validate(x, scheme, group_size, masked_m, scale_layout="row") -> None:
-    if _valid(x, scheme, group_size, masked_m, scale_layout):
-        return
-    _checks.check_choice(OP, "scheme", scheme, ("fp8", "int8"))
-    _checks.check_dtype(OP, "x", x, _checks.FLOAT_DTYPES)
-    _checks.check_ndim(OP, "x", x, (2, 3))
-    _checks.check_positive_int(OP, "group_size", group_size)
-    _checks.check_choice(OP, "scale_layout", scale_layout, SCALE_LAYOUTS)
-    if scheme == "fp8":
-        _checks.check_multiple(OP, "x.shape[-1]", x.shape[-1], group_size, "(fp8 group_size)")
-    _checks.check_masked_m(OP, masked_m, x, "x")
+CONTRACT = Contract(
+    OP,
+    "x scheme group_size masked_m scale_layout",
+    Choice("scheme", ("fp8", "int8")),
+    Tensor("x", _checks.FLOAT_DTYPES, ndim=(2, 3)),
+    PositiveInt("group_size"),
+    Choice("scale_layout", SCALE_LAYOUTS),
+    Case(
+        "scheme == 'fp8'",
+        [Multiple("x.shape[-1]", "x.shape[-1]", "group_size", "(fp8 group_size)")],
+    ),
+    *masked_m_steps("x"),
+)
 
 
 def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
@@ -355,7 +330,7 @@ def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
 
 
 def _quantize_impl(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
-    _validate(x, scheme, group_size, masked_m, scale_layout)
+    CONTRACT.check(x, scheme, group_size, masked_m, scale_layout)
     if x.is_cuda:
         return _quantize_triton(x, scheme, group_size, masked_m, scale_layout)
     return _reference(x, scheme, group_size, masked_m, scale_layout)
@@ -399,3 +374,9 @@ def quantize(
     if _eager.direct(x, masked_m):
         return _eager.run(_quantize_impl, x, scheme, group_size, masked_m, scale_layout)
     return _quantize_op(x, scheme, group_size, masked_m, scale_layout)
+
+
+def _quantize_trusted(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before): the launch without the metadata checks."""
+    return _eager.run(_quantize_triton, x, scheme, group_size, masked_m, scale_layout)

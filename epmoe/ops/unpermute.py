@@ -21,6 +21,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe._contract import Contract, Tensor
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
 
 OP = "unpermute"
@@ -113,42 +114,17 @@ def _unpermute_triton(
 
 
 # ------------------------------------------------------------------------------------------ op
-def _valid(y, inv_perm, topk_weights) -> bool:
-    """The common all-good case (CUDA tensors) in one pass, each tensor attribute read once (see
-    epmoe.ops.permute._valid); any False falls through to the full checks."""
-    try:
-        ps = inv_perm.shape
-        dev = y.get_device()
-        return (
-            y.is_cuda
-            and y.dtype in _checks.FLOAT_DTYPES
-            and y.dim() == 2
-            and inv_perm.dtype in _checks.INDEX_DTYPES
-            and len(ps) == 2
-            and topk_weights.dtype in _checks.FLOAT_DTYPES
-            and topk_weights.shape == ps
-            and inv_perm.get_device() == dev
-            and topk_weights.get_device() == dev
-        )
-    except (AttributeError, TypeError):
-        return False
-
-
-def _validate(y, inv_perm, topk_weights) -> None:
-    if _valid(y, inv_perm, topk_weights):
-        return
-    _checks.check_dtype(OP, "y", y, _checks.FLOAT_DTYPES)
-    _checks.check_ndim(OP, "y", y, (2,))
-    _checks.check_dtype(OP, "inv_perm", inv_perm, _checks.INDEX_DTYPES)
-    _checks.check_ndim(OP, "inv_perm", inv_perm, (2,))
-    _checks.check_dtype(OP, "topk_weights", topk_weights, _checks.FLOAT_DTYPES)
-    _checks.check_shape(OP, "topk_weights", topk_weights, tuple(inv_perm.shape))
-    _checks.check_device(OP, "inv_perm", inv_perm, y)
-    _checks.check_device(OP, "topk_weights", topk_weights, y)
+CONTRACT = Contract(
+    OP,
+    "y inv_perm topk_weights",
+    Tensor("y", _checks.FLOAT_DTYPES, ndim=(2,)),
+    Tensor("inv_perm", _checks.INDEX_DTYPES, ndim=(2,)),
+    Tensor("topk_weights", _checks.FLOAT_DTYPES, shape="inv_perm.shape"),
+)
 
 
 def _unpermute_impl(y, inv_perm, topk_weights):
-    _validate(y, inv_perm, topk_weights)
+    CONTRACT.check(y, inv_perm, topk_weights)
     if y.is_cuda:
         return _unpermute_triton(y, inv_perm, topk_weights)
     return reference.unpermute(y, inv_perm, topk_weights)
@@ -179,3 +155,9 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
     if _eager.direct(y, inv_perm, topk_weights):
         return _eager.run(_unpermute_impl, y, inv_perm, topk_weights)
     return _unpermute_op(y, inv_perm, topk_weights)
+
+
+def _unpermute_trusted(y, inv_perm, topk_weights):
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before): the launch without the metadata checks."""
+    return _eager.run(_unpermute_triton, y, inv_perm, topk_weights)

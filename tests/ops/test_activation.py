@@ -85,15 +85,16 @@ def test_activation_bad_input(call, match):
 
 
 def test_fast_path_takes_plain_tensors_only():
-    """The public functions' one-pass fast path (activation._plain, with _valid): y and
-    expert_offsets must be plain tensors without grad, as _eager.direct asks of every tensor; a
-    Parameter or a tensor that needs grad goes the dispatcher's way."""
+    """The public functions' one-pass fast path (the contract's ``direct``): y and expert_offsets
+    must be plain tensors without grad, as _eager.direct asks of every tensor; a Parameter or a
+    tensor that needs grad goes the dispatcher's way (built here to accept CPU tensors)."""
     import importlib
 
     A = importlib.import_module("epmoe.ops.activation")
+    direct = A.CONTRACT._build("direct", direct=True, cuda_attr="is_cpu")
     y = torch.zeros((4, 8))
     offs = torch.zeros(3, dtype=torch.int32)
-    assert A._plain(y, None) and A._plain(y, offs)
-    assert not A._plain(torch.nn.Parameter(y), None)
-    assert not A._plain(y.clone().requires_grad_(), offs)
-    assert not A._plain(y, torch.nn.Parameter(offs, requires_grad=False))
+    assert direct(y, None, None, None) and direct(y, None, None, offs)
+    assert not direct(torch.nn.Parameter(y), None, None, None)
+    assert not direct(y.clone().requires_grad_(), None, None, offs)
+    assert not direct(y, None, None, torch.nn.Parameter(offs, requires_grad=False))

@@ -32,7 +32,7 @@ operands (one extra copy of a, its scales and the output). Shape legend: ``E`` l
 dims.
 
 Modules: ``_select`` (scheme, backend choice, deep_gemm entry points, row blocks), ``_validate``
-(one-pass ``_valid`` and the full checks), ``_int8`` (Triton INT8 kernels, configs, launchers),
+(the input contracts), ``_int8`` (Triton INT8 kernels, configs, launchers),
 ``_deepgemm`` (deep_gemm calls, masked row padding), ``_ops`` (torch.library registration, CUDA
 dispatch, :func:`grouped_gemm`), ``_weights`` (:func:`prepare_weights`, :func:`warmup`). Patch a
 private name in the module that defines it (``_ops._backend``, ``_int8._int8_masked_kernel``): the
@@ -45,6 +45,7 @@ from epmoe.ops.gemm._int8 import _int8_contiguous_triton as _int8_contiguous_tri
 from epmoe.ops.gemm._int8 import _int8_masked_triton as _int8_masked_triton
 from epmoe.ops.gemm._int8 import _masked_tiling as _masked_tiling
 from epmoe.ops.gemm._ops import _group_ends as _group_ends
+from epmoe.ops.gemm._ops import _grouped_gemm_trusted as _grouped_gemm_trusted
 from epmoe.ops.gemm._ops import _masked_cuda as _masked_cuda
 from epmoe.ops.gemm._ops import _masked_cuda_impl as _masked_cuda_impl
 from epmoe.ops.gemm._ops import grouped_gemm
@@ -58,7 +59,8 @@ from epmoe.ops.gemm._select import (
     masked_row_block,
     scheme_of,
 )
-from epmoe.ops.gemm._validate import _valid as _valid
+from epmoe.ops.gemm._validate import CONTIGUOUS as CONTIGUOUS
+from epmoe.ops.gemm._validate import MASKED as MASKED
 from epmoe.ops.gemm._weights import _dummy_acts as _dummy_acts
 from epmoe.ops.gemm._weights import _dummy_weights as _dummy_weights
 from epmoe.ops.gemm._weights import prepare_weights, warmup

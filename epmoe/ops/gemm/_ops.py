@@ -9,12 +9,7 @@ from epmoe import _checks, _eager, reference
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
 from epmoe.ops.gemm._int8 import _int8_contiguous_triton, _int8_masked_triton
 from epmoe.ops.gemm._select import OP, _backend, _dg_functions, masked_row_block, scheme_of
-from epmoe.ops.gemm._validate import (
-    _check_counts,
-    _valid,
-    _validate_contiguous,
-    _validate_masked,
-)
+from epmoe.ops.gemm._validate import CONTIGUOUS, MASKED, _check_counts
 
 
 # ---------------------------------------------------------------------------------- CUDA backends
@@ -84,7 +79,7 @@ def _contiguous_op(
     expert_offsets: Optional[torch.Tensor] = None,
     trusted: bool = False,
 ) -> torch.Tensor:
-    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
@@ -93,7 +88,7 @@ def _contiguous_op(
 def _contiguous_fake(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
-    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
     return a.new_empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
@@ -101,7 +96,7 @@ def _contiguous_fake(
 def _contiguous_cpu(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
-    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
@@ -110,7 +105,7 @@ def _contiguous_cpu(
 def _contiguous_cuda(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
-    _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
     if not trusted:
         _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
@@ -127,27 +122,27 @@ def _masked_op(
     expected_m: int = 0,
     trusted: bool = False,
 ) -> torch.Tensor:
-    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    MASKED.check(a, w, masked_m, a_scales, w_scales)
     _check_counts(masked_m, a.shape[1])
     return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
 
 
 @_masked_op.register_fake
 def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    MASKED.check(a, w, masked_m, a_scales, w_scales)
     return a.new_empty((a.shape[0], a.shape[1], w.shape[1]), dtype=torch.bfloat16)
 
 
 @_masked_op.register_kernel("cpu")
 def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    MASKED.check(a, w, masked_m, a_scales, w_scales)
     _check_counts(masked_m, a.shape[1])
     return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
 
 
 @_masked_op.register_kernel("cuda")
 def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    _validate_masked(a, w, masked_m, a_scales, w_scales)
+    MASKED.check(a, w, masked_m, a_scales, w_scales)
     with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
         return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
 
@@ -189,8 +184,22 @@ def grouped_gemm(
         run = _contiguous_cuda if direct else _contiguous_op
         return run(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
     em = int(expected_m or 0)
-    if _eager.calm() and _valid(a, w, a_scales, w_scales, True, masked_m):
+    if _eager.calm() and MASKED.direct(a, w, masked_m, a_scales, w_scales):
         with _eager.on_device(a):  # the usual eager call, validated in one pass
             return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted)
     run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
     return run(a, w, masked_m, a_scales, w_scales, em, trusted)
+
+
+def _grouped_gemm_trusted(
+    a, w, m_indices=None, masked_m=None, a_scales=None, w_scales=None, expected_m=None,
+    expert_offsets=None,
+):  # fmt: skip
+    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
+    boundary or made by the stage before, rows from permute / a dispatch): the CUDA backend
+    without the metadata or value checks."""
+    with _eager.on_device(a):
+        if m_indices is not None:
+            return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
+        em = int(expected_m or 0)
+        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted=True)

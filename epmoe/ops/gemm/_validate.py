@@ -1,128 +1,78 @@
-"""Input checks of the grouped GEMM: the one-pass ``_valid`` and the full checks behind it."""
+"""Input contracts of the grouped GEMM (:mod:`epmoe._contract`): the operands and their scales,
+then the row argument of each layout (m_indices and expert_offsets, or masked_m)."""
 
 import torch
 
 from epmoe import _checks
+from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
 from epmoe._range import range_ok
 from epmoe.ops.gemm._select import A_DTYPES, OP, scheme_of
 
+_F32 = (torch.float32,)
 
-def _valid(a, w, a_scales, w_scales, masked: bool, rows=None, offsets=None) -> bool:
-    """The common all-good case (CUDA operands) in one pass: every eager call pays for validation
-    (the full checks below cost several small calls per argument). Each tensor attribute read
-    costs host time, so this reads each once: shapes kept as locals, devices as ints
-    (get_device), dtypes compared by identity. ``rows``: masked_m (masked) or m_indices, int32;
-    ``offsets``: expert_offsets or None. Any False falls through to the full checks, which say
-    what is wrong."""
-    try:
-        dt = a.dtype
-        if dt not in A_DTYPES or w.dtype is not dt or not a.is_cuda:
-            return False
-        # plain tensors without grad (see _eager.calm; a Parameter w takes the registered op)
-        if (
-            type(a) is not torch.Tensor
-            or type(w) is not torch.Tensor
-            or a.requires_grad
-            or w.requires_grad
-        ):
-            return False
-        dev = a.get_device()
-        ash, wsh = a.shape, w.shape
-        if len(ash) != (3 if masked else 2) or len(wsh) != 3 or w.get_device() != dev:
-            return False
-        kd, e, n = ash[-1], wsh[0], wsh[1]
-        if wsh[2] != kd or (masked and ash[0] != e):
-            return False
-        if rows is not None and not _checks.plain_on(
-            rows, _checks.INT32, dev, (e,) if masked else ash[:1]
-        ):
-            return False
-        if offsets is not None and not _checks.plain_on(offsets, _checks.INT32, dev, (e + 1,)):
-            return False
-        if dt is torch.bfloat16:
-            return a_scales is None and w_scales is None
-        if (
-            type(a_scales) is not torch.Tensor
-            or type(w_scales) is not torch.Tensor
-            or a_scales.requires_grad
-            or w_scales.requires_grad
-            or a_scales.dtype is not torch.float32
-            or w_scales.dtype is not torch.float32
-            or a_scales.get_device() != dev
-            or w_scales.get_device() != dev
-        ):
-            return False
-        ssh = a_scales.shape
-        if dt is torch.int8:
-            return ssh[:-1] == ash[:-1] and ssh[-1] == 1 and w_scales.shape == (e, n)
-        return (
-            kd % 128 == 0
-            and n % 128 == 0
-            and ssh[:-1] == ash[:-1]
-            and ssh[-1] == kd // 128
-            and w_scales.shape == (e, n // 128, kd // 128)
+
+def _operands(masked: bool):
+    """a, w and the scales their scheme (a's dtype) asks for."""
+    steps = [
+        Tensor("a", A_DTYPES, ndim=(3,) if masked else (2,)),
+        Tensor("w", "(a.dtype,)", ndim=(3,)),
+        Rule(
+            "w.shape[2] == a.shape[-1]",
+            "w",
+            lambda n: f"shape [E, N, {n.a.shape[-1]}] (K of a)",
+            lambda n: list(n.w.shape),
+        ),
+    ]
+    if masked:
+        steps.append(
+            Rule(
+                "a.shape[0] == w.shape[0]",
+                "a",
+                lambda n: f"shape [{n.w.shape[0]}, T, {n.a.shape[-1]}] (E of w)",
+                lambda n: list(n.a.shape),
+            )
         )
-    except (AttributeError, TypeError, IndexError):
-        return False
+    bf16 = [
+        Rule(f"{name} is None", name, "None for bf16 operands", "a tensor")
+        for name in ("a_scales", "w_scales")
+    ]
+    fp8 = [
+        Multiple("K", "a.shape[-1]", 128, "(fp8 scale blocks)"),
+        Multiple("N", "w.shape[1]", 128, "(fp8 weight blocks)"),
+        Shape("a_scales", "(*a.shape[:-1], a.shape[-1] // 128)"),
+        Shape("w_scales", "(w.shape[0], w.shape[1] // 128, a.shape[-1] // 128)"),
+    ]
+    int8 = [Shape("a_scales", "(*a.shape[:-1], 1)"), Shape("w_scales", "(w.shape[0], w.shape[1])")]
+    quantized = [
+        Rule(
+            "a_scales is not None and w_scales is not None",
+            "a_scales/w_scales",
+            lambda n: f"tensors for {scheme_of(n.a.dtype)} operands",
+            "None",
+        ),
+        Tensor("a_scales", _F32),
+        Tensor("w_scales", _F32),
+        Case("a.dtype is FP8", fp8, int8),
+    ]
+    return (*steps, Case("a.dtype is BF16", bf16, quantized))
 
 
-def _validate(a, w, a_scales, w_scales, masked: bool) -> None:
-    if _valid(a, w, a_scales, w_scales, masked):
-        return
-    _checks.check_dtype(OP, "a", a, A_DTYPES)
-    _checks.check_ndim(OP, "a", a, (3,) if masked else (2,))
-    _checks.check_dtype(OP, "w", w, (a.dtype,))
-    _checks.check_ndim(OP, "w", w, (3,))
-    _checks.check_device(OP, "w", w, a)
-    Kd = a.shape[-1]
-    E, N = w.shape[0], w.shape[1]
-    if w.shape[2] != Kd:
-        raise _checks.fail(OP, "w", f"shape [E, N, {Kd}] (K of a)", list(w.shape))
-    if masked and a.shape[0] != E:
-        raise _checks.fail(OP, "a", f"shape [{E}, T, {Kd}] (E of w)", list(a.shape))
-    scheme = scheme_of(a.dtype)
-    lead = tuple(a.shape[:-1])
-    if scheme == "bf16":
-        for name, t in (("a_scales", a_scales), ("w_scales", w_scales)):
-            if t is not None:
-                raise _checks.fail(OP, name, "None for bf16 operands", "a tensor")
-        return
-    if a_scales is None or w_scales is None:
-        raise _checks.fail(OP, "a_scales/w_scales", f"tensors for {scheme} operands", "None")
-    _checks.check_dtype(OP, "a_scales", a_scales, (torch.float32,))
-    _checks.check_dtype(OP, "w_scales", w_scales, (torch.float32,))
-    _checks.check_device(OP, "a_scales", a_scales, a)
-    _checks.check_device(OP, "w_scales", w_scales, a)
-    if scheme == "fp8":
-        _checks.check_multiple(OP, "K", Kd, 128, "(fp8 scale blocks)")
-        _checks.check_multiple(OP, "N", N, 128, "(fp8 weight blocks)")
-        _checks.check_shape(OP, "a_scales", a_scales, lead + (Kd // 128,))
-        _checks.check_shape(OP, "w_scales", w_scales, (E, N // 128, Kd // 128))
-    else:
-        _checks.check_shape(OP, "a_scales", a_scales, lead + (1,))
-        _checks.check_shape(OP, "w_scales", w_scales, (E, N))
-
-
-def _validate_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets=None) -> None:
-    if m_indices is not None and _valid(a, w, a_scales, w_scales, False, m_indices, expert_offsets):
-        return
-    _validate(a, w, a_scales, w_scales, masked=False)
-    _checks.check_dtype(OP, "m_indices", m_indices, (torch.int32,))
-    _checks.check_shape(OP, "m_indices", m_indices, (a.shape[0],))
-    _checks.check_device(OP, "m_indices", m_indices, a)
-    if expert_offsets is not None:
-        _checks.check_dtype(OP, "expert_offsets", expert_offsets, (torch.int32,))
-        _checks.check_shape(OP, "expert_offsets", expert_offsets, (w.shape[0] + 1,))
-        _checks.check_device(OP, "expert_offsets", expert_offsets, a)
-
-
-def _validate_masked(a, w, masked_m, a_scales, w_scales) -> None:
-    if masked_m is not None and _valid(a, w, a_scales, w_scales, True, masked_m):
-        return
-    _validate(a, w, a_scales, w_scales, masked=True)
-    _checks.check_dtype(OP, "masked_m", masked_m, (torch.int32,))
-    _checks.check_shape(OP, "masked_m", masked_m, (w.shape[0],))
-    _checks.check_device(OP, "masked_m", masked_m, a)
+_CONSTS = dict(BF16=torch.bfloat16, FP8=torch.float8_e4m3fn)
+CONTIGUOUS = Contract(
+    OP,
+    "a w m_indices a_scales w_scales expert_offsets",
+    *_operands(masked=False),
+    Tensor("m_indices", _checks.INT32, shape=("a.shape[0]",)),
+    Tensor("expert_offsets", _checks.INT32, shape=("w.shape[0] + 1",), optional=True),
+    consts=_CONSTS,
+)
+MASKED = Contract(
+    OP,
+    "a w masked_m a_scales w_scales",
+    *_operands(masked=True),
+    Tensor("masked_m", _checks.INT32, shape=("w.shape[0]",)),
+    consts=_CONSTS,
+)
 
 
 def _check_counts(masked_m: torch.Tensor, t: int) -> None:
