@@ -4,12 +4,11 @@ quantizers (byte-exact with :mod:`epmoe.reference`), and the launcher every stag
 A lower floor than every stage module: it imports only torch, triton and :mod:`epmoe.reference`.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
 from epmoe import reference
+from epmoe._launch import _INTERPRET
 
 _FP8_MAX = tl.constexpr(reference.FP8_MAX)
 _INT8_MAX = tl.constexpr(reference.INT8_MAX)
@@ -18,7 +17,6 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2
 # The interpreter's own fp8 and bf16 casts do not round to nearest even (fp8 flushes subnormals,
 # bf16 truncates), so there the rounding is done by hand; on the GPU the hardware casts
 # (cvt.rn.satfinite / cvt.rn) are the ones torch's own casts use.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MANUAL_RNE = tl.constexpr(_INTERPRET)
 
 

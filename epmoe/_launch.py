@@ -21,6 +21,7 @@ hooks, when set, send every launch through Triton's own path.
 those are Triton constexpr functions, which unwrap every argument on each call.
 """
 
+import os
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -28,7 +29,7 @@ import triton
 from torch._library import triton as _triton_lib
 from torch.library import wrap_triton
 
-from epmoe._jit import _INTERPRET
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter
 
 # Triton releases whose launcher takes (grid, stream, function, packed metadata, launch metadata,
 # enter hook, exit hook, *all bound arguments); others launch through Triton's own run
