@@ -9,24 +9,10 @@ self time per op and device time per kernel, and the launches per call.
 import argparse
 
 import torch
+from diag_layer import _layer  # (scripts/ is on sys.path when run as a script)
 from torch.profiler import ProfilerActivity, profile
 
-import epmoe
-
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
-
-
-def _layer(quant, mode, T, H, I, E, K):
-    kw = dict(max_tokens_per_rank=T) if mode == "ll" else dict(worst_case=True)
-    layer = epmoe.EPMoE(E, H, I, K, quant=quant, mode=mode, device="cuda", backend="local", **kw)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = torch.randn((E, 2 * I, H), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn((E, H, I), device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-    layer.load_weights(w1, w2)
-    x = torch.randn((T, H), device="cuda", generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    w = torch.softmax(torch.randn((T, K), device="cuda"), -1)
-    return layer, (x, ids, w)
 
 
 def _table(fn, n=20, rows=14):
@@ -51,7 +37,7 @@ def main():
     a = p.parse_args()
     for case in a.cases.split(","):
         quant, mode = case.split(":")
-        layer, args = _layer(quant, mode, a.tokens, **QWEN3)
+        layer, args = _layer(quant, mode, T=a.tokens, **QWEN3)
         layer.warmup([a.tokens])
         for name in ("default", "reduce-overhead", "eager"):
             torch._dynamo.reset()
