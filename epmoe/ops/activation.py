@@ -21,7 +21,6 @@ unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_qu
 """
 
 import dataclasses
-import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -50,9 +49,15 @@ from epmoe.ops._activation_kernels import (  # noqa: F401 - _approx etc. are re-
     _silu_mul_int8_kernel,
     _silu_mul_kernel,
 )
-
-# epmoe.ops re-exports a function named ``quantize``: import the module itself for host helpers.
-_q = importlib.import_module("epmoe.ops.quantize")
+from epmoe.ops.quantize import (  # host helpers, by name
+    SCALE_LAYOUTS,
+    _warps,
+    alloc_scales,
+    as_3d,
+    as_layout,
+    max_warps,
+    num_slots,
+)
 
 OP = "silu_and_mul"
 OPQ = "silu_and_mul_quant"
@@ -94,7 +99,7 @@ def override(**fields):
 
 
 # SiLU with the MUFU ex2 / rcp instructions (see _silu_mul); the interpreter runs no PTX
-_FAST_MATH = not _q._INTERPRET
+_FAST_MATH = not _launch._INTERPRET
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -108,7 +113,7 @@ class _Rows(NamedTuple):
 
 
 def _rows(y, masked_m, expert_offsets) -> _Rows:
-    E, T, strides = _q.as_3d(y)
+    E, T, strides = as_3d(y)
     if masked_m is not None:
         return _Rows(E, T, strides, masked_m, True, True)
     if expert_offsets is not None:  # rows >= expert_offsets[-1] (the unused tail) are skipped
@@ -120,7 +125,7 @@ def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
     """Row-block slots (grid axis 0). With m_indices, or with expert_offsets, a fixed number of
     programs loops over the row blocks (prefetching the next block's m_indices); programs past
     the bound (the unused tail) then never start."""
-    slots = _q.num_slots(rows.E, rows.T, rows.masked, block_m)
+    slots = num_slots(rows.E, rows.T, rows.masked, block_m)
     # (sym_min: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
     # would guard on it)
     if rows.has_bound and not rows.masked:
@@ -142,7 +147,7 @@ def _silu_and_mul_triton(
     h = torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
     rows = _rows(y, masked_m, expert_offsets)
     (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
-    _, _, (she, sht, _) = _q.as_3d(h)
+    _, _, (she, sht, _) = as_3d(h)
     cfg = CONFIG
     block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
     block_m = 1 if rows.masked else cfg.silu_block_m
@@ -155,7 +160,7 @@ def _silu_and_mul_triton(
         T, inter, slots, sye, syt, syh, she, sht,
         BLOCK=block, BLOCK_M=block_m, HAS_MASK=rows.has_bound,
         HAS_ROWS=m_indices is not None, STAGES=cfg.row_stages, FAST=_FAST_MATH,
-        num_warps=_q._warps(block * block_m),
+        num_warps=_warps(block * block_m),
     )  # fmt: skip
     return h
 
@@ -176,11 +181,11 @@ def _silu_and_mul_quant_triton(
     qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
     groups = inter // group_size if scheme == "fp8" else 1
     q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
-    s = _q.alloc_scales(lead, groups, scale_layout, y.device)
+    s = alloc_scales(lead, groups, scale_layout, y.device)
     rows = _rows(y, masked_m, expert_offsets)
     (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
-    _, _, (sqe, sqt, _) = _q.as_3d(q)
-    _, _, (sse, sst, ssg) = _q.as_3d(s)
+    _, _, (sqe, sqt, _) = as_3d(q)
+    _, _, (sse, sst, ssg) = as_3d(s)
     mi = m_indices if m_indices is not None else y  # placeholder pointer, never read
     cfg = CONFIG
     flags = dict(
@@ -200,7 +205,7 @@ def _silu_and_mul_quant_triton(
             y, q, s, rows.bound, mi, T, inter, groups, slots,
             sye, syt, syh, sqe, sqt, sse, sst, ssg,
             GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
-            num_warps=_q._warps(block_m * gpp * block_g), **flags,
+            num_warps=_warps(block_m * gpp * block_g), **flags,
         )  # fmt: skip
     else:
         single = inter <= cfg.int8_single_pass_max
@@ -208,7 +213,7 @@ def _silu_and_mul_quant_triton(
         block_m = 1 if rows.masked else max(1, cfg.int8_row_tile // block)
         slots = _slots(rows, block_m, m_indices)
         if rows.masked:
-            warps = _q._warps(block * block_m)
+            warps = _warps(block * block_m)
         else:
             warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
         _launch.kernel(_silu_mul_int8_kernel)[(slots, E)](
@@ -225,7 +230,7 @@ def _int8_warps(elements, thread_elems: int) -> int:
     dynamic shapes): the comparisons guard, where arithmetic would hand the launcher an
     unhashable SymInt."""
     warps = 1
-    while warps < _q.CONFIG.max_warps and elements > warps * 32 * thread_elems:
+    while warps < max_warps() and elements > warps * 32 * thread_elems:
         warps *= 2
     return warps
 
@@ -266,7 +271,7 @@ CONTRACT_QUANT = Contract(
     *_act_steps(),
     Choice("scheme", ("fp8", "int8")),
     PositiveInt("group_size"),
-    Choice("scale_layout", _q.SCALE_LAYOUTS),
+    Choice("scale_layout", SCALE_LAYOUTS),
     Case(
         "scheme == 'fp8'",
         [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
@@ -276,7 +281,7 @@ CONTRACT_QUANT = Contract(
 
 def _reference_quant(y, scheme, group_size, scale_layout):
     q, s = reference.silu_and_mul_quant(y, scheme, group_size)
-    return q, _q.as_layout(s, scale_layout)
+    return q, as_layout(s, scale_layout)
 
 
 def _silu_and_mul_impl(y, masked_m=None, m_indices=None, expert_offsets=None):

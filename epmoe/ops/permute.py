@@ -30,7 +30,6 @@ ValueError in debug mode; under torch.compile an async assert after the kernels)
 
 import dataclasses
 import functools
-import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -46,9 +45,7 @@ from epmoe.ops._permute_kernels import (
     _small_permute_kernel,
     _store_rows,  # noqa: F401  (scripts/stage_sweep.py's kernels call P._store_rows)
 )
-
-# epmoe.ops re-exports a function named ``quantize``: import the module itself.
-_q = importlib.import_module("epmoe.ops.quantize")
+from epmoe.ops.quantize import SCALE_LAYOUTS, alloc_scales, as_layout  # host helpers, by name
 
 OP = "permute"
 
@@ -345,7 +342,7 @@ def _permute_triton(
     S = x_scales.shape[1] if x_scales is not None else 0
 
     x_out = torch.empty((m_sum, H), dtype=x.dtype, device=dev)
-    s_out = _q.alloc_scales((m_sum,), S, scale_layout, dev)
+    s_out = alloc_scales((m_sum,), S, scale_layout, dev)
     m_indices = torch.empty((m_sum,), dtype=torch.int32, device=dev)
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
@@ -365,7 +362,7 @@ CONTRACT = Contract(
     OP,
     "x topk_ids num_experts alignment x_scales scale_layout",
     Tensor("x", None, ndim=(2,)),
-    Choice("scale_layout", _q.SCALE_LAYOUTS),
+    Choice("scale_layout", SCALE_LAYOUTS),
     Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("x.shape[0]", None)),
     PositiveInt("num_experts"),
     PositiveInt("alignment"),
@@ -401,7 +398,7 @@ def _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout):
     xp, sp, m_indices, inv_perm, offsets = reference.permute(
         x, topk_ids, num_experts, alignment, x_scales
     )
-    return xp, _q.as_layout(sp, scale_layout), m_indices, inv_perm, offsets
+    return xp, as_layout(sp, scale_layout), m_indices, inv_perm, offsets
 
 
 def permute(

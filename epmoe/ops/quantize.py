@@ -179,6 +179,11 @@ def _quant_int8_kernel(
 # ----------------------------------------------------------------------------- host-side helpers
 
 
+def max_warps() -> int:
+    """Warps a stage program may use at most (CONFIG.max_warps, read when launching)."""
+    return CONFIG.max_warps
+
+
 def _warps(elements: int) -> int:
     """4 warps up to 4096 elements a program (32 a thread), CONFIG.max_warps above."""
     return CONFIG.max_warps if elements > 4096 else 4
