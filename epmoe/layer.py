@@ -22,7 +22,6 @@ a second copy of the chain: ``with layer.record_stages() as rec: out = layer(x, 
 
 import contextlib
 import functools
-import importlib
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -37,11 +36,9 @@ from epmoe.ops import combine as _combine
 from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
+from epmoe.ops.permute import _permute_trusted, permute
 from epmoe.ops.quantize import _quantize_trusted, quantize
-
-# epmoe.ops re-exports functions named ``permute`` and ``unpermute``: import the modules themselves
-_permute = importlib.import_module("epmoe.ops.permute")
-_unpermute = importlib.import_module("epmoe.ops.unpermute")
+from epmoe.ops.unpermute import _unpermute_trusted, unpermute
 
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
@@ -95,16 +92,16 @@ class _Stages(NamedTuple):
 
 # the public ops: each checks its inputs (CPU, torch.compile, tensors needing grad, ...)
 _PUBLIC = _Stages(
-    quantize, _dispatch.ht_dispatch, _permute.permute,
+    quantize, _dispatch.ht_dispatch, permute,
     functools.partial(gemm.grouped_gemm, trusted=True), _act.silu_and_mul,
-    _act.silu_and_mul_quant, _unpermute.unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
+    _act.silu_and_mul_quant, unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
     _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather,
 )  # fmt: skip
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
-    _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute._permute_trusted,
+    _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute_trusted,
     gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
-    _unpermute._unpermute_trusted, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
+    _unpermute_trusted, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
     _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
 )  # fmt: skip
 
