@@ -38,7 +38,7 @@ from epmoe.ops import gemm
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
 from epmoe.ops.permute import _permute_trusted, permute
 from epmoe.ops.quantize import _quantize_trusted, quantize
-from epmoe.ops.unpermute import _unpermute_trusted, unpermute
+from epmoe.ops.unpermute import _unpermute_chained, _unpermute_trusted, unpermute
 
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
@@ -97,6 +97,9 @@ _PUBLIC = _Stages(
     _act.silu_and_mul_quant, unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
     _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather,
 )  # fmt: skip
+# off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
+# less the row checks of tensors the chain's own permute / ll_scatter wrote
+_CHAINED = _PUBLIC._replace(unpermute=_unpermute_chained, ll_gather=_ml._ll_gather_chained)
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
     _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute_trusted,
@@ -356,12 +359,13 @@ class EPMoE(nn.Module):
         -> bf16 `[T, H]`."""
         args = (x, topk_ids, topk_weights, self.hidden_size, self.top_k, self.device)
         # checked once here: on the direct path the stages run without their own checks
-        direct = _eager.calm() and FORWARD.direct(*args) and self._trusts_stages()
+        chained = self._trusts_stages()
+        direct = _eager.calm() and FORWARD.direct(*args) and chained
         if not direct:
             FORWARD.check(*args)
         if self.w1 is None:
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
-        st = _TRUSTED if direct else _PUBLIC
+        st = _TRUSTED if direct else _CHAINED if chained else _PUBLIC
         if self.uses_ll(x.shape[0]):
             return self._forward_ll(st, x, topk_ids, topk_weights)
         return self._forward_ht(st, x, topk_ids, topk_weights)

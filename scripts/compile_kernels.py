@@ -181,6 +181,7 @@ def cases() -> Dict[str, Callable[[], object]]:
                 for lay in ("row", "deepgemm")
             ]
             + [ML._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :512].clone()) for ww in (w, None)]
+            + [ML._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone(), False)]
         ),
         "ll_scatter / ll_gather, asserting": lambda: [
             (
@@ -243,6 +244,7 @@ def cases() -> Dict[str, Callable[[], object]]:
             for _ in _within(_asserting())
         ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
+        "unpermute, no row check": lambda: U._unpermute_triton(y2, inv, w, False),
         # as a CUDA launch makes it: the rows asserted inside (debug build)
         "unpermute, asserting": lambda: [
             U._unpermute_triton(y2, inv, w) for _ in _within(_asserting())

@@ -202,10 +202,11 @@ def _ll_gather_kernel(
     stride_ye, stride_yc, stride_yh, stride_rt, stride_rk, stride_wt, stride_wk,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr,
-    ASSERT: tl.constexpr,
+    ASSERT: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, c): column chunk c of out[t]. Chunk 0 also checks t's rows: it clears ok on a
-    row outside [0, E*C) other than -1, or with ASSERT (a debug=True build) asserts them."""
+    """Program (t, c): column chunk c of out[t]. With CHECK, chunk 0 also checks t's rows: it
+    clears ok on a row outside [0, E*C) other than -1, or with ASSERT (a debug=True build)
+    asserts them."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -222,12 +223,14 @@ def _ll_gather_kernel(
         else:
             acc += v.to(tl.float32)
     tl.store(out_ptr + t * H + cols, round_float(acc, out_ptr.dtype.element_ty), mask=cols < H)
-    if c == 0:
-        kk = tl.arange(0, K_PAD)
-        rr = tl.load(rows_ptr + t * stride_rt + kk * stride_rk, mask=kk < K, other=-1)
-        bad = _bad_rows(rr, NROWS, ASSERT, "ll_gather: rows expected rows in [0, E*C) or -1")
-        if not ASSERT:
-            tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
+    if CHECK:
+        if c == 0:
+            kk = tl.arange(0, K_PAD)
+            rr = tl.load(rows_ptr + t * stride_rt + kk * stride_rk, mask=kk < K, other=-1)
+            msg: tl.constexpr = "ll_gather: rows expected rows in [0, E*C) or -1"
+            bad = _bad_rows(rr, NROWS, ASSERT, msg)
+            if not ASSERT:
+                tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
 
 
 # ----------------------------------------------------------------------------- host-side helpers
@@ -316,13 +319,19 @@ def _ll_scatter_triton(
 
 @_eager.on_input_device
 def _ll_gather_launch(
-    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor], out: torch.Tensor
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    out: torch.Tensor,
+    check: bool = True,
 ) -> None:
-    """ll_gather into a contiguous bf16 ``out`` on CUDA (or CPU tensors under the interpreter)."""
+    """ll_gather into a contiguous bf16 ``out`` on CUDA (or CPU tensors under the interpreter);
+    check=False: no row check (rows from ll_scatter in the same chain)."""
     T, K = rows.shape
     E, C, H = y.shape
-    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(y))
-    ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
+    in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
+    flag = check and not in_kernel
+    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else out  # (out: unused)
     w = topk_weights if topk_weights is not None else rows  # placeholder, never read
     sw = topk_weights.stride() if topk_weights is not None else (0, 0)
     block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)
@@ -330,10 +339,10 @@ def _ll_gather_launch(
         y, rows, w, out, ok, H, C, E * C,
         y.stride(0), y.stride(1), y.stride(2), rows.stride(0), rows.stride(1), sw[0], sw[1],
         K=K, K_PAD=_launch.pow2(max(K, 1)), BLOCK_H=block,
-        HAS_W=topk_weights is not None, ASSERT=in_kernel, num_warps=4,
+        HAS_W=topk_weights is not None, ASSERT=in_kernel, CHECK=check, num_warps=4,
         **_checks.assert_build(in_kernel),
     )  # fmt: skip
-    if not in_kernel:
+    if flag:
         _checks.check_values(ok, "ll_gather", "rows", f"rows in [0, {E * C}) or -1")
 
 
@@ -457,16 +466,16 @@ GATHER_OUT = Contract(
 )
 
 
-def _ll_gather_cuda(y, rows, topk_weights=None):
+def _ll_gather_cuda(y, rows, topk_weights=None, check=True):
     out = torch.empty((rows.shape[0], y.shape[2]), dtype=torch.bfloat16, device=y.device)
-    _ll_gather_launch(y, rows, topk_weights, out)
+    _ll_gather_launch(y, rows, topk_weights, out, check)
     return out
 
 
-def _ll_gather_impl(y, rows, topk_weights=None):
+def _ll_gather_impl(y, rows, topk_weights=None, check=True):
     GATHER.check(y, rows, topk_weights)
     if y.is_cuda:
-        return _ll_gather_cuda(y, rows, topk_weights)
+        return _ll_gather_cuda(y, rows, topk_weights, check)
     return reference.ll_gather(y, rows, topk_weights)
 
 
@@ -480,9 +489,12 @@ def _ll_gather_out_impl(y, rows, topk_weights, out) -> None:
 
 @triton_op("epmoe::ll_gather", mutates_args=())
 def _ll_gather_op(
-    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
-    return _ll_gather_impl(y, rows, topk_weights)
+    return _ll_gather_impl(y, rows, topk_weights, check)
 
 
 @triton_op("epmoe::ll_gather_out", mutates_args=("out",))
@@ -535,6 +547,12 @@ def _ll_scatter_trusted(
     boundary): the launch without the metadata checks."""
     args = (x, topk_ids, num_experts, capacity, quant, expert_lo, num_global_experts, scale_layout)
     return _eager.run(_ll_scatter_triton, *args)
+
+
+def _ll_gather_chained(y, rows, topk_weights=None):
+    """ll_gather's entry for the layer's chain off the direct path (see
+    epmoe.ops.unpermute._unpermute_chained): rows come from ll_scatter, no row check."""
+    return _ll_gather_op(y, rows, topk_weights, False)
 
 
 def _ll_gather_trusted(y, rows, topk_weights=None):

@@ -56,10 +56,11 @@ def _unpermute_kernel(
     stride_ym, stride_yh, stride_it, stride_ik, stride_wt, stride_wk,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ASSERT: tl.constexpr,
+    CHECK: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, c): column chunk c of out[t]. Chunk 0 also checks t's rows: it clears ok on a
-    row outside [0, R) other than -1, or with ASSERT (a debug=True build) asserts them instead
-    (ok unused)."""
+    """Program (t, c): column chunk c of out[t]. With CHECK, chunk 0 also checks t's rows: it
+    clears ok on a row outside [0, R) other than -1, or with ASSERT (a debug=True build) asserts
+    them instead (ok unused)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -75,29 +76,33 @@ def _unpermute_kernel(
         )
         acc += v.to(tl.float32) * w
     tl.store(out_ptr + t * H + cols, round_float(acc, out_ptr.dtype.element_ty), mask=cols < H)
-    if c == 0:
-        kk = tl.arange(0, K_PAD)
-        rows = tl.load(inv_ptr + t * stride_it + kk * stride_ik, mask=kk < K, other=-1)
-        bad = _bad_rows(rows, R, ASSERT, "unpermute: inv_perm expected rows in [0, M_sum) or -1")
-        if not ASSERT:
-            tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
+    if CHECK:
+        if c == 0:
+            kk = tl.arange(0, K_PAD)
+            rows = tl.load(inv_ptr + t * stride_it + kk * stride_ik, mask=kk < K, other=-1)
+            msg: tl.constexpr = "unpermute: inv_perm expected rows in [0, M_sum) or -1"
+            bad = _bad_rows(rows, R, ASSERT, msg)
+            if not ASSERT:
+                tl.store(ok_ptr + kk * 0, tl.zeros([K_PAD], dtype=tl.int1), mask=bad)
 
 
 # ----------------------------------------------------------------------------- host-side launch
 @_eager.on_input_device
 def _unpermute_triton(
-    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
+    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor, check: bool = True
 ) -> torch.Tensor:
-    """unpermute on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    """unpermute on CUDA (or CPU tensors under TRITON_INTERPRET=1); check=False: no row check
+    (inv_perm from permute in the same chain)."""
     M, K = inv_perm.shape
     H = y.shape[1]
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the rows inside
     # the kernel: one launch, nothing after it; otherwise (torch.compile, the interpreter) the
     # kernel clears the flag on a bad row
-    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(y))
+    in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
     cfg = CONFIG
-    ok = out if in_kernel else torch.ones((), dtype=torch.bool, device=y.device)  # (out: unused)
+    flag = check and not in_kernel
+    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else out  # (out: unused)
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
     block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
@@ -105,10 +110,10 @@ def _unpermute_triton(
         y, inv_perm, topk_weights, out, ok, H, y.shape[0],
         y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
-        K=K, K_PAD=_launch.pow2(K), BLOCK_H=block, ASSERT=in_kernel,
+        K=K, K_PAD=_launch.pow2(K), BLOCK_H=block, ASSERT=in_kernel, CHECK=check,
         num_warps=cfg.warps, **_checks.assert_build(in_kernel),
     )  # fmt: skip
-    if not in_kernel:
+    if flag:
         _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
     return out
 
@@ -123,18 +128,18 @@ CONTRACT = Contract(
 )
 
 
-def _unpermute_impl(y, inv_perm, topk_weights):
+def _unpermute_impl(y, inv_perm, topk_weights, check=True):
     CONTRACT.check(y, inv_perm, topk_weights)
     if y.is_cuda:
-        return _unpermute_triton(y, inv_perm, topk_weights)
-    return reference.unpermute(y, inv_perm, topk_weights)
+        return _unpermute_triton(y, inv_perm, topk_weights, check)
+    return reference.unpermute(y, inv_perm, topk_weights)  # (CPU: checks the rows for free)
 
 
 @triton_op("epmoe::unpermute", mutates_args=())
 def _unpermute_op(
-    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor
+    y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor, check: bool = True
 ) -> torch.Tensor:
-    return _unpermute_impl(y, inv_perm, topk_weights)
+    return _unpermute_impl(y, inv_perm, topk_weights, check)
 
 
 # CPU kernel: the same function, which takes its reference branch for CPU tensors
@@ -155,6 +160,13 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
     if _eager.direct(y, inv_perm, topk_weights):
         return _eager.run(_unpermute_impl, y, inv_perm, topk_weights)
     return _unpermute_op(y, inv_perm, topk_weights)
+
+
+def _unpermute_chained(y, inv_perm, topk_weights):
+    """The layer's entry off the direct path (torch.compile, ...) when nothing replaces permute's
+    output: the op with its metadata checks but without the row check (permute writes only rows
+    or -1), so a compiled chain has no flag or assert for it."""
+    return _unpermute_op(y, inv_perm, topk_weights, False)
 
 
 def _unpermute_trusted(y, inv_perm, topk_weights):

@@ -239,6 +239,7 @@ def test_opcheck_gather():
     w = random_weights(5, 2, gen)
     opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, w))
     opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, None))
+    opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, w, False))
     out = torch.empty((5, 64), dtype=torch.bfloat16)
     opcheck(torch.ops.epmoe.ll_gather_out.default, (y, rows, w, out))
 

@@ -127,6 +127,8 @@ def test_gather(weighted, blocks):
     assert torch.equal(out, reference.ll_gather(y, rows, w))
     M._ll_gather_launch(y, rows.long(), w, out)
     assert torch.equal(out, L.gather_oracle(y, rows, w))
+    M._ll_gather_launch(y, rows, w, out, False)  # the chain's unchecked launch: same bytes
+    assert torch.equal(out, L.gather_oracle(y, rows, w))
 
 
 def test_gather_bad_row_raises():
@@ -136,6 +138,7 @@ def test_gather_bad_row_raises():
         rows = torch.tensor([[0, 5], [-1, bad]], dtype=torch.int32)
         with pytest.raises(ValueError, match=r"ll_gather: rows expected rows in \[0, 6\) or -1"):
             M._ll_gather_launch(y, rows, None, out)
+        M._ll_gather_launch(y, rows, None, out, False)  # unchecked: no error, the row never read
 
 
 def test_roundtrip(blocks):

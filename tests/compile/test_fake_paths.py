@@ -170,8 +170,13 @@ for H in (512, _u.CONFIG.block_bytes, 7168):
             case(f"unpermute-{dt}-H{H}-M{M}", "unpermute",
                  [_t((4 * 128 + 9 * M, H), dt), _t((_rows(M), 8), "int32"),
                   _t((_rows(M), 8), "float32")],
-                 [("_unpermute_kernel", {})],
+                 [("_unpermute_kernel", {"CHECK": True})],
                  kinds=ALL if M == 300 and dt == "bfloat16" else STATIC)  # fmt: skip
+# the layer's chain: no row check (inv_perm from its own permute)
+case("unpermute-unchecked", "unpermute",
+     [_t((4 * 128 + 9 * 300, 512), "bfloat16"), _t((_rows(300), 8), "int32"),
+      _t((_rows(300), 8), "float32"), False],
+     [("_unpermute_kernel", {"CHECK": False})])  # fmt: skip
 
 # ll_scatter / ll_gather (epmoe.comm.masked_layout, the one-rank LL chain): scatter rows in column
 # chunks past TILE (bf16), 32 groups (fp8), INT8_SINGLE_MAX (int8, else one program a row), both
@@ -191,7 +196,11 @@ for H in (512, _ml.GATHER_BYTES // 2 + 128):
         w = _t((_rows(300), 8), "float32") if weighted else None
         case(f"ll_gather-H{H}-w{weighted}", "ll_gather",
              [_t((16, 512, H), "bfloat16"), _t((_rows(300), 8), "int32"), w],
-             [("_ll_gather_kernel", {"HAS_W": weighted})])  # fmt: skip
+             [("_ll_gather_kernel", {"HAS_W": weighted, "CHECK": True})])  # fmt: skip
+case("ll_gather-unchecked", "ll_gather",
+     [_t((16, 512, 512), "bfloat16"), _t((_rows(300), 8), "int32"), _t((_rows(300), 8), "float32"),
+      False],
+     [("_ll_gather_kernel", {"HAS_W": True, "CHECK": False})])  # fmt: skip
 
 # grouped GEMMs: custom ops, opaque to the compiler (their fakes run; the CUDA kernels, deep_gemm
 # or the int8 Triton GEMMs, never see a fake tensor): both layouts, every scheme, trusted or not

@@ -36,6 +36,7 @@ def test_unpermute_opcheck(seed):
     y = torch.randn(16, 8).bfloat16()
     inv = torch.randint(-1, 16, (5, 2), dtype=torch.int32)
     opcheck(torch.ops.epmoe.unpermute.default, (y, inv, torch.rand(5, 2)))
+    opcheck(torch.ops.epmoe.unpermute.default, (y, inv, torch.rand(5, 2), False))
 
 
 @pytest.mark.parametrize(

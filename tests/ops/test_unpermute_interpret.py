@@ -72,3 +72,17 @@ def test_bad_rows_raise():
     y = torch.zeros((4, 8))
     with pytest.raises(ValueError, match=r"unpermute: inv_perm expected ids in \[0, 4\) or -1"):
         U._unpermute_triton(y, torch.tensor([[0, 4]], dtype=torch.int32), torch.ones((1, 2)))
+
+
+def test_unchecked_launch_same_bytes_no_flag():
+    """check=False (the layer's chain off the direct path): the same output, no row check, and a
+    row past M_sum is still never read (its term is 0)."""
+    gen = torch.Generator().manual_seed(5)
+    y, inv, w = _inputs(6, 3, 12, 24, torch.bfloat16, gen)
+    C.assert_equal(U._unpermute_triton(y, inv, w, False), U._unpermute_triton(y, inv, w), "out")
+    bad = inv.clone()
+    bad[0, 0] = 12
+    out = U._unpermute_triton(y, bad, w, False)  # no ValueError: nothing checks
+    fixed = bad.clone()
+    fixed[0, 0] = -1
+    C.assert_equal(out, U._unpermute_triton(y, fixed, w), "out")
