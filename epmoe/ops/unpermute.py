@@ -10,7 +10,8 @@ Contract: ``out = unpermute(y, inv_perm, topk_weights)``
 CUDA-graph safe. One program per (token, column chunk) gathers its K rows (rows of -1 entries are
 never read) and writes the sum once, rounded to nearest even. Rows outside [0, M_sum) other than
 -1 are an error (ValueError on CPU; on CUDA a device assert inside the kernel, ValueError in
-debug mode; under torch.compile an async assert after the kernel); they are never read.
+debug mode; under torch.compile an async assert after the kernel); they are never read. The op's
+``check=False`` (the layer's own chain: inv_perm from its permute) skips that check.
 """
 
 import dataclasses
