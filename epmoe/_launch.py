@@ -89,12 +89,11 @@ class _Plain:
 class _Direct:
     """Cached launches of one JITFunction (see the module doc)."""
 
-    __slots__ = ("fn", "cache", "n_params", "runtime", "defaults")
+    __slots__ = ("fn", "cache", "runtime", "defaults")
 
     def __init__(self, fn):
         self.fn = fn
         self.cache: Dict[Tuple, Any] = {}
-        self.n_params = len(fn.arg_names)
         self.runtime = {p.name for p in fn.params if not p.is_constexpr}
         self.defaults = {p.name: p.default for p in fn.params}
 
@@ -122,9 +121,9 @@ class _Direct:
     def _first(self, grid, args, meta, key) -> None:
         """Triton's own launch (it compiles on a miss); the compiled kernel is kept for the key."""
         compiled = self.fn[grid](*args, **meta)
-        names = self.fn.arg_names[len(args) :]
         if compiled is None or any(n in self.runtime for n in meta):
             return  # (a runtime argument by keyword: its value would be part of the key)
+        names = self.fn.arg_names[len(args) :]
         rest = tuple(meta[n] if n in meta else self.defaults[n] for n in names)
         self.cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, rest)
 
