@@ -471,8 +471,8 @@ def _share_weights(dst, src) -> None:
 
 
 def _path(layer, tokens: int) -> str:
-    if hasattr(layer, "uses_ll"):
-        return "ll" if layer.uses_ll(tokens) else "ht"
+    if hasattr(layer, "path"):
+        return layer.path(tokens)
     return layer.mode
 
 

@@ -35,6 +35,7 @@ from epmoe.ops import activation as _act
 from epmoe.ops import combine as _combine
 from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
+from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
 from epmoe.ops.permute import _permute_trusted, permute
 from epmoe.ops.quantize import _quantize_trusted, quantize
@@ -46,6 +47,10 @@ MODES = ("ht", "ll", "auto")
 # mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
 # crossover is on benchmarks/results/h200/RESULTS.md)
 AUTO_LL_MAX_TOKENS = 512
+# mode="auto" on one rank (local backend): calls of at most this many tokens run the per-choice
+# GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound), more tokens the LL / HT layouts (the
+# measured crossover is on benchmarks/results/h200/RESULTS.md)
+AUTO_GEMV_MAX_TOKENS = 4
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
@@ -56,7 +61,9 @@ LL_STAGES = ("ll_dispatch", "quantize", "gemm1", "act", "gemm2", "ll_combine")
 # one rank, local backend: HT has no dispatch / combine; LL scatters and gathers instead
 LOCAL_HT_STAGES = ("quantize", "permute", "gemm1", "act", "gemm2", "unpermute")
 LOCAL_LL_STAGES = ("ll_scatter", "gemm1", "act", "gemm2", "ll_gather")
-STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + LOCAL_LL_STAGES))
+# one rank, mode "auto", a few tokens: the per-choice GEMVs
+GEMV_STAGES = ("gemv_gate_up", "gemv_down")
+STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + LOCAL_LL_STAGES + GEMV_STAGES))
 
 FORWARD = Contract(
     OP,
@@ -88,6 +95,8 @@ class _Stages(NamedTuple):
     ll_combine: Callable
     ll_scatter: Callable
     ll_gather: Callable
+    gemv_gate_up: Callable
+    gemv_down: Callable
 
 
 # the public ops: each checks its inputs (CPU, torch.compile, tensors needing grad, ...)
@@ -95,17 +104,22 @@ _PUBLIC = _Stages(
     quantize, _dispatch.ht_dispatch, permute,
     functools.partial(gemm.grouped_gemm, trusted=True), _act.silu_and_mul,
     _act.silu_and_mul_quant, unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
-    _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather,
+    _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up, _gemv.gemv_down,
 )  # fmt: skip
 # off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
 # less the row checks of tensors the chain's own permute / ll_scatter wrote
-_CHAINED = _PUBLIC._replace(unpermute=_unpermute_chained, ll_gather=_ml._ll_gather_chained)
+_CHAINED = _PUBLIC._replace(
+    unpermute=_unpermute_chained,
+    ll_gather=_ml._ll_gather_chained,
+    gemv_down=_gemv._gemv_down_chained,
+)
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
     _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute_trusted,
     gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
     _unpermute_trusted, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
     _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
+    _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
 )  # fmt: skip
 
 
@@ -366,6 +380,8 @@ class EPMoE(nn.Module):
         if self.w1 is None:
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
         st = _TRUSTED if direct else _CHAINED if chained else _PUBLIC
+        if self.uses_gemv(x.shape[0]):
+            return self._forward_gemv(st, x, topk_ids, topk_weights)
         if self.uses_ll(x.shape[0]):
             return self._forward_ll(st, x, topk_ids, topk_weights)
         return self._forward_ht(st, x, topk_ids, topk_weights)
@@ -382,6 +398,17 @@ class EPMoE(nn.Module):
         if self.mode == "auto":
             return num_tokens <= self.ll_max_tokens
         return self.mode == "ll"
+
+    def uses_gemv(self, num_tokens) -> bool:
+        """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
+        rank (local backend) with at most AUTO_GEMV_MAX_TOKENS tokens (a function of the shape)."""
+        return self.mode == "auto" and self.local and num_tokens <= AUTO_GEMV_MAX_TOKENS
+
+    def path(self, num_tokens) -> str:
+        """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""
+        if self.uses_gemv(num_tokens):
+            return "gemv"
+        return "ll" if self.uses_ll(num_tokens) else "ht"
 
     @contextlib.contextmanager
     def record_stages(self, replace: Optional[Dict[str, Callable]] = None):
@@ -555,6 +582,12 @@ class EPMoE(nn.Module):
         y = self._experts_ll(st, a, s, d.masked_m)
         out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
         return self._emit("ll_combine", out)
+
+    def _forward_gemv(self, st, x, topk_ids, topk_weights):
+        """One rank, a few tokens: gate/up GEMVs + SiLU, then down GEMVs + the weighted sum."""
+        h = self._emit("gemv_gate_up", st.gemv_gate_up(x, topk_ids, self.w1, self.w1_scale))
+        out = st.gemv_down(h, topk_ids, topk_weights, self.w2, self.w2_scale)
+        return self._emit("gemv_down", out)
 
     def _experts_ll(self, st, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""

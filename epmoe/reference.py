@@ -249,6 +249,60 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
     return (rows * w.unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
+# ---------------------------------------------------------------------------- per-choice GEMVs
+_WEIGHT_SCHEME = {torch.bfloat16: "bf16", FP8_DTYPE: "fp8", torch.int8: "int8"}
+
+
+def _quantized_rows(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """x bf16 `[..., D]` as the scheme's GEMM reads it, in float32 (quantized and dequantized)."""
+    return x.float() if scheme == "bf16" else dequantize(*quantize(x, scheme))
+
+
+def _choice_weights(w: torch.Tensor, s: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """float32 `[T, K, N, Kd]`: the weights of each choice's expert (expert 0 for -1)."""
+    e = ids.clamp(min=0).long().flatten()
+    wf = dequantize_weights(w[e], None if s is None else s[e])
+    return wf.reshape(*ids.shape, *w.shape[1:])
+
+
+def gemv_gate_up(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x bf16 `[T, H]`, topk_ids `[T, K]` local expert or -1, w1 `[E, 2I, H]` (bf16, or fp8 /
+    int8 with their scales) -> bf16 `[T, K, I]`: silu_and_mul of the bf16-rounded product of x,
+    quantized per the weights' scheme, with each choice's expert; rows of -1 choices zero."""
+    scheme = _WEIGHT_SCHEME[w1.dtype]
+    xf = _quantized_rows(x, scheme)  # [T, H]
+    wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, 2I, H]
+    y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16)
+    h = silu_and_mul(y)
+    return torch.where((topk_ids >= 0).unsqueeze(-1), h, 0.0).to(torch.bfloat16)
+
+
+def gemv_down(
+    h: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """h bf16 `[T, K, I]`, topk_ids `[T, K]` local expert or -1, topk_weights float `[T, K]`, w2
+    `[E, H, I]` -> bf16 `[T, H]`: sum_k w[t,k] * bf16(h^[t,k] . W2[e]^T) over live choices in
+    float32 (k order), h^ = h quantized per the weights' scheme."""
+    scheme = _WEIGHT_SCHEME[w2.dtype]
+    hf = _quantized_rows(h, scheme)  # [T, K, I]
+    wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, H, I]
+    y = torch.einsum("tki,tkni->tkn", hf, wf).to(torch.bfloat16).float()
+    w = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
+    out = torch.zeros((h.shape[0], w2.shape[1]), dtype=torch.float32, device=h.device)
+    for k in range(h.shape[1]):  # k ascending, as unpermute sums
+        out = out + w[:, k : k + 1] * y[:, k]
+    return out.to(torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------- whole layer
 def dense_moe(
     x: torch.Tensor,

@@ -47,6 +47,7 @@ U = importlib.import_module("epmoe.ops.unpermute")
 G = importlib.import_module("epmoe.ops.gemm._int8")
 R = importlib.import_module("epmoe._range")
 ML = importlib.import_module("epmoe.comm.masked_layout")
+GV = importlib.import_module("epmoe.ops.gemv")
 
 TARGET = GPUTarget("cuda", 90, 32)
 _DTYPES = {
@@ -249,6 +250,19 @@ def cases() -> Dict[str, Callable[[], object]]:
         "unpermute, asserting": lambda: [
             U._unpermute_triton(y2, inv, w) for _ in _within(_asserting())
         ],
+        # qwen3-sized decode weights (torch.empty: nothing is touched), every scheme, with and
+        # without the id check, and asserting as CUDA launches do
+        "gemv gate_up / down bf16/fp8/int8": lambda: [
+            _gemv_pair(sch, check, T)
+            for sch in ("bf16", "fp8", "int8")
+            for check in (True, False)
+            for T in (1, 4)
+        ],
+        "gemv gate_up / down, asserting": lambda: [
+            _gemv_pair(sch, True, 1)
+            for sch in ("bf16", "fp8", "int8")
+            for _ in _within(_asserting())
+        ],
         "range check": lambda: _launch.kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
@@ -273,6 +287,21 @@ def cases() -> Dict[str, Callable[[], object]]:
             ok=torch.empty((), dtype=torch.bool),
         ),  # fmt: skip
     }
+
+
+def _gemv_pair(scheme: str, check: bool, T: int):
+    E, H, I, K = 128, 2048, 768, 8
+    dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[scheme]
+    s1 = s2 = None
+    if scheme == "fp8":
+        s1, s2 = torch.empty((E, 2 * I // 128, H // 128)), torch.empty((E, H // 128, I // 128))
+    elif scheme == "int8":
+        s1, s2 = torch.empty((E, 2 * I)), torch.empty((E, H))
+    x = torch.empty((T, H), dtype=torch.bfloat16)
+    ids = torch.zeros((T, K), dtype=torch.int64)
+    h = GV._gemv_gate_up_triton(x, ids, torch.empty((E, 2 * I, H), dtype=dt), s1, check)
+    w2 = torch.empty((E, H, I), dtype=dt)
+    return h, GV._gemv_down_triton(h, ids, torch.rand((T, K)), w2, s2, check)
 
 
 def resources(compiled) -> str:

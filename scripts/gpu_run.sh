@@ -2,7 +2,7 @@
 # One device session (1x or 2x H200): environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
 # (the device's .git may be stale: carry .tree-rev, written here by `git describe --always --dirty > .tree-rev`)
-# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo diag diag_compile (EPMOE_CAP_<step> caps one step's seconds)
+# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo diag diag_compile gemv_sweep (EPMOE_CAP_<step> caps one step's seconds)
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
@@ -51,6 +51,10 @@ for step in "$@"; do
     demo)
       timeout $((t - 10)) python3 -m epmoe demo ${EPMOE_DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
       echo "demo rc=$?" >> "$OUT/summary.txt" ;;
+    gemv_sweep)
+      timeout $((t - 10)) python3 scripts/gemv_sweep.py --out "$OUT/gemv_sweep.jsonl" \
+        --budget-s $((t - 60)) ${EPMOE_GEMV_ARGS:-} > "$OUT/gemv_sweep.log" 2>&1
+      echo "gemv_sweep rc=$?" >> "$OUT/summary.txt" ;;
     diag)
       timeout $((t - 10)) python3 scripts/diag_layer.py ${EPMOE_DIAG_ARGS:-} > "$OUT/diag_layer.log" 2>&1
       echo "diag rc=$?" >> "$OUT/summary.txt" ;;

@@ -7,6 +7,7 @@ from epmoe.ops.activation import silu_and_mul, silu_and_mul_quant
 from epmoe.ops.combine import ht_combine, ll_combine
 from epmoe.ops.dispatch import HTDispatchResult, LLDispatchResult, ht_dispatch, ll_dispatch
 from epmoe.ops.gemm import grouped_gemm
+from epmoe.ops.gemv import gemv_down, gemv_gate_up
 from epmoe.ops.permute import PermuteResult, permute
 from epmoe.ops.quantize import quantize
 from epmoe.ops.unpermute import unpermute
@@ -15,6 +16,8 @@ __all__ = [
     "HTDispatchResult",
     "LLDispatchResult",
     "PermuteResult",
+    "gemv_down",
+    "gemv_gate_up",
     "grouped_gemm",
     "ht_combine",
     "ht_dispatch",

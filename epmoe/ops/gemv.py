@@ -1,0 +1,525 @@
+"""Stage: per-choice expert GEMVs, the few-token decode path on one rank.
+
+With a handful of tokens, every (token, choice) row multiplies its own expert's weights: no
+permute, no masked layout, no grid sized for all experts. Two kernels run the whole expert MLP,
+quantization of the activations fused where the scheme asks for it. Each choice reads its
+expert's weights once, so for T * K well below the expert count the weight stream is the floor
+(a grouped GEMM's row tiles would be almost empty); two choices of one expert read it twice.
+
+Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``I`` intermediate, ``E`` local experts.
+
+Contract: ``h = gemv_gate_up(x, topk_ids, w1, w1_scales=None)``
+
+- x: bf16 `[T, H]`; topk_ids: int32/int64 `[T, K]`, local expert in [0, E) or -1 (skipped).
+- w1 `[E, 2I, H]` (gate rows, then up rows) as :func:`epmoe.ops.gemm.prepare_weights` keeps it:
+  bf16 (w1_scales None), float8_e4m3fn with float32 `[E, 2I/128, H/128]` block scales (H and I
+  multiples of 128), or int8 with float32 `[E, 2I]` per-channel scales.
+- h bf16 `[T, K, I]`: silu(g) * u rounded to bf16, where g, u are the bf16-rounded products of x
+  (quantized exactly as :func:`epmoe.ops.quantize` does for the scheme: fp8 per 128 channels,
+  int8 per token) with the expert's gate and up rows, float32 accumulation (int8: int32), as the
+  chain quantize -> grouped GEMM -> silu_and_mul computes them. Rows of -1 choices are zero.
+
+Contract: ``out = gemv_down(h, topk_ids, topk_weights, w2, w2_scales=None)``
+
+- h: bf16 `[T, K, I]`; topk_ids as above; topk_weights float `[T, K]`; w2 `[E, H, I]` of the same
+  schemes (fp8 scales `[E, H/128, I/128]`, int8 `[E, H]`).
+- out bf16 `[T, H]` = sum_k w[t,k] * bf16(h^[t,k] . W2[e]^T) over live choices, float32 in k order,
+  rounded once; h^ is h quantized as silu_and_mul_quant quantizes it (fp8 per 128 channels, int8
+  per row), so the pair computes what quantize -> GEMM -> silu_and_mul_quant -> GEMM -> unpermute
+  computes, up to the GEMMs' summation order.
+
+Both are one launch and CUDA-graph safe (static shapes and grids, no host sync, no atomics). Ids
+outside [0, E) other than -1 are an error: ValueError on CPU; on CUDA a device assert inside the
+kernel on direct launches (ValueError in debug mode), an async assert after it under
+torch.compile; a bad id is never read through. ``check=False`` (the layer's gemv_down, whose ids
+gemv_gate_up checked) skips the check.
+"""
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
+from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
+from epmoe.ops._activation_kernels import _silu_h  # by name: Inductor copies @triton.jit callees
+
+OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
+_QCODE = {torch.bfloat16: 0, reference.FP8_DTYPE: 1, torch.int8: 2}
+_FAST_MATH = not _launch._INTERPRET  # MUFU SiLU on the GPU (see _activation_kernels._silu_mul)
+GROUP = 128  # fp8 channels per activation scale and per weight block
+
+
+# ------------------------------------------------------------------------------ launch config
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the two GEMV kernels (design notes: docs/kernels.md)."""
+
+    up_block_n: int = 16  # output columns per program: T*K*I/16 programs keep every SM streaming
+    up_block_k: int = 512  # reduction step: two [16, 512] weight tiles in flight per program
+    up_warps: int = 4
+    down_block_n: int = 16  # H/16 programs per token, each streaming K experts' rows
+    down_block_k: int = 256
+    down_warps: int = 4
+    check_ids: int = 1024  # ids per step of the check program
+
+
+CONFIG = GemvConfig()
+
+
+def override(**fields):
+    """Context manager: the GEMV kernels launch with these CONFIG fields inside the block."""
+    return _config.override(__name__, **fields)
+
+
+# -------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _bad_ids(v, inb, E):
+    """1 where loaded ids ``v`` (in bounds where ``inb``) lie outside [0, E) other than -1."""
+    return (inb & ((v < -1) | (v >= E))).to(tl.int32)
+
+
+@triton.jit
+def _dot_rows(xv, w, QUANT: tl.constexpr):
+    """Row sums of w `[BLOCK_N, BLOCK_K]` times the activation chunk xv `[1, BLOCK_K]` (codes for
+    fp8 / int8): float32, int32 for int8 (exact)."""
+    if QUANT == 2:
+        return tl.sum(w.to(tl.int32) * xv.to(tl.int32), axis=1)
+    else:
+        return tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    # tensors
+    x_ptr, ids_ptr, w_ptr, ws_ptr, h_ptr, ok_ptr,
+    # sizes
+    T, H, I, E,
+    # strides (elements)
+    stride_xt, stride_xh, stride_it, stride_ik, stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn, stride_sh,
+    # meta
+    K: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Program (c, n): columns [n * BLOCK_N, +BLOCK_N) of h for choice c = t * K + k; with CHECK
+    program (T * K, 0) checks every id (asserts them with ASSERT, else writes ok)."""
+    pid = tl.program_id(0)
+    nb = tl.program_id(1)
+    if pid >= T * K:  # only launched with CHECK
+        if nb == 0:
+            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
+            for b0 in range(0, T * K, CHECK_IDS):
+                pos = b0 + tl.arange(0, CHECK_IDS)
+                inb = pos < T * K
+                v = tl.load(
+                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
+                    mask=inb,
+                    other=-1,
+                )
+                n_bad += _bad_ids(v, inb, E)
+            bad = tl.sum(n_bad, axis=0)
+            if ASSERT:
+                tl.device_assert(bad == 0, "gemv_gate_up: topk_ids expected ids in [0, E) or -1")
+            else:
+                tl.store(ok_ptr, bad == 0)
+    else:
+        t = (pid // K).to(tl.int64)
+        e = tl.load(ids_ptr + t * stride_it + (pid % K) * stride_ik)
+        live = (e >= 0) & (e < E)
+        e64 = tl.where(live, e, 0).to(tl.int64)
+        hi = tl.where(live, H, 0)  # a skipped (or bad) choice reads nothing: h = silu(0) * 0
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        rk = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + t * stride_xt
+        wg = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        wu = wg + I * stride_wn
+        if QUANT == 0:
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + rk
+                m = n_ok[:, None] & (kk < hi)[None, :]
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)[None, :]
+                acc_g += _dot_rows(xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
+                acc_u += _dot_rows(xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
+        elif QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            ci = tl.arange(0, 128)
+            sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+            su = sg + (I // 128) * stride_sn
+            for k0 in range(0, H, BLOCK_K):
+                for gg in tl.static_range(BLOCK_K // 128):
+                    kk = k0 + gg * 128 + ci
+                    g_live = k0 + gg * 128 < hi
+                    m = n_ok[:, None] & (kk < hi)[None, :]
+                    xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                    q, s = _quant_fp8_groups(xv.to(tl.float32)[None, :])
+                    blk = (k0 // 128 + gg) * stride_sh
+                    s_g = tl.load(sg + blk, mask=g_live, other=0.0) * s
+                    s_u = tl.load(su + blk, mask=g_live, other=0.0) * s
+                    pg = _dot_rows(q, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0.0), 1)
+                    pu = _dot_rows(q, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0.0), 1)
+                    acc_g += pg * s_g
+                    acc_u += pu * s_u
+        else:  # int8: x quantized per token (its amax over the whole row first, from L2)
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + rk
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+            s = _int8_scale(tl.max(amax, axis=0)[None])
+            acc_gi = tl.zeros([BLOCK_N], dtype=tl.int32)
+            acc_ui = tl.zeros([BLOCK_N], dtype=tl.int32)
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + rk
+                m = n_ok[:, None] & (kk < hi)[None, :]
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                q = _quant_int8(xv.to(tl.float32)[None, :], s)
+                acc_gi += _dot_rows(q, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), 2)
+                acc_ui += _dot_rows(q, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), 2)
+            cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
+            s_g = tl.load(cs, mask=n_ok, other=0.0)
+            s_u = tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
+            acc_g = acc_gi.to(tl.float32) * s * s_g
+            acc_u = acc_ui.to(tl.float32) * s * s_u
+        g = round_float(acc_g, tl.bfloat16)
+        u = round_float(acc_u, tl.bfloat16)
+        h = _silu_h(g, u, FAST)
+        tl.store(h_ptr + pid.to(tl.int64) * I + offs_n, h.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    # tensors
+    h_ptr, ids_ptr, tw_ptr, w_ptr, ws_ptr, out_ptr, ok_ptr,
+    # sizes
+    T, H, I, E,
+    # strides (elements)
+    stride_it, stride_ik, stride_tt, stride_tk, stride_we, stride_wn, stride_wi,
+    stride_se, stride_sn, stride_si,
+    # meta
+    K: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr,
+):  # fmt: skip
+    """Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of out[t], its K choices in order; with
+    CHECK program (T, 0) checks every id."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    if t >= T:  # only launched with CHECK
+        if nb == 0:
+            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
+            for b0 in range(0, T * K, CHECK_IDS):
+                pos = b0 + tl.arange(0, CHECK_IDS)
+                inb = pos < T * K
+                v = tl.load(
+                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
+                    mask=inb,
+                    other=-1,
+                )
+                n_bad += _bad_ids(v, inb, E)
+            bad = tl.sum(n_bad, axis=0)
+            if ASSERT:
+                tl.device_assert(bad == 0, "gemv_down: topk_ids expected ids in [0, E) or -1")
+            else:
+                tl.store(ok_ptr, bad == 0)
+    else:
+        t64 = t.to(tl.int64)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(K):  # k ascending, as unpermute sums
+            e = tl.load(ids_ptr + t64 * stride_it + k * stride_ik)
+            live = (e >= 0) & (e < E)
+            e64 = tl.where(live, e, 0).to(tl.int64)
+            hi = tl.where(live, I, 0)
+            wt = tl.load(tw_ptr + t64 * stride_tt + k * stride_tk).to(tl.float32)
+            h_row = h_ptr + (t64 * K + k) * I
+            wr = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            if QUANT == 0:
+                part = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    kk = k0 + rk
+                    m = n_ok[:, None] & (kk < hi)[None, :]
+                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)[None, :]
+                    part += _dot_rows(
+                        hv, tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0.0), 0
+                    )
+            elif QUANT == 1:
+                part = tl.zeros([BLOCK_N], dtype=tl.float32)
+                ci = tl.arange(0, 128)
+                sr = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+                for k0 in range(0, I, BLOCK_K):
+                    for gg in tl.static_range(BLOCK_K // 128):
+                        kk = k0 + gg * 128 + ci
+                        m = n_ok[:, None] & (kk < hi)[None, :]
+                        hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
+                        q, s = _quant_fp8_groups(hv.to(tl.float32)[None, :])
+                        s_w = tl.load(
+                            sr + (k0 // 128 + gg) * stride_si, mask=k0 + gg * 128 < hi, other=0.0
+                        )
+                        w = tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0.0)
+                        part += _dot_rows(q, w, 1) * (s * s_w)
+            else:
+                amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    kk = k0 + rk
+                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
+                    amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
+                s = _int8_scale(tl.max(amax, axis=0)[None])
+                part_i = tl.zeros([BLOCK_N], dtype=tl.int32)
+                for k0 in range(0, I, BLOCK_K):
+                    kk = k0 + rk
+                    m = n_ok[:, None] & (kk < hi)[None, :]
+                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
+                    q = _quant_int8(hv.to(tl.float32)[None, :], s)
+                    w = tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0)
+                    part_i += _dot_rows(q, w, 2)
+                s_w = tl.load(ws_ptr + e64 * stride_se + offs_n * stride_sn, mask=n_ok, other=0.0)
+                part = part_i.to(tl.float32) * s * s_w
+            y = round_float(part, tl.bfloat16).to(tl.float32)
+            acc += tl.where(live, wt, 0.0) * y
+        out = out_ptr + t64 * H + offs_n
+        tl.store(out, round_float(acc, tl.bfloat16), mask=n_ok)
+
+
+# ----------------------------------------------------------------------------- host-side launch
+def _check_setup(t: torch.Tensor, check: bool):
+    """(in-kernel assert?, flag tensor or None): direct CUDA launches assert in the kernel;
+    otherwise the check program writes a flag that an async assert reads."""
+    in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(t))
+    flag = check and not in_kernel
+    ok = torch.empty((), dtype=torch.bool, device=t.device) if flag else None
+    return in_kernel, ok
+
+
+def _block_k(block_k: int, quant: int) -> int:
+    return max(block_k, GROUP) if quant == 1 else block_k
+
+
+@_eager.on_input_device
+def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
+    """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = w1.shape[0], w1.shape[1] // 2
+    h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
+    in_kernel, ok = _check_setup(x, check)
+    cfg = CONFIG
+    quant = _QCODE[w1.dtype]
+    ws = w1_scales if w1_scales is not None else w1
+    ss = (0, 0, 0) if w1_scales is None else (*w1_scales.stride(), 0)[:3]
+    block_n = min(cfg.up_block_n, GROUP) if quant == 1 else cfg.up_block_n
+    grid = (T * K + (1 if check else 0), _launch.cdiv(I, block_n))
+    _launch.kernel(_gemv_gate_up_kernel)[grid](
+        x, topk_ids, w1, ws, h, ok if ok is not None else h,
+        T, H, I, E,
+        x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+        w1.stride(0), w1.stride(1), w1.stride(2), ss[0], ss[1], ss[2],
+        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=_block_k(cfg.up_block_k, quant),
+        CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel, FAST=_FAST_MATH,
+        num_warps=cfg.up_warps, **_checks.assert_build(in_kernel),
+    )  # fmt: skip
+    if ok is not None:
+        _checks.check_values(ok, OP_UP, "topk_ids", f"ids in [0, {E}) or -1")
+    return h
+
+
+@_eager.on_input_device
+def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool = True):
+    """gemv_down on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    T, K, I = h.shape
+    E, H = w2.shape[0], w2.shape[1]
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=h.device)
+    h = h.contiguous()
+    in_kernel, ok = _check_setup(h, check)
+    cfg = CONFIG
+    quant = _QCODE[w2.dtype]
+    ws = w2_scales if w2_scales is not None else w2
+    ss = (0, 0, 0) if w2_scales is None else (*w2_scales.stride(), 0)[:3]
+    block_n = min(cfg.down_block_n, GROUP) if quant == 1 else cfg.down_block_n
+    grid = (T + (1 if check else 0), _launch.cdiv(H, block_n))
+    _launch.kernel(_gemv_down_kernel)[grid](
+        h, topk_ids, topk_weights, w2, ws, out, ok if ok is not None else out,
+        T, H, I, E,
+        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2), ss[0], ss[1], ss[2],
+        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=_block_k(cfg.down_block_k, quant),
+        CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel,
+        num_warps=cfg.down_warps, **_checks.assert_build(in_kernel),
+    )  # fmt: skip
+    if ok is not None:
+        _checks.check_values(ok, OP_DOWN, "topk_ids", f"ids in [0, {E}) or -1")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ ops
+_WEIGHT_DTYPES = tuple(_QCODE)
+_F32 = (torch.float32,)
+
+
+def _weight_steps(w: str, s: str, k_dim: str, fp8_dims):
+    """w `[E, *, k_dim]` of a weight scheme and its scales (see the module contract);
+    ``fp8_dims``: (label, expression) of the sizes fp8 needs in whole 128-blocks."""
+    fp8 = [Multiple(label, expr, GROUP, "for fp8 (128-channel blocks)") for label, expr in fp8_dims]
+    return (
+        Tensor(w, _WEIGHT_DTYPES, shape=(None, None, k_dim)),
+        Case(
+            f"{w}.dtype is BF16",
+            [Rule(f"{s} is None", s, "None for bf16 weights", "a tensor")],
+            [
+                Rule(f"{s} is not None", s, "a float32 tensor for fp8 / int8 weights", "None"),
+                Tensor(s, _F32),
+                Case(
+                    f"{w}.dtype is FP8",
+                    [*fp8, Shape(s, f"({w}.shape[0], {w}.shape[1] // 128, {w}.shape[2] // 128)")],
+                    [Shape(s, f"({w}.shape[0], {w}.shape[1])")],
+                ),
+            ],
+        ),
+    )
+
+
+_CONSTS = dict(BF16=torch.bfloat16, FP8=reference.FP8_DTYPE)
+UP = Contract(
+    OP_UP,
+    "x topk_ids w1 w1_scales",
+    Tensor("x", (torch.bfloat16,), ndim=(2,)),
+    Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("x.shape[0]", None)),
+    Tensor("w1", _WEIGHT_DTYPES, ndim=(3,)),
+    Rule(
+        "w1.shape[1] % 2 == 0",
+        "w1",
+        "shape [E, 2I, H] (an even row count: gate rows, then up rows)",
+        lambda a: list(a.w1.shape),
+    ),
+    *_weight_steps(
+        "w1", "w1_scales", "x.shape[1]", (("H", "w1.shape[2]"), ("I", "w1.shape[1] // 2"))
+    ),
+    consts=_CONSTS,
+)
+DOWN = Contract(
+    OP_DOWN,
+    "h topk_ids topk_weights w2 w2_scales",
+    Tensor("h", (torch.bfloat16,), ndim=(3,)),
+    Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("h.shape[0]", "h.shape[1]")),
+    Tensor("topk_weights", _checks.FLOAT_DTYPES, shape="topk_ids.shape"),
+    *_weight_steps("w2", "w2_scales", "h.shape[2]", (("H", "w2.shape[1]"), ("I", "w2.shape[2]"))),
+    consts=_CONSTS,
+)
+
+
+def _gate_up_impl(x, topk_ids, w1, w1_scales=None, check=True):
+    UP.check(x, topk_ids, w1, w1_scales)
+    if x.is_cuda:
+        return _gemv_gate_up_triton(x, topk_ids, w1, w1_scales, check)
+    if check:
+        _checks.check_ids(topk_ids, w1.shape[0], OP_UP, "topk_ids")
+    return reference.gemv_gate_up(x, topk_ids, w1, w1_scales)
+
+
+def _down_impl(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
+    DOWN.check(h, topk_ids, topk_weights, w2, w2_scales)
+    if h.is_cuda:
+        return _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales, check)
+    if check:
+        _checks.check_ids(topk_ids, w2.shape[0], OP_DOWN, "topk_ids")
+    return reference.gemv_down(h, topk_ids, topk_weights, w2, w2_scales)
+
+
+@triton_op("epmoe::gemv_gate_up", mutates_args=())
+def _gate_up_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
+) -> torch.Tensor:
+    return _gate_up_impl(x, topk_ids, w1, w1_scales, check)
+
+
+@triton_op("epmoe::gemv_down", mutates_args=())
+def _down_op(
+    h: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
+) -> torch.Tensor:
+    return _down_impl(h, topk_ids, topk_weights, w2, w2_scales, check)
+
+
+# CPU kernels: the same functions, which take their reference branch for CPU tensors
+_gate_up_op.register_kernel("cpu")(_gate_up_impl)
+_down_op.register_kernel("cpu")(_down_impl)
+_library.cpu_opaque(_gate_up_op)  # compiled CPU graphs call them: the same bytes as eager
+_library.cpu_opaque(_down_op)
+
+
+def gemv_gate_up(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """SiLU-gated first expert projection of every (token, choice), activations quantized inside.
+
+    Args:
+        x: bf16 `[T, H]`.
+        topk_ids: int32/int64 `[T, K]` local expert or -1.
+        w1: bf16 / float8_e4m3fn / int8 `[E, 2I, H]`, gate rows first (prepare_weights' layout).
+        w1_scales: None (bf16), float32 `[E, 2I/128, H/128]` (fp8) or `[E, 2I]` (int8).
+    Returns:
+        bf16 `[T, K, I]`; rows of -1 choices are zero. CUDA-graph safe.
+    """
+    if _eager.direct(x, topk_ids, w1, w1_scales):
+        return _eager.run(_gate_up_impl, x, topk_ids, w1, w1_scales)
+    return _gate_up_op(x, topk_ids, w1, w1_scales)
+
+
+def gemv_down(
+    h: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Second expert projection of every (token, choice) and the weighted top-k sum.
+
+    Args:
+        h: bf16 `[T, K, I]` (gemv_gate_up's output).
+        topk_ids: int32/int64 `[T, K]` local expert or -1.
+        topk_weights: float `[T, K]`.
+        w2: bf16 / float8_e4m3fn / int8 `[E, H, I]`.
+        w2_scales: None (bf16), float32 `[E, H/128, I/128]` (fp8) or `[E, H]` (int8).
+    Returns:
+        bf16 `[T, H]`, float32 accumulation over k. CUDA-graph safe.
+    """
+    if _eager.direct(h, topk_ids, topk_weights, w2, w2_scales):
+        return _eager.run(_down_impl, h, topk_ids, topk_weights, w2, w2_scales)
+    return _down_op(h, topk_ids, topk_weights, w2, w2_scales)
+
+
+def _gemv_down_chained(h, topk_ids, topk_weights, w2, w2_scales=None):
+    """The layer's entry off the direct path: the op without the id check (gemv_gate_up checked
+    the same ids), so a compiled chain has one check, not two."""
+    return _down_op(h, topk_ids, topk_weights, w2, w2_scales, False)
+
+
+def _gemv_gate_up_trusted(x, topk_ids, w1, w1_scales=None):
+    """The layer's entry on its direct path (inputs checked at the layer's boundary): the launch
+    without the metadata checks; the kernel still asserts the ids."""
+    return _eager.run(_gemv_gate_up_triton, x, topk_ids, w1, w1_scales)
+
+
+def _gemv_down_trusted(h, topk_ids, topk_weights, w2, w2_scales=None):
+    """The layer's direct-path entry after _gemv_gate_up_trusted (same ids): no checks."""
+    return _eager.run(_gemv_down_triton, h, topk_ids, topk_weights, w2, w2_scales, False)

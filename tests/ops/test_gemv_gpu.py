@@ -1,0 +1,149 @@
+"""Per-choice GEMVs on CUDA (Triton kernels) against the CPU reference: every scheme, the decode
+shapes of Qwen3-30B-A3B, -1 and repeated experts, bad ids asserted / flagged, a CUDA graph replay,
+opcheck and torch.compile on CUDA inputs, the layer's gemv path against reference.quantized_moe."""
+
+import pytest
+import torch
+
+import epmoe
+from epmoe import reference
+from epmoe.ops import gemv
+from tests._opcheck import opcheck
+from tests._tol import LAYER_VS_QUANT_AWARE, rel_l2
+from tests.ops import _stage_cases as C
+
+pytestmark = pytest.mark.gpu
+SCHEMES = ("bf16", "fp8", "int8")
+
+
+def _weights(E, H, I, scheme, gen):
+    w1 = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+    w2 = torch.randn((E, H, I), generator=gen) / I**0.5
+    return (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
+
+
+def _routing(T, E, K, gen, neg=0.2):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else (
+        torch.zeros((0, K), dtype=torch.long))  # fmt: skip
+    ids = torch.where(torch.rand((T, K), generator=gen) < neg, -1, ids)
+    return ids, torch.rand((T, K), generator=gen)
+
+
+def _cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _check(scheme, T, E, H, I, K, gen, neg=0.2):
+    w1, s1, w2, s2 = _weights(E, H, I, scheme, gen)
+    x = torch.randn((T, H), generator=gen).bfloat16()
+    ids, tw = _routing(T, E, K, gen, neg)
+    h_ref = reference.gemv_gate_up(x, ids, w1, s1)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            h = gemv.gemv_gate_up(*_cuda(x, ids, w1, s1))
+            torch.cuda.synchronize()
+        C.assert_close(h.cpu(), h_ref)
+    out_ref = reference.gemv_down(h.cpu(), ids, tw, w2, s2)  # the kernel's own h: one rounding
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            out = gemv.gemv_down(h, *_cuda(ids, tw, w2, s2))
+            torch.cuda.synchronize()
+        C.assert_close(out.cpu(), out_ref)
+    return x, ids, tw, (w1, s1, w2, s2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_qwen3_decode_shapes(scheme, T):
+    _check(scheme, T, 128, 2048, 768, 8, torch.Generator().manual_seed(T))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T,neg", [(0, 0.0), (3, 1.0), (5, 0.5)])
+def test_edges(scheme, T, neg):
+    _check(scheme, T, 8, 384, 256, 4, torch.Generator().manual_seed(7), neg)
+
+
+def test_repeated_expert_and_int32_strided_ids():
+    gen = torch.Generator().manual_seed(3)
+    w1, s1, w2, s2 = _weights(4, 256, 128, "fp8", gen)
+    x = torch.randn((3, 256), generator=gen).bfloat16()
+    ids = torch.tensor([[2, 2], [3, -1], [0, 3]], dtype=torch.int32).t().contiguous().t()
+    tw = torch.rand((3, 2), generator=gen)
+    h = gemv.gemv_gate_up(*_cuda(x, ids, w1, s1))
+    C.assert_close(h.cpu(), reference.gemv_gate_up(x, ids, w1, s1))
+    out = gemv.gemv_down(h, *_cuda(ids, tw, w2, s2))
+    C.assert_close(out.cpu(), reference.gemv_down(h.cpu(), ids, tw, w2, s2))
+
+
+@pytest.mark.parametrize("bad", [8, -2])
+def test_bad_id_debug_raises(bad):
+    gen = torch.Generator().manual_seed(4)
+    w1, s1, w2, s2 = _weights(8, 128, 128, "bf16", gen)
+    x = torch.randn((2, 128), generator=gen).bfloat16().cuda()
+    ids = torch.tensor([[0, bad], [1, 2]]).cuda()
+    epmoe.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="gemv_gate_up: topk_ids expected ids in"):
+            gemv.gemv_gate_up(x, ids, w1.cuda())
+        with pytest.raises(ValueError, match="gemv_down: topk_ids expected ids in"):
+            gemv.gemv_down(torch.zeros((2, 2, 128)).bfloat16().cuda(), ids,
+                           torch.rand((2, 2)).cuda(), w2.cuda())  # fmt: skip
+    finally:
+        epmoe.set_debug(False)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_graph_replay_and_compile(scheme):
+    gen = torch.Generator().manual_seed(5)
+    w1, s1, w2, s2 = _cuda(*_weights(16, 256, 128, scheme, gen))
+    x = torch.randn((2, 256), generator=gen).bfloat16().cuda()
+    ids, tw = _cuda(*_routing(2, 16, 4, gen))
+
+    def run(x, ids, tw):
+        return gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2)
+
+    eager = run(x, ids, tw)
+    g = torch.cuda.CUDAGraph()
+    static = [x.clone(), ids.clone(), tw.clone()]
+    run(*static)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out = run(*static)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    compiled = torch.compile(run, fullgraph=True)(x, ids, tw)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_opcheck_cuda(scheme):
+    gen = torch.Generator().manual_seed(6)
+    w1, s1, w2, s2 = _cuda(*_weights(4, 128, 128, scheme, gen))
+    x = torch.randn((2, 128), generator=gen).bfloat16().cuda()
+    ids, tw = _cuda(*_routing(2, 4, 2, gen))
+    opcheck(torch.ops.epmoe.gemv_gate_up.default, (x, ids, w1, s1))
+    h = gemv.gemv_gate_up(x, ids, w1, s1)
+    opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_layer_gemv_path(scheme, T):
+    gen = torch.Generator().manual_seed(T)
+    E, H, I, K = 16, 256, 128, 4
+    w1 = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+    w2 = torch.randn((E, H, I), generator=gen) / I**0.5
+    x = torch.randn((T, H), generator=gen).bfloat16()
+    ids, tw = _routing(T, E, K, gen)
+    layer = epmoe.EPMoE(E, H, I, K, quant=scheme, mode="auto", backend="local", device="cuda")
+    layer.load_weights(w1.cuda(), w2.cuda())
+    assert layer.path(T) == "gemv"
+    with layer.record_stages() as rec:
+        out = layer(*_cuda(x, ids, tw))
+    assert rec.names == epmoe.layer.GEMV_STAGES
+    ref = reference.quantized_moe(x, ids, tw, w1, w2, scheme)
+    assert rel_l2(out.cpu(), ref) < LAYER_VS_QUANT_AWARE
+    compiled = torch.compile(layer, fullgraph=True)(*_cuda(x, ids, tw))
+    assert torch.equal(compiled, out)
