@@ -296,7 +296,9 @@ def gemv_down(
     hf = _quantized_rows(h, scheme)  # [T, K, I]
     wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, H, I]
     y = torch.einsum("tki,tkni->tkn", hf, wf).to(torch.bfloat16).float()
-    w = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
+    live = topk_ids >= 0
+    y = torch.where(live.unsqueeze(-1), y, 0.0)  # a -1 row of h is never read (NaN * 0 is NaN)
+    w = torch.where(live, topk_weights.float(), 0.0)
     out = torch.zeros((h.shape[0], w2.shape[1]), dtype=torch.float32, device=h.device)
     for k in range(h.shape[1]):  # k ascending, as unpermute sums
         out = out + w[:, k : k + 1] * y[:, k]

@@ -62,8 +62,8 @@ class GemvConfig:
     up_block_n: int = 16  # output columns per program: T*K*I/16 programs keep every SM streaming
     up_block_k: int = 512  # reduction step: two [16, 512] weight tiles in flight per program
     up_warps: int = 4
-    down_block_n: int = 16  # H/16 programs per token, each streaming K experts' rows
-    down_block_k: int = 256
+    down_block_n: int = 8  # H/8 programs per token, each streaming the K experts' rows together
+    down_block_k: int = 128  # [K, 8, 128] weight tiles per step (fp8: one 128-channel group)
     down_warps: int = 4
     check_ids: int = 1024  # ids per step of the check program
 
@@ -91,6 +91,12 @@ def _dot_rows(xv, w, QUANT: tl.constexpr):
         return tl.sum(w.to(tl.int32) * xv.to(tl.int32), axis=1)
     else:
         return tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _dot_groups(q, w):
+    """float32 `[R, G]`: sum over the last axis of w `[R, G, 128]` times codes q `[G, 128]`."""
+    return tl.sum(w.to(tl.float32) * q.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -149,25 +155,28 @@ def _gemv_gate_up_kernel(
                 acc_g += _dot_rows(xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
                 acc_u += _dot_rows(xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
         elif QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
+            # a step covers G groups of 128 channels: x `[G, 128]`, weights `[BLOCK_N, G, 128]`
+            G: tl.constexpr = BLOCK_K // 128
             acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            ci = tl.arange(0, 128)
+            gi = tl.arange(0, G)
+            c2 = gi[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
             sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
             su = sg + (I // 128) * stride_sn
             for k0 in range(0, H, BLOCK_K):
-                for gg in tl.static_range(BLOCK_K // 128):
-                    kk = k0 + gg * 128 + ci
-                    g_live = k0 + gg * 128 < hi
-                    m = n_ok[:, None] & (kk < hi)[None, :]
-                    xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                    q, s = _quant_fp8_groups(xv.to(tl.float32)[None, :])
-                    blk = (k0 // 128 + gg) * stride_sh
-                    s_g = tl.load(sg + blk, mask=g_live, other=0.0) * s
-                    s_u = tl.load(su + blk, mask=g_live, other=0.0) * s
-                    pg = _dot_rows(q, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0.0), 1)
-                    pu = _dot_rows(q, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0.0), 1)
-                    acc_g += pg * s_g
-                    acc_u += pu * s_u
+                kk = k0 + c2
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                q, s = _quant_fp8_groups(xv.to(tl.float32))
+                blk = k0 // 128 + gi
+                g_ok = blk * 128 < hi
+                s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
+                s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
+                m = n_ok[:, None, None] & (kk < hi)[None, :, :]
+                w_off = kk[None, :, :] * stride_wh
+                pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
+                pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
+                acc_g += tl.sum(pg * s_g[None, :], axis=1)
+                acc_u += tl.sum(pu * s_u[None, :], axis=1)
         else:  # int8: x quantized per token (its amax over the whole row first, from L2)
             amax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
@@ -205,11 +214,13 @@ def _gemv_down_kernel(
     stride_it, stride_ik, stride_tt, stride_tk, stride_we, stride_wn, stride_wi,
     stride_se, stride_sn, stride_si,
     # meta
-    K: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of out[t], its K choices in order; with
-    CHECK program (T, 0) checks every id."""
+    """Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of out[t]. Each step loads the weight
+    tiles of all K choices at once (`[K_PAD, BLOCK_N, BLOCK_K]`, one expert per row), so a token's
+    K weight streams are in flight together; the K results are summed in k order. With CHECK
+    program (T, 0) checks every id."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     if t >= T:  # only launched with CHECK
@@ -231,63 +242,68 @@ def _gemv_down_kernel(
                 tl.store(ok_ptr, bad == 0)
     else:
         t64 = t.to(tl.int64)
+        kk = tl.arange(0, K_PAD)
+        e = tl.load(ids_ptr + t64 * stride_it + kk * stride_ik, mask=kk < K, other=-1)
+        live = (kk < K) & (e >= 0) & (e < E)
+        e64 = tl.where(live, e, 0).to(tl.int64)
+        hi = tl.where(live, I, 0)[:, None]  # [K_PAD, 1]: skipped choices read nothing
+        wt = tl.load(tw_ptr + t64 * stride_tt + kk * stride_tk, mask=kk < K, other=0.0)
+        wt = tl.where(live, wt.to(tl.float32), 0.0)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in tl.static_range(K):  # k ascending, as unpermute sums
-            e = tl.load(ids_ptr + t64 * stride_it + k * stride_ik)
-            live = (e >= 0) & (e < E)
-            e64 = tl.where(live, e, 0).to(tl.int64)
-            hi = tl.where(live, I, 0)
-            wt = tl.load(tw_ptr + t64 * stride_tt + k * stride_tk).to(tl.float32)
-            h_row = h_ptr + (t64 * K + k) * I
-            wr = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-            if QUANT == 0:
-                part = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    kk = k0 + rk
-                    m = n_ok[:, None] & (kk < hi)[None, :]
-                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)[None, :]
-                    part += _dot_rows(
-                        hv, tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0.0), 0
-                    )
-            elif QUANT == 1:
-                part = tl.zeros([BLOCK_N], dtype=tl.float32)
-                ci = tl.arange(0, 128)
-                sr = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
-                for k0 in range(0, I, BLOCK_K):
-                    for gg in tl.static_range(BLOCK_K // 128):
-                        kk = k0 + gg * 128 + ci
-                        m = n_ok[:, None] & (kk < hi)[None, :]
-                        hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
-                        q, s = _quant_fp8_groups(hv.to(tl.float32)[None, :])
-                        s_w = tl.load(
-                            sr + (k0 // 128 + gg) * stride_si, mask=k0 + gg * 128 < hi, other=0.0
-                        )
-                        w = tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0.0)
-                        part += _dot_rows(q, w, 1) * (s * s_w)
-            else:
-                amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    kk = k0 + rk
-                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
-                    amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
-                s = _int8_scale(tl.max(amax, axis=0)[None])
-                part_i = tl.zeros([BLOCK_N], dtype=tl.int32)
-                for k0 in range(0, I, BLOCK_K):
-                    kk = k0 + rk
-                    m = n_ok[:, None] & (kk < hi)[None, :]
-                    hv = tl.load(h_row + kk, mask=kk < hi, other=0.0)
-                    q = _quant_int8(hv.to(tl.float32)[None, :], s)
-                    w = tl.load(wr + kk[None, :] * stride_wi, mask=m, other=0)
-                    part_i += _dot_rows(q, w, 2)
-                s_w = tl.load(ws_ptr + e64 * stride_se + offs_n * stride_sn, mask=n_ok, other=0.0)
-                part = part_i.to(tl.float32) * s * s_w
-            y = round_float(part, tl.bfloat16).to(tl.float32)
-            acc += tl.where(live, wt, 0.0) * y
-        out = out_ptr + t64 * H + offs_n
-        tl.store(out, round_float(acc, tl.bfloat16), mask=n_ok)
+        h_rows = h_ptr + (t64 * K + kk)[:, None] * I  # [K_PAD, 1]
+        w_rows = (w_ptr + e64[:, None, None] * stride_we
+                  + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # fmt: skip
+        if QUANT == 1:  # h quantized per 128 channels: one group per step
+            ci = tl.arange(0, 128)[None, :]
+            s_rows = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+            acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, 128):
+                ii = k0 + ci  # [1, 128]
+                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+                q, s = _quant_fp8_groups(hv.to(tl.float32))  # [K_PAD, 128], [K_PAD]
+                s_w = tl.load(s_rows + (k0 // 128) * stride_si, mask=live, other=0.0)
+                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
+                acc += (
+                    tl.sum(wv.to(tl.float32) * q.to(tl.float32)[:, None, :], axis=2)
+                    * (s * s_w)[:, None]
+                )
+        elif QUANT == 2:  # h quantized per row: its amax first (from L2), int32 products
+            ri = tl.arange(0, BLOCK_K)[None, :]
+            amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
+                amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
+            s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
+            acc_i = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
+            for k0 in range(0, I, BLOCK_K):
+                ii = k0 + ri
+                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+                q = _quant_int8(hv.to(tl.float32), s)
+                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
+                acc_i += tl.sum(wv.to(tl.int32) * q.to(tl.int32)[:, None, :], axis=2)
+            s_w = tl.load(
+                ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
+                mask=n_ok[None, :],
+                other=0.0,
+            )
+            acc = acc_i.to(tl.float32) * s[:, None] * s_w
+        else:
+            ri = tl.arange(0, BLOCK_K)[None, :]
+            acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                ii = k0 + ri
+                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
+                acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
+        y = round_float(acc, tl.bfloat16).to(tl.float32) * wt[:, None]  # [K_PAD, BLOCK_N]
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(K):  # k ascending, as unpermute sums (row k picked exactly)
+            out += tl.sum(tl.where(kk[:, None] == k, y, 0.0), axis=0)
+        tl.store(out_ptr + t64 * H + offs_n, round_float(out, tl.bfloat16), mask=n_ok)
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -351,8 +367,9 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
         T, H, I, E,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2), ss[0], ss[1], ss[2],
-        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=_block_k(cfg.down_block_k, quant),
-        CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel,
+        K=K, K_PAD=_launch.pow2(K), QUANT=quant, BLOCK_N=block_n,
+        BLOCK_K=_block_k(cfg.down_block_k, quant), CHECK_IDS=cfg.check_ids, CHECK=check,
+        ASSERT=in_kernel,
         num_warps=cfg.down_warps, **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if ok is not None:
