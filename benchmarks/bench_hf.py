@@ -112,8 +112,12 @@ CPU_SMOKE = dict(layers=2, batches=(1, 4), prefill=(32,), context=16, iters=2, w
 
 
 def noop_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """An experts backend that does no work: the step's cost without the experts."""
-    return torch.zeros_like(hidden_states)
+    """An experts backend that does no work: the step's cost without the experts. It returns zeros
+    that depend on the routing (one value of each), so the compiled step still computes the router
+    (gate, softmax, top-k): zeros alone would let the compiler drop it as dead code, and its cost
+    would then be counted as the experts'."""
+    keep = top_k_weights[..., :1].float() * 0 + top_k_index[..., :1].float() * 0
+    return torch.zeros_like(hidden_states) + keep.to(hidden_states.dtype)
 
 
 def build_model(fields: dict, layers: int, device: torch.device):

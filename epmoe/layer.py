@@ -47,10 +47,10 @@ MODES = ("ht", "ll", "auto")
 # mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
 # crossover is on benchmarks/results/h200/RESULTS.md)
 AUTO_LL_MAX_TOKENS = 512
-# mode="auto" on one rank (local backend): calls of at most this many tokens run the per-choice
-# GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound), more tokens the LL / HT layouts (the
-# measured crossover is on benchmarks/results/h200/RESULTS.md)
-AUTO_GEMV_MAX_TOKENS = 4
+# mode="auto" on one rank (local backend): calls of at most this many tokens per scheme run the
+# per-choice GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound), more tokens the LL / HT
+# layouts (the measured crossover is on benchmarks/results/h200/RESULTS.md)
+AUTO_GEMV_MAX_TOKENS = {"bf16": 8, "fp8": 8, "int8": 4}
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
@@ -401,8 +401,8 @@ class EPMoE(nn.Module):
 
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
-        rank (local backend) with at most AUTO_GEMV_MAX_TOKENS tokens (a function of the shape)."""
-        return self.mode == "auto" and self.local and num_tokens <= AUTO_GEMV_MAX_TOKENS
+        rank (local backend) with at most AUTO_GEMV_MAX_TOKENS[quant] tokens (from the shape)."""
+        return self.mode == "auto" and self.local and num_tokens <= AUTO_GEMV_MAX_TOKENS[self.quant]
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""

@@ -29,8 +29,9 @@ import epmoe  # noqa: E402
 from epmoe.ops import gemv  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-UP_GRID = dict(up_block_n=(8, 16, 32), up_block_k=(256, 512, 1024), up_warps=(4, 8))
-DOWN_GRID = dict(down_block_n=(4, 8, 16), down_block_k=(64, 128, 256), down_warps=(4, 8))
+# (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme> / down_<scheme>)
+UP_GRID = [(n, k, 4) for n in (8, 16, 32) for k in (512, 1024)]
+DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256) for w in (4, 8)]
 
 
 def weights(E, N, Kd, scheme, gen):
@@ -93,14 +94,14 @@ def main(argv=None):
                 x = torch.randn((T, H), device="cuda", generator=gen).bfloat16()
                 ids, tw = routing(T, E, K, gen)
                 h = gemv.gemv_gate_up(x, ids, w1, s1)
-                for grid, fn in (
-                    (UP_GRID, lambda: gemv._gemv_gate_up_triton(x, ids, w1, s1, False)),
-                    (DOWN_GRID, lambda: gemv._gemv_down_triton(h, ids, tw, w2, s2, False)),
+                for up, grid, fn in (
+                    (True, UP_GRID, lambda: gemv._gemv_gate_up_triton(x, ids, w1, s1, False)),
+                    (False, DOWN_GRID, lambda: gemv._gemv_down_triton(h, ids, tw, w2, s2, False)),
                 ):
-                    up = "up_block_n" in grid
                     part_bytes = T * K * (2 if up else 1) * H * I * w1.element_size()
-                    for vals in itertools.product(*grid.values()):
-                        over = dict(zip(grid, vals, strict=True))
+                    field = ("up_" if up else "down_") + scheme
+                    for vals in grid:
+                        over = {field: vals}
                         with gemv.override(**over):
                             try:
                                 ms = _timing.time_cuda(fn, iters=a.iters).ms
@@ -113,7 +114,7 @@ def main(argv=None):
                         key = (T, up)
                         if key not in best or ms < best[key][1]:
                             best[key] = (over, ms)
-            conf = {}
+            conf = {}  # the best at the smallest swept T
             for (T, up), (over, _) in best.items():
                 if T == min(t for t, _ in best):
                     conf.update(over)

@@ -331,7 +331,7 @@ def _ll_gather_launch(
     E, C, H = y.shape
     in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
     flag = check and not in_kernel
-    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else out  # (out: unused)
+    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else rows  # (unused)
     w = topk_weights if topk_weights is not None else rows  # placeholder, never read
     sw = topk_weights.stride() if topk_weights is not None else (0, 0)
     block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)

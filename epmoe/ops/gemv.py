@@ -36,7 +36,7 @@ gemv_gate_up checked) skips the check.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -50,6 +50,7 @@ from epmoe.ops._activation_kernels import _silu_h  # by name: Inductor copies @t
 
 OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
 _QCODE = {torch.bfloat16: 0, reference.FP8_DTYPE: 1, torch.int8: 2}
+_SCHEME = {0: "bf16", 1: "fp8", 2: "int8"}
 _FAST_MATH = not _launch._INTERPRET  # MUFU SiLU on the GPU (see _activation_kernels._silu_mul)
 GROUP = 128  # fp8 channels per activation scale and per weight block
 
@@ -57,14 +58,16 @@ GROUP = 128  # fp8 channels per activation scale and per weight block
 # ------------------------------------------------------------------------------ launch config
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters of the two GEMV kernels (design notes: docs/kernels.md)."""
+    """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme: output
+    columns per program, reduction step (a multiple of 128 for fp8), warps. From the sweep at one
+    token on Qwen3-30B-A3B's and DeepSeek-V3's experts (design notes: docs/kernels.md)."""
 
-    up_block_n: int = 16  # output columns per program: T*K*I/16 programs keep every SM streaming
-    up_block_k: int = 512  # reduction step: two [16, 512] weight tiles in flight per program
-    up_warps: int = 4
-    down_block_n: int = 8  # H/8 programs per token, each streaming the K experts' rows together
-    down_block_k: int = 128  # [K, 8, 128] weight tiles per step (fp8: one 128-channel group)
-    down_warps: int = 4
+    up_bf16: Tuple[int, int, int] = (16, 512, 4)
+    up_fp8: Tuple[int, int, int] = (16, 512, 4)
+    up_int8: Tuple[int, int, int] = (32, 512, 4)
+    down_bf16: Tuple[int, int, int] = (8, 128, 8)
+    down_fp8: Tuple[int, int, int] = (8, 256, 4)
+    down_int8: Tuple[int, int, int] = (16, 256, 8)
     check_ids: int = 1024  # ids per step of the check program
 
 
@@ -254,21 +257,24 @@ def _gemv_down_kernel(
         h_rows = h_ptr + (t64 * K + kk)[:, None] * I  # [K_PAD, 1]
         w_rows = (w_ptr + e64[:, None, None] * stride_we
                   + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # fmt: skip
-        if QUANT == 1:  # h quantized per 128 channels: one group per step
-            ci = tl.arange(0, 128)[None, :]
-            s_rows = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+        if QUANT == 1:  # h quantized per 128 channels: G groups per step, scales applied to h
+            G: tl.constexpr = BLOCK_K // 128
+            ri = tl.arange(0, BLOCK_K)[None, :]
+            s_rows = ws_ptr + e64[:, None] * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
             acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, 128):
-                ii = k0 + ci  # [1, 128]
+            for k0 in range(0, I, BLOCK_K):
+                ii = k0 + ri  # [1, BLOCK_K]
                 hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-                q, s = _quant_fp8_groups(hv.to(tl.float32))  # [K_PAD, 128], [K_PAD]
-                s_w = tl.load(s_rows + (k0 // 128) * stride_si, mask=live, other=0.0)
+                q, s = _quant_fp8_groups(tl.reshape(hv.to(tl.float32), (K_PAD * G, 128)))
+                gi = tl.arange(0, G)[None, :]
+                s_w = tl.load(
+                    s_rows + (k0 // 128 + gi) * stride_si, mask=k0 + gi * 128 < hi, other=0.0
+                )
+                scale = tl.reshape(s, (K_PAD, G)) * s_w  # [K_PAD, G]
+                hq = tl.reshape(q.to(tl.float32), (K_PAD, G, 128)) * scale[:, :, None]
                 m = (ii < hi)[:, None, :] & n_ok[None, :, None]
                 wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
-                acc += (
-                    tl.sum(wv.to(tl.float32) * q.to(tl.float32)[:, None, :], axis=2)
-                    * (s * s_w)[:, None]
-                )
+                acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
         elif QUANT == 2:  # h quantized per row: its amax first (from L2), int32 products
             ri = tl.arange(0, BLOCK_K)[None, :]
             amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
@@ -316,10 +322,6 @@ def _check_setup(t: torch.Tensor, check: bool):
     return in_kernel, ok
 
 
-def _block_k(block_k: int, quant: int) -> int:
-    return max(block_k, GROUP) if quant == 1 else block_k
-
-
 @_eager.on_input_device
 def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
@@ -328,20 +330,19 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     E, I = w1.shape[0], w1.shape[1] // 2
     h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
     in_kernel, ok = _check_setup(x, check)
-    cfg = CONFIG
     quant = _QCODE[w1.dtype]
+    block_n, block_k, warps = getattr(CONFIG, "up_" + _SCHEME[quant])
     ws = w1_scales if w1_scales is not None else w1
     ss = (0, 0, 0) if w1_scales is None else (*w1_scales.stride(), 0)[:3]
-    block_n = min(cfg.up_block_n, GROUP) if quant == 1 else cfg.up_block_n
     grid = (T * K + (1 if check else 0), _launch.cdiv(I, block_n))
     _launch.kernel(_gemv_gate_up_kernel)[grid](
-        x, topk_ids, w1, ws, h, ok if ok is not None else h,
+        x, topk_ids, w1, ws, h, ok if ok is not None else topk_ids,
         T, H, I, E,
         x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         w1.stride(0), w1.stride(1), w1.stride(2), ss[0], ss[1], ss[2],
-        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=_block_k(cfg.up_block_k, quant),
-        CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel, FAST=_FAST_MATH,
-        num_warps=cfg.up_warps, **_checks.assert_build(in_kernel),
+        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k, CHECK_IDS=CONFIG.check_ids,
+        CHECK=check, ASSERT=in_kernel, FAST=_FAST_MATH, num_warps=warps,
+        **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if ok is not None:
         _checks.check_values(ok, OP_UP, "topk_ids", f"ids in [0, {E}) or -1")
@@ -356,21 +357,19 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     out = torch.empty((T, H), dtype=torch.bfloat16, device=h.device)
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
-    cfg = CONFIG
     quant = _QCODE[w2.dtype]
+    block_n, block_k, warps = getattr(CONFIG, "down_" + _SCHEME[quant])
     ws = w2_scales if w2_scales is not None else w2
     ss = (0, 0, 0) if w2_scales is None else (*w2_scales.stride(), 0)[:3]
-    block_n = min(cfg.down_block_n, GROUP) if quant == 1 else cfg.down_block_n
     grid = (T + (1 if check else 0), _launch.cdiv(H, block_n))
     _launch.kernel(_gemv_down_kernel)[grid](
-        h, topk_ids, topk_weights, w2, ws, out, ok if ok is not None else out,
+        h, topk_ids, topk_weights, w2, ws, out, ok if ok is not None else topk_ids,
         T, H, I, E,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2), ss[0], ss[1], ss[2],
-        K=K, K_PAD=_launch.pow2(K), QUANT=quant, BLOCK_N=block_n,
-        BLOCK_K=_block_k(cfg.down_block_k, quant), CHECK_IDS=cfg.check_ids, CHECK=check,
-        ASSERT=in_kernel,
-        num_warps=cfg.down_warps, **_checks.assert_build(in_kernel),
+        K=K, K_PAD=_launch.pow2(K), QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k,
+        CHECK_IDS=CONFIG.check_ids, CHECK=check, ASSERT=in_kernel, num_warps=warps,
+        **_checks.assert_build(in_kernel),
     )  # fmt: skip
     if ok is not None:
         _checks.check_values(ok, OP_DOWN, "topk_ids", f"ids in [0, {E}) or -1")

@@ -103,7 +103,7 @@ def _unpermute_triton(
     in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
     cfg = CONFIG
     flag = check and not in_kernel
-    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else out  # (out: unused)
+    ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else inv_perm  # (unused)
     # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
     # empty grid launches nothing
     block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
