@@ -18,6 +18,7 @@ from epmoe.comm import masked_layout as ML
 from epmoe.ops import activation as A
 from epmoe.ops import combine as CB
 from epmoe.ops import dispatch as D
+from epmoe.ops import gemv as GV
 from epmoe.ops.gemm import _validate as G
 
 Q = importlib.import_module("epmoe.ops.quantize")
@@ -195,6 +196,67 @@ def _cases():
                 ("w_scales", wfs, r"grouped_gemm: w_scales expected None for bf16 operands"),
             ],
         ),  # fmt: skip
+        Case(
+            "gemv_gate_up fp8",
+            GV.UP,
+            (x, ids, wf, wfs),
+            [
+                ("x", x.float(), r"gemv_gate_up: x expected dtype torch.bfloat16, got"),
+                ("x", z(256, dtype=bf), r"gemv_gate_up: x expected a 2-D tensor, got shape"),
+                ("topk_ids", ids[:3], r"gemv_gate_up: topk_ids expected shape \[4, \*\], got"),
+                ("topk_ids", ids.float(), r"gemv_gate_up: topk_ids expected dtype torch.int32 or"),
+                ("topk_ids", ids.to(META), r"gemv_gate_up: topk_ids expected device cpu"),
+                ("w1", wf.float(), r"gemv_gate_up: w1 expected dtype torch.bfloat16 or torch.f"),
+                ("w1", wf[0], r"gemv_gate_up: w1 expected a 3-D tensor, got shape"),
+                ("w1", wf[:, :255], r"gemv_gate_up: w1 expected shape \[E, 2I, H\] \(an even row"),
+                ("w1", wf[:, :, :128], r"gemv_gate_up: w1 expected shape \[\*, \*, 256\], got"),
+                ("w1", wf.to(META), r"gemv_gate_up: w1 expected device cpu"),
+                ("w1", z(2, 384, 256, dtype=FP8), r"gemv_gate_up: I expected a multiple of 128 f"),
+                ("w1_scales", None, r"gemv_gate_up: w1_scales expected a float32 tensor for fp8"),
+                ("w1_scales", wfs.double(), r"gemv_gate_up: w1_scales expected dtype torch.float"),
+                ("w1_scales", wfs[:, :1], r"gemv_gate_up: w1_scales expected shape \[2, 2, 2\]"),
+                ("w1_scales", wfs.to(META), r"gemv_gate_up: w1_scales expected device cpu"),
+            ],
+        ),
+        Case(
+            "gemv_gate_up int8 / bf16",
+            GV.UP,
+            (x, ids, z(2, 256, 256, dtype=i8), ws8),
+            [
+                ("w1_scales", ws8[:, :128], r"gemv_gate_up: w1_scales expected shape \[2, 256\]"),
+                ("w1_scales", None, r"gemv_gate_up: w1_scales expected a float32 tensor for fp8"),
+                ("w1", z(2, 256, 256, dtype=bf), r"gemv_gate_up: w1_scales expected None for bf16"),
+            ],
+        ),
+        Case(
+            "gemv_down int8",
+            GV.DOWN,
+            (z(4, 2, 128, dtype=bf), ids, w, w8, ws8),
+            [
+                ("h", z(4, 2, 128), r"gemv_down: h expected dtype torch.bfloat16, got torch.float"),
+                ("h", z(4, 128, dtype=bf), r"gemv_down: h expected a 3-D tensor, got shape"),
+                ("topk_ids", ids[:, :1], r"gemv_down: topk_ids expected shape \[4, 2\], got"),
+                ("topk_ids", ids.to(META), r"gemv_down: topk_ids expected device cpu"),
+                ("topk_weights", w[:3], r"gemv_down: topk_weights expected shape \[4, 2\], got"),
+                ("topk_weights", w.int(), r"gemv_down: topk_weights expected dtype torch.bfloat16"),
+                ("topk_weights", w.to(META), r"gemv_down: topk_weights expected device cpu"),
+                ("w2", w8[:, :, :64], r"gemv_down: w2 expected shape \[\*, \*, 128\], got"),
+                ("w2", w8.to(META), r"gemv_down: w2 expected device cpu"),
+                ("w2_scales", None, r"gemv_down: w2_scales expected a float32 tensor for fp8"),
+                ("w2_scales", ws8[:1], r"gemv_down: w2_scales expected shape \[2, 256\], got"),
+                ("w2_scales", ws8.to(META), r"gemv_down: w2_scales expected device cpu"),
+            ],
+        ),
+        Case(
+            "gemv_down fp8",
+            GV.DOWN,
+            (z(4, 2, 256, dtype=bf), ids, w, wf, wfs),
+            [
+                ("w2", z(2, 192, 256, dtype=FP8), r"gemv_down: H expected a multiple of 128 for"),
+                ("w2_scales", wfs[:, :, :1], r"gemv_down: w2_scales expected shape \[2, 2, 2\]"),
+                ("w2", z(2, 256, 256, dtype=bf), r"gemv_down: w2_scales expected None for bf16 "),
+            ],
+        ),
         Case(
             "ll_scatter",
             ML.SCATTER,

@@ -11,7 +11,7 @@ assert "deep_ep" not in sys.modules and "deep_gemm" not in sys.modules, "GPU bac
 assert not torch.cuda.is_initialized(), "CUDA initialized on import"
 names = ["quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quant",
          "grouped_gemm_contiguous", "grouped_gemm_masked", "ht_dispatch", "ht_dispatch_exact",
-         "ht_combine", "ll_dispatch", "ll_combine"]
+         "ht_combine", "ll_dispatch", "ll_combine", "gemv_gate_up", "gemv_down"]
 missing = [n for n in names if not hasattr(torch.ops.epmoe, n)]
 assert not missing, missing
 assert epmoe.__version__

@@ -10,10 +10,11 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from epmoe import layer as layer_mod
-from epmoe import ops
+from epmoe import ops, reference
 from epmoe._multiproc import run_ranks
 from epmoe.comm.masked_layout import ll_gather, ll_scatter
-from tests._moe import SMALL, small_layer, tokens
+from tests._moe import SMALL, global_weights, small_layer, tokens
+from tests._tol import LAYER_VS_QUANT_AWARE, rel_l2
 
 QUANTS = ["bf16", "fp8", "int8"]
 
@@ -121,6 +122,42 @@ def test_local_ll_stages_are_the_ops(quant):
     y = _check_experts_ll(layer, rec, a, s if quant != "bf16" else None, masked_m)
     _same_bytes(rec["ll_gather"], ll_gather(y, rows, w), "ll_gather")
     assert torch.equal(rec["ll_gather"], out)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_local_auto_gemv_stages_are_the_ops(quant):
+    """mode="auto" on one rank: up to AUTO_GEMV_MAX_TOKENS[quant] tokens the two per-choice GEMVs
+    (their outputs the public ops' bytes, the layer's output within the quant-aware bound), one
+    token more the LL chain."""
+    torch.manual_seed(0)
+    layer = small_layer(quant, "auto")
+    w1, w2 = global_weights(**SMALL)
+    n = layer_mod.AUTO_GEMV_MAX_TOKENS[quant]
+    for T in (1, n):
+        x, ids, w = tokens(T, seed=6 + T, **SMALL)
+        assert layer.path(T) == "gemv"
+        rec, out = _record(layer, x, ids, w)
+        assert rec.names == layer_mod.GEMV_STAGES
+        h = ops.gemv_gate_up(x, ids, layer.w1, layer.w1_scale)
+        _same_bytes(rec["gemv_gate_up"], h, "gemv_gate_up")
+        y = ops.gemv_down(h, ids, w, layer.w2, layer.w2_scale)
+        _same_bytes(rec["gemv_down"], y, "gemv_down")
+        assert torch.equal(rec["gemv_down"], out)
+        err = rel_l2(out, reference.quantized_moe(x, ids, w, w1, w2, quant))
+        assert err < LAYER_VS_QUANT_AWARE, (T, err)
+    assert layer.path(n + 1) == "ll"
+    x, ids, w = tokens(n + 1, seed=7, **SMALL)
+    rec, _ = _record(layer, x, ids, w)
+    assert rec.names == layer_mod.LOCAL_LL_STAGES
+
+
+def test_gemv_replace_feeds_gemv_down():
+    layer = small_layer("fp8", "auto")
+    x, ids, w = tokens(3, seed=8, **SMALL)
+    with layer.record_stages(replace={"gemv_gate_up": lambda h: h * 2}) as rec:
+        out = layer(x, ids, w)
+    assert torch.equal(rec["gemv_gate_up"], 2 * ops.gemv_gate_up(x, ids, layer.w1, layer.w1_scale))
+    assert torch.equal(out, ops.gemv_down(rec["gemv_gate_up"], ids, w, layer.w2, layer.w2_scale))
 
 
 def test_recording_off_records_nothing():

@@ -15,6 +15,7 @@ import torch._inductor.config as inductor_config
 
 from epmoe import ops, reference
 from epmoe.comm import masked_layout
+from epmoe.ops import gemv
 from tests._moe import SMALL, small_layer, tokens
 from tests._routing import random_ids, random_weights
 
@@ -187,6 +188,24 @@ def test_ll_scatter_and_gather(quant):
     assert_compiled_equal(masked_layout.ll_gather, y, rows, w)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_gemv(scheme):
+    """The per-choice GEMVs: each op, the unchecked gemv_down of the layer's chain, the pair."""
+    w1, s1 = _weights(scheme, 2 * I, H, seed=17)
+    w2, s2 = _weights(scheme, H, I, seed=18)
+    x = _act(4, H, seed=17)
+    ids = random_ids(4, K, E, 0.2, _gen(17))
+    ids[1] = 5  # one expert in every choice
+    w = random_weights(4, K, _gen(17))
+    assert_compiled_equal(lambda x, i: gemv.gemv_gate_up(x, i, w1, s1), x, ids)
+    h = gemv.gemv_gate_up(x, ids, w1, s1)
+    assert_compiled_equal(lambda h, i, w: gemv.gemv_down(h, i, w, w2, s2), h, ids, w)
+    assert_compiled_equal(lambda h, i, w: gemv._gemv_down_chained(h, i, w, w2, s2), h, ids, w)
+    assert_compiled_equal(
+        lambda x, i, w: gemv.gemv_down(gemv.gemv_gate_up(x, i, w1, s1), i, w, w2, s2), x, ids, w
+    )
+
+
 # --------------------------------------------------------------------------------------- layer
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize(
@@ -195,6 +214,15 @@ def test_ll_scatter_and_gather(quant):
 def test_layer(quant, mode, worst):
     layer = small_layer(quant, mode, worst, alignment=8, max_tokens_per_rank=16)
     x, ids, w = tokens(11, seed=1, **SMALL)
+    assert_compiled_equal(layer, x, ids, w)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+def test_layer_gemv_path(quant):
+    """mode="auto" on one rank with a few tokens: the two GEMV ops (gemv_down unchecked)."""
+    layer = small_layer(quant, "auto")
+    x, ids, w = tokens(3, seed=2, **SMALL)
+    assert layer.path(3) == "gemv"
     assert_compiled_equal(layer, x, ids, w)
 
 

@@ -35,6 +35,7 @@ _p = importlib.import_module("epmoe.ops.permute")
 _a = importlib.import_module("epmoe.ops.activation")
 _u = importlib.import_module("epmoe.ops.unpermute")
 _ml = importlib.import_module("epmoe.comm.masked_layout")
+_gv = importlib.import_module("epmoe.ops.gemv")
 
 KINDS = ("static", "dyn", "unbacked")  # row counts: int, backed symbol, unbacked symbol
 
@@ -218,6 +219,26 @@ for scheme in ("bf16", "fp8", "int8"):
              [_t((16, _rows(64), Kd), dt), _t((16, N, Kd), dt), _t((16,), "int32"),
               _t((16, _rows(64), a_s), "float32") if a_s else None, ws, 8, trusted],
              [], kinds=("static", "dyn"))  # fmt: skip
+
+# per-choice GEMVs (one rank, mode "auto", a few tokens): one launch each, no size thresholds in
+# the launch code; the ids checked by an extra program writing a flag, or not at all (the layer's
+# chained gemv_down)
+_GEMV_QUANT = {str(dt).replace("torch.", ""): code for dt, code in _gv._QCODE.items()}
+for scheme in ("bf16", "fp8", "int8"):
+    dt, E, H, I, K = _DT[scheme], 128, 2048, 768, 8
+    s1 = {"bf16": None, "fp8": (E, 2 * I // 128, H // 128), "int8": (E, 2 * I)}[scheme]
+    s2 = {"bf16": None, "fp8": (E, H // 128, I // 128), "int8": (E, H)}[scheme]
+    for check in (True, False):
+        want = {"QUANT": _GEMV_QUANT[dt], "CHECK": check, "ASSERT": False}
+        case(f"gemv_gate_up-{scheme}-check{check}", "gemv_gate_up",
+             [_t((_rows(4), H), "bfloat16"), _t((_rows(4), K), "int64"), _t((E, 2 * I, H), dt),
+              _t(s1, "float32") if s1 else None, check],
+             [("_gemv_gate_up_kernel", want)])  # fmt: skip
+        case(f"gemv_down-{scheme}-check{check}", "gemv_down",
+             [_t((_rows(4), K, I), "bfloat16"), _t((_rows(4), K), "int64"),
+              _t((_rows(4), K), "float32"), _t((E, H, I), dt), _t(s2, "float32") if s2 else None,
+              check],
+             [("_gemv_down_kernel", want)])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- the subprocess: traces

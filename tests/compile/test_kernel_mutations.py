@@ -46,6 +46,8 @@ OUTPUTS = {
     "_range_kernel": {"ok_ptr"},
     "_ll_scatter_kernel": {"xo_ptr", "s_ptr", "mm_ptr", "rows_ptr", "ok_ptr"},
     "_ll_gather_kernel": {"out_ptr", "ok_ptr"},
+    "_gemv_gate_up_kernel": {"h_ptr", "ok_ptr"},
+    "_gemv_down_kernel": {"out_ptr", "ok_ptr"},
 }  # fmt: skip
 
 _WRITE_OPS = {"tt.store", "tt.atomic_cas", "tt.atomic_rmw", "tt.descriptor_store"}

@@ -1,0 +1,325 @@
+"""gemv_gate_up / gemv_down on CPU (the reference path) against a float64 oracle, opcheck, errors.
+
+The oracle is written from the contract in epmoe/ops/gemv.py's docstring and shares nothing with
+epmoe.reference's gemv functions or silu_and_mul: it takes the activation codes and scales from
+reference.quantize (the contract says "quantized exactly as quantize does"), dequantizes them and
+the weights itself (code * scale per 128 channels / 128 x 128 block, per row / output channel),
+and computes in float64, rounding to bf16 exactly where the contract does (g and u, h, each
+choice's down product, the output).
+"""
+
+import math
+
+import pytest
+import torch
+
+from epmoe import ops, reference
+from tests import _tol
+from tests._opcheck import opcheck
+from tests._routing import random_ids, random_weights
+
+SCHEMES = ("bf16", "fp8", "int8")
+GROUP = 128  # typed in: the fp8 activation group and weight block of the contract
+FP8 = torch.float8_e4m3fn
+bf16 = torch.bfloat16
+
+
+# -------------------------------------------------------------------------------------- oracle
+def _deq_rows(v: torch.Tensor, scheme: str) -> torch.Tensor:
+    """bf16 activations `[..., D]` as the scheme's GEMM reads them, in float64."""
+    if scheme == "bf16":
+        return v.double()
+    q, s = reference.quantize(v, scheme)
+    if scheme == "int8":
+        assert s.shape == (*v.shape[:-1], 1)
+        return q.double() * s.double()
+    g = q.double().reshape(*v.shape[:-1], v.shape[-1] // GROUP, GROUP)
+    return (g * s.double().unsqueeze(-1)).reshape(v.shape)
+
+
+def _deq_weights(w: torch.Tensor, s) -> torch.Tensor:
+    """`[E, N, Kd]` weights in float64: bf16 as is, int8 code * channel scale, fp8 code * the
+    scale of its 128 x 128 block."""
+    if s is None:
+        return w.double()
+    if w.dtype == torch.int8:
+        return w.double() * s.double().unsqueeze(-1)
+    E, N, Kd = w.shape
+    b = w.double().reshape(E, N // GROUP, GROUP, Kd // GROUP, GROUP)
+    return (b * s.double()[:, :, None, :, None]).reshape(E, N, Kd)
+
+
+def _silu(g: torch.Tensor) -> torch.Tensor:
+    return g / (1.0 + torch.exp(-g))
+
+
+def oracle_gate_up(x, ids, w1, s1, scheme):
+    T, K = ids.shape
+    inter = w1.shape[1] // 2
+    xd, wd = _deq_rows(x, scheme), _deq_weights(w1, s1)
+    h = torch.zeros((T, K, inter), dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            y = (wd[e] @ xd[t]).to(bf16).double()  # g and u rounded to bf16
+            h[t, k] = _silu(y[:inter]) * y[inter:]
+    return h.to(bf16)
+
+
+def oracle_down(h, ids, tw, w2, s2, scheme):
+    T, K = ids.shape
+    hd, wd = _deq_rows(h, scheme), _deq_weights(w2, s2)
+    out = torch.zeros((T, w2.shape[1]), dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e >= 0:
+                out[t] += float(tw[t, k]) * (wd[e] @ hd[t, k]).to(bf16).double()
+    return out.to(bf16)
+
+
+# -------------------------------------------------------------------------------------- inputs
+def _weights(E, H, I, scheme, gen):  # noqa: E741 (the intermediate size)
+    w1 = torch.randn((E, 2 * I, H), generator=gen) / math.sqrt(H)
+    w2 = torch.randn((E, H, I), generator=gen) / math.sqrt(I)
+    return (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
+
+
+def _problem(scheme, T, K, E, H, I, seed, p_none=0.25):  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)
+    w1, s1, w2, s2 = _weights(E, H, I, scheme, gen)
+    x = (torch.randn((T, H), generator=gen) * 2).to(bf16)
+    ids = random_ids(T, K, E, p_none, gen)
+    return x, ids, random_weights(T, K, gen), (w1, s1, w2, s2)
+
+
+def _check_pair(scheme, x, ids, tw, w):
+    """Both ops against the oracle; gemv_down from the op's own h (one rounding of h)."""
+    w1, s1, w2, s2 = w
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    assert h.dtype == bf16 and h.shape == (*ids.shape, w1.shape[1] // 2)
+    _tol.assert_close(h, oracle_gate_up(x, ids, w1, s1, scheme))
+    out = ops.gemv_down(h, ids, tw, w2, s2)
+    assert out.dtype == bf16 and out.shape == (ids.shape[0], w2.shape[1])
+    _tol.assert_close(out, oracle_down(h, ids, tw, w2, s2, scheme))
+    return h, out
+
+
+# --------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_matches_float64_oracle(scheme, T):
+    x, ids, tw, w = _problem(scheme, T, 4, 8, 256, 128, seed=T)
+    h, out = _check_pair(scheme, x, ids, tw, w)
+    assert (h[ids < 0] == 0).all()
+    # the CPU kernel is the reference, called through the dispatcher or not
+    w1, s1, w2, s2 = w
+    assert torch.equal(torch.ops.epmoe.gemv_gate_up(x, ids, w1, s1), h)
+    assert torch.equal(torch.ops.epmoe.gemv_down(h, ids, tw, w2, s2), out)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_weird_sizes(scheme):
+    """bf16 and int8 take any H and I (fp8 needs whole 128-channel blocks)."""
+    _check_pair(scheme, *_problem(scheme, 5, 3, 5, 200, 72, seed=11))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_zero_tokens(scheme):
+    x, ids, tw, w = _problem(scheme, 0, 4, 8, 256, 128, seed=0)
+    h, out = _check_pair(scheme, x, ids, tw, w)
+    assert h.shape == (0, 4, 128) and out.shape == (0, 256)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_all_choices_skipped(scheme):
+    x, _, tw, (w1, s1, w2, s2) = _problem(scheme, 3, 4, 8, 256, 128, seed=1)
+    ids = torch.full((3, 4), -1)
+    x[1] = float("nan")  # a token with no live choice is never read
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    assert torch.equal(h, torch.zeros((3, 4, 128), dtype=bf16))
+    out = ops.gemv_down(h, ids, tw, w2, s2)
+    assert torch.equal(out, torch.zeros((3, 256), dtype=bf16))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_choices_of_one_expert(scheme):
+    """K choices of one expert: identical h rows, each weighted in the sum."""
+    x, _, tw, w = _problem(scheme, 3, 3, 4, 256, 128, seed=2)
+    ids = torch.tensor([[2, 2, 2], [1, -1, 1], [3, 0, 3]])
+    h, out = _check_pair(scheme, x, ids, tw, w)
+    assert torch.equal(h[0, 0], h[0, 1]) and torch.equal(h[0, 0], h[0, 2])
+    assert torch.equal(h[1, 0], h[1, 2]) and torch.equal(h[2, 0], h[2, 2])
+    one = ops.gemv_down(h[:1, :1], ids[:1, :1], torch.ones((1, 1)), w[2], w[3])  # y of expert 2
+    _tol.assert_close(out[0], (one[0].double() * tw[0].sum().double()).to(bf16))
+
+
+def test_dead_rows_of_h_are_never_read():
+    """gemv_down sums live choices only: garbage (NaN) in the h row of a -1 choice does not reach
+    the output, as the CUDA kernel never loads it."""
+    x, ids, tw, (w1, s1, w2, s2) = _problem("bf16", 4, 3, 4, 256, 128, seed=3)
+    ids[0, 1] = -1
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    garbage = torch.where((ids < 0).unsqueeze(-1), float("nan"), h.float()).to(bf16)
+    assert torch.equal(ops.gemv_down(garbage, ids, tw, w2, s2), ops.gemv_down(h, ids, tw, w2, s2))
+
+
+def test_int32_strided_ids_and_bf16_weights():
+    x, ids, tw, (w1, s1, w2, s2) = _problem("int8", 4, 3, 6, 256, 128, seed=4)
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    out = ops.gemv_down(h, ids, tw, w2, s2)
+    ids32 = ids.int().t().contiguous().t()
+    x_strided = torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0]
+    assert not ids32.is_contiguous() and not x_strided.is_contiguous()
+    assert torch.equal(ops.gemv_gate_up(x_strided, ids32, w1, s1), h)
+    assert torch.equal(ops.gemv_down(h, ids32, tw.t().contiguous().t(), w2, s2), out)
+    tw16 = tw.to(bf16)
+    _tol.assert_close(
+        ops.gemv_down(h, ids, tw16, w2, s2), oracle_down(h, ids, tw16, w2, s2, "int8")
+    )
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_pair_computes_the_chain(scheme):
+    """gemv_gate_up is quantize -> grouped GEMM -> silu_and_mul (on the permuted rows); gemv_down
+    is silu_and_mul_quant's quantization -> grouped GEMM -> unpermute, up to summation order."""
+    x, ids, tw, (w1, s1, w2, s2) = _problem(scheme, 6, 3, 8, 256, 128, seed=5)
+    E = w1.shape[0]
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    a, a_s = (x, None) if scheme == "bf16" else ops.quantize(x, scheme)
+    p = ops.permute(a, ids, E, 8, x_scales=a_s)
+    gk = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+    y1 = ops.grouped_gemm(p.x, w1, a_scales=p.x_scales, w_scales=s1, **gk)
+    act = ops.silu_and_mul(y1, **gk)
+    live = ids >= 0
+    rows = p.inv_perm[live].long()
+    _tol.assert_close(h[live], act[rows])
+    # the second half from the same rows of h (so the two sides share one h)
+    hp = torch.zeros_like(act)
+    hp[rows] = h[live]
+    b, b_s = (hp, None) if scheme == "bf16" else ops.quantize(hp, scheme)
+    y2 = ops.grouped_gemm(b, w2, a_scales=b_s, w_scales=s2, **gk)
+    _tol.assert_close(ops.gemv_down(h, ids, tw, w2, s2), ops.unpermute(y2, p.inv_perm, tw))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_opcheck(scheme):
+    x, ids, tw, (w1, s1, w2, s2) = _problem(scheme, 3, 2, 4, 128, 128, seed=6)
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    opcheck(torch.ops.epmoe.gemv_gate_up.default, (x, ids, w1, s1))
+    opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2))
+
+
+def test_opcheck_unchecked_int32_ids():
+    """check=False (the layer's gemv_down after gemv_gate_up checked the ids), int32 ids."""
+    x, ids, tw, (w1, s1, w2, s2) = _problem("int8", 3, 2, 4, 128, 128, seed=6)
+    ids = ids.int()
+    h = ops.gemv_gate_up(x, ids, w1, s1)
+    opcheck(torch.ops.epmoe.gemv_gate_up.default, (x, ids, w1, s1, False))
+    opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2, False))
+
+
+# --------------------------------------------------------------------------------- bad input
+def _good(scheme="bf16", T=3, K=2, E=4, H=256, I=128):  # noqa: E741
+    x, ids, tw, (w1, s1, w2, s2) = _problem(scheme, T, K, E, H, I, seed=7)
+    return dict(x=x, ids=ids, tw=tw, h=torch.zeros((T, K, I), dtype=bf16), w1=w1, s1=s1, w2=w2,
+                s2=s2)  # fmt: skip
+
+
+def _up(a, **kw):
+    a = {**a, **kw}
+    return ops.gemv_gate_up(a["x"], a["ids"], a["w1"], a["s1"])
+
+
+def _down(a, **kw):
+    a = {**a, **kw}
+    return ops.gemv_down(a["h"], a["ids"], a["tw"], a["w2"], a["s2"])
+
+
+BF, F8, I8 = _good(), _good("fp8"), _good("int8")
+BAD = [
+    (_up, BF, dict(x=BF["x"].float()), "gemv_gate_up: x expected dtype torch.bfloat16, got "
+     "torch.float32"),
+    (_up, BF, dict(x=BF["x"][0]), r"gemv_gate_up: x expected a 2-D tensor, got shape \(256,\)"),
+    (_up, BF, dict(ids=BF["ids"][:2]), r"gemv_gate_up: topk_ids expected shape \[3, \*\], got "
+     r"\[2, 2\]"),
+    (_up, BF, dict(ids=BF["ids"].float()), "gemv_gate_up: topk_ids expected dtype torch.int32 or "
+     "torch.int64, got torch.float32"),
+    (_up, BF, dict(w1=BF["w1"][:, :255]), r"gemv_gate_up: w1 expected shape \[E, 2I, H\] \(an "
+     r"even row count: gate rows, then up rows\), got \[4, 255, 256\]"),
+    (_up, BF, dict(w1=BF["w1"][:, :, :128]), r"gemv_gate_up: w1 expected shape \[\*, \*, 256\], "
+     r"got \[4, 256, 128\]"),
+    (_up, BF, dict(w1=BF["w1"].float()), "gemv_gate_up: w1 expected dtype torch.bfloat16 or "
+     "torch.float8_e4m3fn or torch.int8, got torch.float32"),
+    (_up, BF, dict(s1=I8["s1"]), "gemv_gate_up: w1_scales expected None for bf16 weights, got a "
+     "tensor"),
+    (_up, F8, dict(s1=None), "gemv_gate_up: w1_scales expected a float32 tensor for fp8 / int8 "
+     "weights, got None"),
+    (_up, I8, dict(s1=None), "gemv_gate_up: w1_scales expected a float32 tensor for fp8 / int8 "
+     "weights, got None"),
+    (_up, I8, dict(s1=I8["s1"].double()), "gemv_gate_up: w1_scales expected dtype torch.float32, "
+     "got torch.float64"),
+    (_up, F8, dict(s1=F8["s1"][:, :1]), r"gemv_gate_up: w1_scales expected shape \[4, 2, 2\], got "
+     r"\[4, 1, 2\]"),
+    (_up, I8, dict(s1=I8["s1"][:, :128]), r"gemv_gate_up: w1_scales expected shape \[4, 256\], got "
+     r"\[4, 128\]"),
+    (_up, F8, dict(x=torch.zeros((3, 192), dtype=bf16), w1=torch.zeros((4, 256, 192), dtype=FP8),
+                   s1=torch.ones((4, 2, 1))),
+     r"gemv_gate_up: H expected a multiple of 128 for fp8 \(128-channel blocks\), got 192"),
+    (_up, F8, dict(w1=torch.zeros((4, 192, 256), dtype=FP8), s1=torch.ones((4, 1, 2))),
+     r"gemv_gate_up: I expected a multiple of 128 for fp8 \(128-channel blocks\), got 96"),
+    (_down, BF, dict(h=BF["h"].float()), "gemv_down: h expected dtype torch.bfloat16, got "
+     "torch.float32"),
+    (_down, BF, dict(h=BF["h"][0]), r"gemv_down: h expected a 3-D tensor, got shape \(2, 128\)"),
+    (_down, BF, dict(ids=BF["ids"][:, :1]), r"gemv_down: topk_ids expected shape \[3, 2\], got "
+     r"\[3, 1\]"),
+    (_down, BF, dict(tw=BF["tw"][:2]), r"gemv_down: topk_weights expected shape \[3, 2\], got "
+     r"\[2, 2\]"),
+    (_down, BF, dict(tw=BF["tw"].int()), "gemv_down: topk_weights expected dtype torch.bfloat16 "
+     "or torch.float16 or torch.float32, got torch.int32"),
+    (_down, BF, dict(w2=BF["w2"][:, :, :64]), r"gemv_down: w2 expected shape \[\*, \*, 128\], got "
+     r"\[4, 256, 64\]"),
+    (_down, BF, dict(s2=I8["s2"]), "gemv_down: w2_scales expected None for bf16 weights"),
+    (_down, F8, dict(s2=None), "gemv_down: w2_scales expected a float32 tensor for fp8 / int8"),
+    (_down, F8, dict(s2=F8["s2"][:, :, :0]), r"gemv_down: w2_scales expected shape \[4, 2, 1\], "
+     r"got \[4, 2, 0\]"),
+    (_down, I8, dict(s2=I8["s2"][:3]), r"gemv_down: w2_scales expected shape \[4, 256\], got "
+     r"\[3, 256\]"),
+    (_down, F8, dict(h=torch.zeros((3, 2, 192), dtype=bf16), w2=torch.zeros((4, 256, 192),
+                     dtype=FP8), s2=torch.ones((4, 2, 1))),
+     r"gemv_down: I expected a multiple of 128 for fp8 \(128-channel blocks\), got 192"),
+    (_down, F8, dict(w2=torch.zeros((4, 320, 128), dtype=FP8), s2=torch.ones((4, 2, 1))),
+     r"gemv_down: H expected a multiple of 128 for fp8 \(128-channel blocks\), got 320"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call,good,change,match", BAD, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(BAD)]
+)
+def test_bad_input(call, good, change, match):
+    with pytest.raises(ValueError, match=match):
+        call(good, **change)
+
+
+@pytest.mark.parametrize("bad", [4, -2, 100])
+@pytest.mark.parametrize("call", [_up, _down], ids=["gate_up", "down"])
+def test_bad_ids_are_value_errors(call, bad):
+    ids = torch.tensor([[0, 1], [2, bad], [3, -1]])
+    for dt in (torch.int64, torch.int32):
+        op = "gemv_gate_up" if call is _up else "gemv_down"
+        with pytest.raises(ValueError, match=rf"{op}: topk_ids expected ids in \[0, 4\) or -1, "
+                           "got values outside it"):  # fmt: skip
+            call(BF, ids=ids.to(dt))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_edge_ids_are_fine(scheme):
+    """-1 (skipped) and E - 1 (the last expert) are valid ids."""
+    g = _good(scheme)
+    ids = torch.tensor([[3, -1], [-1, 3], [0, 3]])
+    h = _up(g, ids=ids)
+    out = _down(g, ids=ids, h=h)
+    _tol.assert_close(h, oracle_gate_up(g["x"], ids, g["w1"], g["s1"], scheme))
+    _tol.assert_close(out, oracle_down(h, ids, g["tw"], g["w2"], g["s2"], scheme))
