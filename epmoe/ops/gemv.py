@@ -67,7 +67,7 @@ class GemvConfig:
     up_int8: Tuple[int, int, int] = (32, 512, 4)
     down_bf16: Tuple[int, int, int] = (8, 128, 8)
     down_fp8: Tuple[int, int, int] = (8, 256, 4)
-    down_int8: Tuple[int, int, int] = (16, 256, 8)
+    down_int8: Tuple[int, int, int] = (16, 128, 4)
     check_ids: int = 1024  # ids per step of the check program
 
 
