@@ -35,7 +35,7 @@ JSON: {"schema": 1, "command", "date", "device", "versions", "args", "model" (co
 layers, parameters), "budget_s", "elapsed_s", "complete", "notes", "skipped": [id], "runs":
 [{"id" ("<backend>/<case>"), "backend", "case", "kind" ("decode" | "prefill"), "tokens", "status",
 "error", "step_ms", "min_ms", "method", "compile_s", "fullgraph" (+ "fullgraph_error"),
-"epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the path this call size takes)}],
+"epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the path of this call size)}],
 "cases": {case: {"noop_ms", backend: {"step_ms", "experts_ms", "experts_us_per_layer"},
 "ratios": {backend: x}}}, "targets": [{"backend", "case", "max_ratio", "ratio", "met"}]}.
 """

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -54,6 +55,10 @@ def routing(T, E, K, gen):
     probs = torch.rand((T, E), device="cuda", generator=gen)
     w, ids = probs.topk(K, dim=-1)
     return ids, (w / w.sum(-1, keepdim=True)).float()
+
+
+def _pair(x, ids, tw, w1, s1, w2, s2):
+    return gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2)
 
 
 def emit(f, rec):
@@ -95,8 +100,8 @@ def main(argv=None):
                 ids, tw = routing(T, E, K, gen)
                 h = gemv.gemv_gate_up(x, ids, w1, s1)
                 for up, grid, fn in (
-                    (True, UP_GRID, lambda: gemv._gemv_gate_up_triton(x, ids, w1, s1, False)),
-                    (False, DOWN_GRID, lambda: gemv._gemv_down_triton(h, ids, tw, w2, s2, False)),
+                    (True, UP_GRID, partial(gemv._gemv_gate_up_triton, x, ids, w1, s1, False)),
+                    (False, DOWN_GRID, partial(gemv._gemv_down_triton, h, ids, tw, w2, s2, False)),
                 ):
                     part_bytes = T * K * (2 if up else 1) * H * I * w1.element_size()
                     field = ("up_" if up else "down_") + scheme
@@ -115,7 +120,7 @@ def main(argv=None):
                         if key not in best or ms < best[key][1]:
                             best[key] = (over, ms)
             conf = {}  # the best at the smallest swept T
-            for (T, up), (over, _) in best.items():
+            for (T, _up), (over, _) in best.items():
                 if T == min(t for t, _ in best):
                     conf.update(over)
             emit(f, dict(kind="best", shape=shape, scheme=scheme, best={str(k): v for k, v in
@@ -126,20 +131,15 @@ def main(argv=None):
                 ids, tw = routing(T, E, K, gen)
                 hit = int(torch.unique(ids).numel())
                 floor_ms = hit * per_expert / (copy_gbps * 1e6)
+                pair = partial(_pair, x, ids, tw, w1, s1, w2, s2)
                 with gemv.override(**conf):
-                    g_ms = _timing.time_cuda(
-                        lambda: gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2),
-                        iters=a.iters,
-                    ).ms
-                g_def = _timing.time_cuda(
-                    lambda: gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2),
-                    iters=a.iters,
-                ).ms
+                    g_ms = _timing.time_cuda(pair, iters=a.iters).ms
+                g_def = _timing.time_cuda(pair, iters=a.iters).ms
                 ll = epmoe.EPMoE(E, H, I, K, quant=scheme, mode="ll", backend="local",
                                  max_tokens_per_rank=T, device="cuda")  # fmt: skip
                 ll.w1, ll.w1_scale, ll.w2, ll.w2_scale = w1, s1, w2, s2
                 ll.warmup([T])
-                l_ms = _timing.time_cuda(lambda: ll(x, ids, tw), iters=a.iters).ms
+                l_ms = _timing.time_cuda(partial(ll, x, ids, tw), iters=a.iters).ms
                 rec = dict(kind="crossover", shape=shape, scheme=scheme, T=T, experts_hit=hit,
                            gemv_best_ms=g_ms, gemv_default_ms=g_def, ll_ms=l_ms,
                            floor_ms=floor_ms, config=conf)  # fmt: skip

@@ -291,7 +291,7 @@ def _ll_scatter_triton(
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
     # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
-    ok = masked_m if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
+    ok = topk_ids if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
     R, W, chunks = scatter_tiling(H, quant)
     k_pad = _launch.pow2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the

@@ -119,8 +119,8 @@ def _gemv_gate_up_kernel(
     program (T * K, 0) checks every id (asserts them with ASSERT, else writes ok)."""
     pid = tl.program_id(0)
     nb = tl.program_id(1)
-    if pid >= T * K:  # only launched with CHECK
-        if nb == 0:
+    if pid >= T * K:  # only launched with CHECK (the store only exists in that build)
+        if CHECK and nb == 0:
             n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
             for b0 in range(0, T * K, CHECK_IDS):
                 pos = b0 + tl.arange(0, CHECK_IDS)
@@ -226,8 +226,8 @@ def _gemv_down_kernel(
     program (T, 0) checks every id."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    if t >= T:  # only launched with CHECK
-        if nb == 0:
+    if t >= T:  # only launched with CHECK (the store only exists in that build)
+        if CHECK and nb == 0:
             n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
             for b0 in range(0, T * K, CHECK_IDS):
                 pos = b0 + tl.arange(0, CHECK_IDS)

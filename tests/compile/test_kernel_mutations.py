@@ -147,6 +147,9 @@ def analyse():
             names = [n for n in jf.arg_names if src.signature[n] != "constexpr"]
             tensors = {i for i, n in enumerate(names) if src.signature[n].startswith("*")}
             writes = _written(functions, kernel, {})
+            # which tensor object each pointer parameter is bound to in this launch
+            bound = {n: id(a) for n, a in zip(names, args) if src.signature[n].startswith("*")}
+            written = sorted(names[i] for i in writes & tensors)
             calls = [
                 a for ops in functions[kernel].values() for op in ops if op.name == "tt.call"
                 for a in op.args
@@ -156,8 +159,11 @@ def analyse():
                 dict(
                     kernel=jf.fn.__name__,
                     kwargs=repr(sorted(kwargs.items())),
-                    written=sorted(names[i] for i in writes & tensors),
+                    written=written,
                     into_calls=sorted(names[i] for i in helper_args & tensors),
+                    aliased_written=sorted(
+                        n for n in written if any(m != n and bound[m] == bound[n] for m in bound)
+                    ),
                 )
             )
     return records
@@ -192,6 +198,14 @@ def _inputs_in(records, field):
         if extra:
             bad.setdefault(r["kernel"], set()).update(extra)
     return {k: sorted(v) for k, v in bad.items()}
+
+
+def test_no_written_pointer_shares_its_tensor(records):
+    """A pointer the kernel writes (by Inductor's rule) is bound to a tensor no other argument
+    gets: torch.compile's functionalization clones each written argument on its own, so an
+    output also passed as a placeholder comes back from a clone the kernel never wrote."""
+    bad = sorted({(r["kernel"], p) for r in records for p in r["aliased_written"]})
+    assert not bad, f"written pointers sharing their tensor with another argument: {bad}"
 
 
 def test_no_input_reported_mutated(records):
