@@ -51,6 +51,7 @@ from epmoe.ops._activation_kernels import _silu_h  # by name: Inductor copies @t
 OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
 _QCODE = {torch.bfloat16: 0, reference.FP8_DTYPE: 1, torch.int8: 2}
 _SCHEME = {0: "bf16", 1: "fp8", 2: "int8"}
+_ACC = tl.constexpr((tl.float32, tl.float32, tl.int32))  # accumulator dtype by scheme code
 _FAST_MATH = not _launch._INTERPRET  # MUFU SiLU on the GPU (see _activation_kernels._silu_mul)
 GROUP = 128  # fp8 channels per activation scale and per weight block
 
@@ -84,6 +85,16 @@ def override(**fields):
 def _bad_ids(v, inb, E):
     """1 where loaded ids ``v`` (in bounds where ``inb``) lie outside [0, E) other than -1."""
     return (inb & ((v < -1) | (v >= E))).to(tl.int32)
+
+
+@triton.jit
+def _report(ok_ptr, bad, ASSERT: tl.constexpr, MSG: tl.constexpr):
+    """The check program's verdict on ``bad`` bad ids: asserted (ASSERT, a debug=True build) or
+    written to the flag."""
+    if ASSERT:
+        tl.device_assert(bad == 0, MSG)
+    else:
+        tl.store(ok_ptr, bad == 0)
 
 
 @triton.jit
@@ -131,11 +142,8 @@ def _gemv_gate_up_kernel(
                     other=-1,
                 )
                 n_bad += _bad_ids(v, inb, E)
-            bad = tl.sum(n_bad, axis=0)
-            if ASSERT:
-                tl.device_assert(bad == 0, "gemv_gate_up: topk_ids expected ids in [0, E) or -1")
-            else:
-                tl.store(ok_ptr, bad == 0)
+            msg: tl.constexpr = "gemv_gate_up: topk_ids expected ids in [0, E) or -1"
+            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
     else:
         t = (pid // K).to(tl.int64)
         e = tl.load(ids_ptr + t * stride_it + (pid % K) * stride_ik)
@@ -148,16 +156,7 @@ def _gemv_gate_up_kernel(
         x_row = x_ptr + t * stride_xt
         wg = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         wu = wg + I * stride_wn
-        if QUANT == 0:
-            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                kk = k0 + rk
-                m = n_ok[:, None] & (kk < hi)[None, :]
-                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)[None, :]
-                acc_g += _dot_rows(xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
-                acc_u += _dot_rows(xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0.0), 0)
-        elif QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
+        if QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
             # a step covers G groups of 128 channels: x `[G, 128]`, weights `[BLOCK_N, G, 128]`
             G: tl.constexpr = BLOCK_K // 128
             acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -180,27 +179,34 @@ def _gemv_gate_up_kernel(
                 pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
                 acc_g += tl.sum(pg * s_g[None, :], axis=1)
                 acc_u += tl.sum(pu * s_u[None, :], axis=1)
-        else:  # int8: x quantized per token (its amax over the whole row first, from L2)
-            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                kk = k0 + rk
-                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
-            s = _int8_scale(tl.max(amax, axis=0)[None])
-            acc_gi = tl.zeros([BLOCK_N], dtype=tl.int32)
-            acc_ui = tl.zeros([BLOCK_N], dtype=tl.int32)
+        else:  # bf16; int8: x quantized per token (its amax over the whole row first, from L2)
+            if QUANT == 2:
+                amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    kk = k0 + rk
+                    xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                    amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+                s = _int8_scale(tl.max(amax, axis=0)[None])
+            acc_g = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
+            acc_u = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
             for k0 in range(0, H, BLOCK_K):
                 kk = k0 + rk
                 m = n_ok[:, None] & (kk < hi)[None, :]
                 xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                q = _quant_int8(xv.to(tl.float32)[None, :], s)
-                acc_gi += _dot_rows(q, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), 2)
-                acc_ui += _dot_rows(q, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), 2)
-            cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
-            s_g = tl.load(cs, mask=n_ok, other=0.0)
-            s_u = tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
-            acc_g = acc_gi.to(tl.float32) * s * s_g
-            acc_u = acc_ui.to(tl.float32) * s * s_u
+                if QUANT == 2:
+                    xv = _quant_int8(xv.to(tl.float32)[None, :], s)
+                else:
+                    xv = xv[None, :]
+                acc_g += _dot_rows(
+                    xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), QUANT
+                )
+                acc_u += _dot_rows(
+                    xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), QUANT
+                )
+            if QUANT == 2:
+                cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
+                acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
+                acc_u = acc_u.to(tl.float32) * s * tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
         g = round_float(acc_g, tl.bfloat16)
         u = round_float(acc_u, tl.bfloat16)
         h = _silu_h(g, u, FAST)
@@ -238,11 +244,8 @@ def _gemv_down_kernel(
                     other=-1,
                 )
                 n_bad += _bad_ids(v, inb, E)
-            bad = tl.sum(n_bad, axis=0)
-            if ASSERT:
-                tl.device_assert(bad == 0, "gemv_down: topk_ids expected ids in [0, E) or -1")
-            else:
-                tl.store(ok_ptr, bad == 0)
+            msg: tl.constexpr = "gemv_down: topk_ids expected ids in [0, E) or -1"
+            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
     else:
         t64 = t.to(tl.int64)
         kk = tl.arange(0, K_PAD)
@@ -275,36 +278,30 @@ def _gemv_down_kernel(
                 m = (ii < hi)[:, None, :] & n_ok[None, :, None]
                 wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
                 acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
-        elif QUANT == 2:  # h quantized per row: its amax first (from L2), int32 products
+        else:  # bf16; int8: h quantized per row (its amax first, from L2), int32 products
             ri = tl.arange(0, BLOCK_K)[None, :]
-            amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
-                amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
-            s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
-            acc_i = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
+            if QUANT == 2:
+                amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
+                    amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
+                s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
+            acc = tl.zeros([K_PAD, BLOCK_N], dtype=_ACC[QUANT])
             for k0 in range(0, I, BLOCK_K):
                 ii = k0 + ri
                 hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-                q = _quant_int8(hv.to(tl.float32), s)
+                if QUANT == 2:
+                    hv = _quant_int8(hv.to(tl.float32), s)
                 m = (ii < hi)[:, None, :] & n_ok[None, :, None]
                 wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
-                acc_i += tl.sum(wv.to(tl.int32) * q.to(tl.int32)[:, None, :], axis=2)
-            s_w = tl.load(
-                ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
-                mask=n_ok[None, :],
-                other=0.0,
-            )
-            acc = acc_i.to(tl.float32) * s[:, None] * s_w
-        else:
-            ri = tl.arange(0, BLOCK_K)[None, :]
-            acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                ii = k0 + ri
-                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
-                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
-                acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
+                acc += tl.sum(wv.to(_ACC[QUANT]) * hv.to(_ACC[QUANT])[:, None, :], axis=2)
+            if QUANT == 2:
+                s_w = tl.load(
+                    ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
+                    mask=n_ok[None, :],
+                    other=0.0,
+                )
+                acc = acc.to(tl.float32) * s[:, None] * s_w
         y = round_float(acc, tl.bfloat16).to(tl.float32) * wt[:, None]  # [K_PAD, BLOCK_N]
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(K):  # k ascending, as unpermute sums (row k picked exactly)

@@ -148,7 +148,8 @@ def analyse():
             tensors = {i for i, n in enumerate(names) if src.signature[n].startswith("*")}
             writes = _written(functions, kernel, {})
             # which tensor object each pointer parameter is bound to in this launch
-            bound = {n: id(a) for n, a in zip(names, args) if src.signature[n].startswith("*")}
+            given = dict(zip(jf.arg_names[: len(args)], args, strict=True))  # (positional)
+            bound = {n: id(a) for n, a in given.items() if src.signature[n].startswith("*")}
             written = sorted(names[i] for i in writes & tensors)
             calls = [
                 a for ops in functions[kernel].values() for op in ops if op.name == "tt.call"
