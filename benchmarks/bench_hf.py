@@ -4,6 +4,7 @@ step, per experts backend, with the experts' own cost isolated by a no-op expert
     PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --out OUT.json [--layers 8]
         [--impls grouped_mm,epmoe,epmoe_fp8,epmoe_int8] [--batches 1,8,64,128]
         [--prefill 4096,16384] [--context 512] [--budget-s 540] [--iters 30] [--no-compile]
+        [--profile]
     PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --cpu-smoke --out smoke.json
 
 Model: Qwen3-30B-A3B's architecture (QWEN3_30B_A3B: its HF config; the MoE sizes H 2048, I 768,
@@ -35,7 +36,8 @@ JSON: {"schema": 1, "command", "date", "device", "versions", "args", "model" (co
 layers, parameters), "budget_s", "elapsed_s", "complete", "notes", "skipped": [id], "runs":
 [{"id" ("<backend>/<case>"), "backend", "case", "kind" ("decode" | "prefill"), "tokens", "status",
 "error", "step_ms", "min_ms", "method", "compile_s", "fullgraph" (+ "fullgraph_error"),
-"epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the path of this call size)}],
+"epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the path of this call size),
+"kernels_us" (with --profile: [kernel, device µs per step, launches per step])}],
 "cases": {case: {"noop_ms", backend: {"step_ms", "experts_ms", "experts_us_per_layer"},
 "ratios": {backend: x}}}, "targets": [{"backend", "case", "max_ratio", "ratio", "met"}]}.
 """
@@ -228,12 +230,31 @@ def run_one(model, backend: str, kind: str, tokens: int, args, timer, device) ->
         torch.cuda.synchronize()
     rec["compile_s"] = round(time.perf_counter() - t0, 2)
     rec.update(timer(one_step))
+    if getattr(args, "profile", False) and device.type == "cuda":
+        rec["kernels_us"] = kernel_table(one_step)
     layer = next((et.cached_layer(m) for m in _experts(model) if et.cached_layer(m)), None)
     if layer is not None:
         rec["epmoe_mode"] = layer.mode
         # decode: B sequences of one token; prefill: one of T, so each call has `tokens` rows
         rec["epmoe_path"] = layer.path(tokens)
     return rec
+
+
+def kernel_table(step, iters: int = 3, top: int = 40) -> list:
+    """[(kernel name, device µs per step, launches per step)] of ``step``'s eager launches (the
+    compiled code, not its graph), most expensive first: the same table for the no-op backend
+    shows which kernels are the experts'."""
+    import _timing
+
+    calls = _timing.profiled_calls(step, iters)
+    per: Dict[str, list] = {}
+    for call in calls:
+        for name, start, end in call:
+            acc = per.setdefault(name, [0.0, 0])
+            acc[0] += end - start
+            acc[1] += 1
+    rows = [(n, round(us / len(calls), 2), c // len(calls)) for n, (us, c) in per.items()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
 
 
 def _experts(model):
@@ -315,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, dynamo only")
+    p.add_argument("--profile", action="store_true", help="per-kernel device µs of each step")
     return p
 
 

@@ -39,3 +39,11 @@ def test_cpu_smoke_run(tmp_path):
     assert targets[("epmoe", "decode_b1")]["ratio"] is not None
     assert targets[("epmoe", "decode_b64")]["met"] is None  # not measured here
     assert report["cases"] == on_disk["cases"]
+
+
+def test_kernel_table_per_step(monkeypatch):
+    import _timing
+
+    calls = [[("a", 0.0, 3.0), ("b", 3.0, 4.0), ("a", 5.0, 6.0)]] * 2
+    monkeypatch.setattr(_timing, "profiled_calls", lambda step, iters: calls)
+    assert bench_hf.kernel_table(lambda: None, iters=2) == [("a", 4.0, 2), ("b", 1.0, 1)]
