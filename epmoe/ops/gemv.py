@@ -60,8 +60,9 @@ GROUP = 128  # fp8 channels per activation scale and per weight block
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme: output
-    columns per program, reduction step (a multiple of 128 for fp8), warps. From the sweep at one
-    token on Qwen3-30B-A3B's and DeepSeek-V3's experts (design notes: docs/kernels.md)."""
+    columns per program (fp8: a divisor of 128, so a program's rows share their weight scales),
+    reduction step (fp8: a multiple of 128), warps. From the sweep at one and four tokens on
+    Qwen3-30B-A3B's and DeepSeek-V3's experts (design notes: docs/kernels.md)."""
 
     up_bf16: Tuple[int, int, int] = (16, 512, 4)
     up_fp8: Tuple[int, int, int] = (16, 512, 4)
