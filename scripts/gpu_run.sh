@@ -23,10 +23,24 @@ for step in "$@"; do
   cap_var="EPMOE_CAP_${step}"; cap=${!cap_var:-$t}; [ "$cap" -lt "$t" ] && t=$cap; [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
   case "$step" in
     tests)
-      EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE \
-        -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} \
-        > "$OUT/gpu_tests.log" 2>&1
-      echo "tests rc=$?" >> "$OUT/summary.txt" ;;
+      # EPMOE_TEST_JOBS=N: N pytest processes on the one GPU, test files split by test count
+      # (the suite is bound by kernel compilation on the host, not by the GPU)
+      jobs=${EPMOE_TEST_JOBS:-1}
+      python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" --collect-only -q -p no:cacheprovider \
+        ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} 2>/dev/null | grep '::' | cut -d: -f1 | sort | uniq -c | sort -rn \
+        | awk -v n="$jobs" '{b=0; for(i=1;i<n;i++) if(l[i]<l[b]) b=i; l[b]+=$1; f[b]=f[b]" "$2}
+                            END{for(i=0;i<n;i++) if(f[i]!="") print f[i]}' > "$OUT/test_groups.txt"
+      i=0; pids=()
+      while read -r files; do
+        EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest $files -m "gpu or multi_gpu" -q -rfE \
+          -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests_$i.log" 2>&1 &
+        pids+=($!); i=$((i + 1))
+      done < "$OUT/test_groups.txt"
+      rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+      for f in "$OUT"/gpu_tests_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/gpu_tests.log"
+      rm -f "$OUT"/gpu_tests_*.log
+      grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" >> "$OUT/summary.txt"
+      echo "tests rc=$rc" >> "$OUT/summary.txt" ;;
     layer_bench)
       timeout $((t - 10)) python3 benchmarks/bench_layer.py --out "$OUT/layer.json" \
         > "$OUT/layer_bench.log" 2>&1
