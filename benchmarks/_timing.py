@@ -119,7 +119,7 @@ def time_cuda(
     return Timing(statistics.median(times), min(times), iters, method)
 
 
-def _gpu_activities(prof) -> list:
+def device_activities(prof) -> list:
     """(name, start_us, end_us) of every device-side activity (kernel, memcpy, memset) of a
     torch.profiler run, by start."""
     out = []
@@ -159,7 +159,7 @@ def profiled_calls(run: Callable[[], object], iters: int) -> list:
             _flush(flush)
             run()
         torch.cuda.synchronize()
-    return split_calls(_gpu_activities(prof), flush_names)
+    return split_calls(device_activities(prof), flush_names)
 
 
 @functools.cache
@@ -171,7 +171,7 @@ def _flush_names(device: int) -> frozenset:
         for _ in range(3):
             _flush(flush)
         torch.cuda.synchronize()
-    return frozenset(a[0] for a in _gpu_activities(prof))
+    return frozenset(a[0] for a in device_activities(prof))
 
 
 def split_calls(activities, flush_names) -> list:

@@ -115,10 +115,11 @@ CPU_SMOKE = dict(layers=2, batches=(1, 4), prefill=(32,), context=16, iters=2, w
 
 def noop_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """An experts backend that does no work: the step's cost without the experts. It returns zeros
-    that depend on the routing (one value of each), so the compiled step still computes the router
-    (gate, softmax, top-k): zeros alone would let the compiler drop it as dead code, and its cost
-    would then be counted as the experts'."""
-    keep = top_k_weights[..., :1].float() * 0 + top_k_index[..., :1].float() * 0
+    that depend on the routing, so the compiled step still computes the router (gate, softmax,
+    top-k): zeros alone, or routing times 0 (which Inductor folds to 0), let the compiler drop the
+    router as dead code, and its cost would then be counted as the experts'. An id is never
+    negative here, but the compiler cannot know it."""
+    keep = torch.where(top_k_index[..., :1] < 0, top_k_weights[..., :1], 0.0)
     return torch.zeros_like(hidden_states) + keep.to(hidden_states.dtype)
 
 
@@ -243,17 +244,22 @@ def run_one(model, backend: str, kind: str, tokens: int, args, timer, device) ->
 def kernel_table(step, iters: int = 3, top: int = 40) -> list:
     """[(kernel name, device µs per step, launches per step)] of ``step``'s eager launches (the
     compiled code, not its graph), most expensive first: the same table for the no-op backend
-    shows which kernels are the experts'."""
+    shows which kernels are the experts'. No L2 flush between the steps (a flush's kernels could
+    share a name with a step's own)."""
     import _timing
 
-    calls = _timing.profiled_calls(step, iters)
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
     per: Dict[str, list] = {}
-    for call in calls:
-        for name, start, end in call:
-            acc = per.setdefault(name, [0.0, 0])
-            acc[0] += end - start
-            acc[1] += 1
-    rows = [(n, round(us / len(calls), 2), c // len(calls)) for n, (us, c) in per.items()]
+    for name, start, end in _timing.device_activities(prof):
+        acc = per.setdefault(name, [0.0, 0])
+        acc[0] += end - start
+        acc[1] += 1
+    rows = [(n, round(us / iters, 2), round(c / iters, 2)) for n, (us, c) in per.items()]
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 

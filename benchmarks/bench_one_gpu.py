@@ -187,7 +187,7 @@ class CudaTimer:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        acts = _timing._gpu_activities(prof)
+        acts = _timing.device_activities(prof)
         kernels = [a[0] for a in acts if not a[0].startswith(("Memcpy", "Memset"))]
         names = Counter(k[:80] for k in kernels)
         return {"launches": len(kernels), "copies": len(acts) - len(kernels), "kernels": names}

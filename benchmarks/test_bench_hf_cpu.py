@@ -8,6 +8,7 @@ Run: ``python -m pytest -q benchmarks/test_bench_hf_cpu.py``.
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -27,7 +28,8 @@ def test_cpu_smoke_run(tmp_path):
         assert r["status"] == "ok", (r["id"], r.get("error"))
         assert r["step_ms"] > 0 and r["fullgraph"] is True and r["method"] == "cpu"
         if r["backend"].startswith("epmoe"):
-            assert r["epmoe_mode"] == "auto" and r["epmoe_path"] == "ll"  # 1 and 32 <= 128
+            want = "gemv" if r["case"] == "decode_b1" else "ll"  # one rank: 1 <= 8 < 32 <= 128
+            assert r["epmoe_mode"] == "auto" and r["epmoe_path"] == want
     for case in ("decode_b1", "prefill_t32"):
         row = on_disk["cases"][case]
         assert row["noop_ms"] > 0
@@ -42,8 +44,31 @@ def test_cpu_smoke_run(tmp_path):
 
 
 def test_kernel_table_per_step(monkeypatch):
+    import contextlib
+
     import _timing
 
-    calls = [[("a", 0.0, 3.0), ("b", 3.0, 4.0), ("a", 5.0, 6.0)]] * 2
-    monkeypatch.setattr(_timing, "profiled_calls", lambda step, iters: calls)
-    assert bench_hf.kernel_table(lambda: None, iters=2) == [("a", 4.0, 2), ("b", 1.0, 1)]
+    acts = [("a", 0.0, 3.0), ("b", 3.0, 4.0), ("a", 5.0, 6.0)] * 2  # two steps
+    monkeypatch.setattr(_timing, "device_activities", lambda prof: acts)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile", lambda **kw: contextlib.nullcontext())
+    calls = []
+    assert bench_hf.kernel_table(lambda: calls.append(1), iters=2) == [
+        ("a", 4.0, 2.0),
+        ("b", 1.0, 1.0),
+    ]
+    assert len(calls) == 3  # one untimed step, then the profiled ones
+
+
+def test_noop_keeps_the_router_in_the_compiled_step():
+    """The no-op backend's zeros depend on the routing: Inductor cannot drop the top-k."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x, gate):
+        w, ids = torch.topk(torch.softmax(x @ gate, dim=-1), 2, dim=-1)
+        return bench_hf.noop_experts_forward(None, x, ids, w)
+
+    x, gate = torch.randn(4, 16), torch.randn(16, 8)
+    out, code = run_and_get_code(torch.compile(step, fullgraph=True), x, gate)
+    assert torch.equal(out, torch.zeros_like(x))
+    assert "topk" in "\n".join(code)

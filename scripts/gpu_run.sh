@@ -33,7 +33,7 @@ for step in "$@"; do
       i=0; pids=()
       while read -r files; do
         EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest $files -m "gpu or multi_gpu" -q -rfE \
-          -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests_$i.log" 2>&1 &
+          -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests_$i.log" 2>&1 < /dev/null &
         pids+=($!); i=$((i + 1))
       done < "$OUT/test_groups.txt"
       rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done

@@ -76,10 +76,12 @@ def _decode_kwargs(tokens, position, cache):
     )
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_decode_steps_replay_cuda_graph(batch):
-    """Static-cache decode steps through torch.compile(mode="reduce-overhead") (CUDA graphs,
-    epmoe's LL path): every replayed step matches an eager step on the same tokens."""
+@pytest.mark.parametrize("batch,path", [(1, "gemv"), (8, "gemv"), (16, "ll")])
+def test_decode_steps_replay_cuda_graph(batch, path):
+    """Static-cache decode steps through torch.compile(mode="reduce-overhead") (CUDA graphs, each
+    of epmoe's decode paths): every replayed step matches the same compiled step run without
+    CUDA graphs (same kernels, so a stale or mis-captured replay shows; eager differs from any
+    compiled step by Inductor's roundings, which add up over the steps)."""
     from transformers import StaticCache
 
     model = qwen3()
@@ -87,16 +89,18 @@ def test_decode_steps_replay_cuda_graph(batch):
     prompt, steps = 8, 10
     seq = _ids(model, batch, prompt + steps, seed=batch)
     caches = [StaticCache(config=model.config, max_cache_len=prompt + steps) for _ in range(2)]
-    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    opts = dict(fullgraph=True, dynamic=False)
+    graphed = torch.compile(model.forward, mode="reduce-overhead", **opts)
+    plain = torch.compile(model.forward, **opts)
     with torch.no_grad():
         for cache in caches:  # the same eager prefill in both
             model(input_ids=seq[:, :prompt], cache=cache, use_cache=True)
-        assert all(layer.uses_ll(batch) for layer in layers(model))
+        assert all(layer.path(batch) == path for layer in layers(model))
         for i in range(prompt, prompt + steps):
             tok = seq[:, i : i + 1].clone()
-            got = step(**_decode_kwargs(tok, i, caches[0])).logits.float().clone()
-            want = model(**_decode_kwargs(tok, i, caches[1])).logits.float()
-            assert rel_l2(got, want) <= TOL["bf16"], i
+            got = graphed(**_decode_kwargs(tok, i, caches[0])).logits.float().clone()
+            want = plain(**_decode_kwargs(tok, i, caches[1])).logits.float()
+            assert rel_l2(got, want) <= 1e-3, i
 
 
 def _greedy(model, ids, **kw):
