@@ -30,7 +30,7 @@ import epmoe  # noqa: E402
 from epmoe.ops import gemv  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-# (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme> / down_<scheme>)
+# (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme>[_one] / down_<scheme>[_one])
 UP_GRID = [(n, k, 4) for n in (8, 16, 32) for k in (512, 1024)]
 DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256) for w in (4, 8)]
 
@@ -104,7 +104,7 @@ def main(argv=None):
                     (False, DOWN_GRID, partial(gemv._gemv_down_triton, h, ids, tw, w2, s2, False)),
                 ):
                     part_bytes = T * K * (2 if up else 1) * H * I * w1.element_size()
-                    field = ("up_" if up else "down_") + scheme
+                    field = gemv.field_name("up" if up else "down", scheme, T)
                     for vals in grid:
                         over = {field: vals}
                         with gemv.override(**over):
@@ -119,10 +119,9 @@ def main(argv=None):
                         key = (T, up)
                         if key not in best or ms < best[key][1]:
                             best[key] = (over, ms)
-            conf = {}  # the best at the smallest swept T
-            for (T, _up), (over, _) in best.items():
-                if T == min(t for t, _ in best):
-                    conf.update(over)
+            conf = {}  # per field (one token / several), the best at the smallest swept T
+            for (T, _up), (over, _) in sorted(best.items(), key=lambda kv: -kv[0][0]):
+                conf.update(over)
             emit(f, dict(kind="best", shape=shape, scheme=scheme, best={str(k): v for k, v in
                                                                         best.items()}))  # fmt: skip
             ll = None

@@ -59,10 +59,11 @@ GROUP = 128  # fp8 channels per activation scale and per weight block
 # ------------------------------------------------------------------------------ launch config
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme: output
-    columns per program (fp8: a divisor of 128, so a program's rows share their weight scales),
-    reduction step (fp8: a multiple of 128), warps. From the sweep at one and four tokens on
-    Qwen3-30B-A3B's and DeepSeek-V3's experts (design notes: docs/kernels.md)."""
+    """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme, for calls
+    of several tokens and (``*_one``) of one token: output columns per program (fp8: a divisor of
+    128, so a program's rows share their weight scales), reduction step (fp8: a multiple of 128),
+    warps. From the sweep at one and four tokens on Qwen3-30B-A3B's and DeepSeek-V3's experts
+    (design notes: docs/kernels.md)."""
 
     up_bf16: Tuple[int, int, int] = (16, 512, 4)
     up_fp8: Tuple[int, int, int] = (16, 512, 4)
@@ -70,10 +71,25 @@ class GemvConfig:
     down_bf16: Tuple[int, int, int] = (8, 128, 8)
     down_fp8: Tuple[int, int, int] = (8, 256, 4)
     down_int8: Tuple[int, int, int] = (16, 128, 4)
+    up_bf16_one: Tuple[int, int, int] = (16, 512, 4)
+    up_fp8_one: Tuple[int, int, int] = (8, 1024, 4)  # one token: fewer, longer rows in flight
+    up_int8_one: Tuple[int, int, int] = (16, 1024, 4)
+    down_bf16_one: Tuple[int, int, int] = (8, 128, 8)
+    down_fp8_one: Tuple[int, int, int] = (8, 256, 4)
+    down_int8_one: Tuple[int, int, int] = (8, 256, 8)
     check_ids: int = 1024  # ids per step of the check program
 
 
 CONFIG = GemvConfig()
+
+
+def field_name(kernel: str, scheme: str, tokens: int) -> str:
+    """The GemvConfig field of ``kernel`` ("up" / "down") for a call of ``tokens`` tokens."""
+    return f"{kernel}_{scheme}" + ("_one" if tokens == 1 else "")
+
+
+def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, int, int]:
+    return getattr(CONFIG, field_name(kernel, scheme, tokens))
 
 
 def override(**fields):
@@ -329,7 +345,7 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
     in_kernel, ok = _check_setup(x, check)
     quant = _QCODE[w1.dtype]
-    block_n, block_k, warps = getattr(CONFIG, "up_" + _SCHEME[quant])
+    block_n, block_k, warps = config_field("up", _SCHEME[quant], T)
     ws = w1_scales if w1_scales is not None else w1
     ss = (0, 0, 0) if w1_scales is None else (*w1_scales.stride(), 0)[:3]
     grid = (T * K + (1 if check else 0), _launch.cdiv(I, block_n))
@@ -356,7 +372,7 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
     quant = _QCODE[w2.dtype]
-    block_n, block_k, warps = getattr(CONFIG, "down_" + _SCHEME[quant])
+    block_n, block_k, warps = config_field("down", _SCHEME[quant], T)
     ws = w2_scales if w2_scales is not None else w2
     ss = (0, 0, 0) if w2_scales is None else (*w2_scales.stride(), 0)[:3]
     grid = (T + (1 if check else 0), _launch.cdiv(H, block_n))

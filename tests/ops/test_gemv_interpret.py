@@ -46,6 +46,8 @@ CONFIGS = {
     "fp8": dict(up_fp8=(64, 256, 4), down_fp8=(64, 256, 4), check_ids=4),
     "int8": dict(up_int8=(16, 128, 4), down_int8=(16, 32, 4), check_ids=4),
 }
+for _conf in CONFIGS.values():  # the same blocks for calls of one token
+    _conf.update({k + "_one": v for k, v in list(_conf.items()) if k != "check_ids"})
 SIZES = {"bf16": (200, 72), "fp8": (384, 384), "int8": (200, 72)}  # (H, I)
 MIN_SIZES = {"bf16": (64, 40), "fp8": (128, 128), "int8": (64, 40)}
 
