@@ -17,6 +17,7 @@ range, and the type of any other argument. Runtime arguments are passed position
 by keyword (a kernel that takes a runtime argument by keyword is never cached). Profiler launch
 hooks, when set, send every launch through Triton's own path.
 
+:func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts.
 :func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
 those are Triton constexpr functions, which unwrap every argument on each call.
 """
@@ -46,6 +47,20 @@ def pow2(n):
     if type(n) is int:
         return 1 if n <= 1 else 1 << (n - 1).bit_length()
     return triton.next_power_of_2(n)
+
+
+def imin(a, b):
+    """min(a, b) for ints; ``torch.sym_min`` when either is a SymInt (min() would guard on it)."""
+    if type(a) is int and type(b) is int:
+        return a if a <= b else b
+    return torch.sym_min(a, b)
+
+
+def imax(a, b):
+    """max(a, b) for ints; ``torch.sym_max`` when either is a SymInt."""
+    if type(a) is int and type(b) is int:
+        return a if a >= b else b
+    return torch.sym_max(a, b)
 
 
 def cdiv(a, b):

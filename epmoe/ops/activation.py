@@ -126,12 +126,12 @@ def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
     programs loops over the row blocks (prefetching the next block's m_indices); programs past
     the bound (the unused tail) then never start."""
     slots = num_slots(rows.E, rows.T, rows.masked, block_m)
-    # (sym_min: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
+    # (imin: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
     # would guard on it)
     if rows.has_bound and not rows.masked:
-        return torch.sym_min(slots, CONFIG.offsets_programs)
+        return _launch.imin(slots, CONFIG.offsets_programs)
     if m_indices is not None:
-        return torch.sym_min(slots, CONFIG.row_programs)
+        return _launch.imin(slots, CONFIG.row_programs)
     return slots
 
 

@@ -270,9 +270,9 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     spc = _launch.cdiv(S, chunks)  # scales per column chunk
     sit, sik = topk_ids.stride()
     # counts[e, b]: entries of expert e in block b, then those in blocks < b; bad[b]: invalid ids
-    # of block b; totals[e]. sym_max, and no `if` on sizes below: M may be an unbacked size
+    # of block b; totals[e]. imax, and no `if` on sizes below: M may be an unbacked size
     # (exact-size HT dispatch under torch.compile); a launch with an empty grid is a no-op
-    nb1 = torch.sym_max(nb, 1)
+    nb1 = _launch.imax(nb, 1)
     counts = torch.empty((E, nb1), dtype=torch.int32, device=dev)
     bad = torch.empty((nb1,), dtype=torch.int32, device=dev)
     totals = torch.empty((E,), dtype=torch.int32, device=dev)

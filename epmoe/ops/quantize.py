@@ -226,9 +226,9 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
     blocks = _launch.cdiv(t, block_m)
     if not masked:
         return blocks
-    # (sym_min: t may be an unbacked size under torch.compile, and min() would guard on it)
+    # (imin: t may be an unbacked size under torch.compile, and min() would guard on it)
     cfg = CONFIG
-    return torch.sym_min(blocks, max(cfg.min_slots, cfg.masked_programs // max(e, 1)))
+    return _launch.imin(blocks, max(cfg.min_slots, cfg.masked_programs // max(e, 1)))
 
 
 def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:

@@ -55,8 +55,11 @@ _DG_NAMES = {
 _SCHEME_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
+_DTYPE_SCHEME = {d: s for s, d in _SCHEME_DTYPE.items()}
+
+
 def scheme_of(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[dtype]
+    return _DTYPE_SCHEME[dtype]
 
 
 # ------------------------------------------------------------------------------- backend selection
@@ -93,6 +96,7 @@ def _grouped_mm_ok(device: torch.device, n: int, k: int) -> bool:
     return hasattr(torch, "_grouped_mm") and _cap(device)[0] >= 9 and n % 8 == 0 and k % 8 == 0
 
 
+@functools.cache  # (a function of the process's packages and GPUs: the same on every call)
 def _backend(scheme: str, layout: str, device: torch.device, n: int, k: int) -> str:
     """The implementation of ``scheme`` x ``layout`` ("contiguous"/"masked") on a CUDA device."""
     if scheme == "int8":
@@ -129,6 +133,7 @@ def contiguous_row_block(scheme: str, device: torch.device) -> int:
     return 1
 
 
+@functools.cache  # (as _backend)
 def masked_row_block(scheme: str, device: torch.device) -> int:
     """Rows T (per expert slot) of the masked layout must be a multiple of to avoid a padding copy.
 
