@@ -120,7 +120,7 @@ def main(argv=None):
                         if key not in best or ms < best[key][1]:
                             best[key] = (over, ms)
             conf = {}  # per field (one token / several), the best at the smallest swept T
-            for (T, _up), (over, _) in sorted(best.items(), key=lambda kv: -kv[0][0]):
+            for _key, (over, _) in sorted(best.items(), key=lambda kv: -kv[0][0]):
                 conf.update(over)
             emit(f, dict(kind="best", shape=shape, scheme=scheme, best={str(k): v for k, v in
                                                                         best.items()}))  # fmt: skip
