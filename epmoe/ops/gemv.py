@@ -85,7 +85,10 @@ CONFIG = GemvConfig()
 
 def field_name(kernel: str, scheme: str, tokens: int) -> str:
     """The GemvConfig field of ``kernel`` ("up" / "down") for a call of ``tokens`` tokens."""
-    return f"{kernel}_{scheme}" + ("_one" if tokens == 1 else "")
+    # (a SymInt is never 1: torch.compile specializes sizes 0 and 1, and an unbacked size takes
+    # the several-token config, whatever its value)
+    one = type(tokens) is int and tokens == 1
+    return f"{kernel}_{scheme}" + ("_one" if one else "")
 
 
 def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, int, int]:
