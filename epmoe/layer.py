@@ -4,12 +4,12 @@ HT (prefill): quantize -> ht_dispatch -> permute -> grouped_gemm (gate+up) -> si
 -> grouped_gemm (down) -> unpermute -> ht_combine.
 LL (decode): ll_dispatch -> [quantize] -> masked grouped_gemm -> silu_and_mul(_quant) -> masked
 grouped_gemm -> ll_combine.
-"auto": LL up to ``ll_max_tokens`` tokens per call, HT above (chosen from the shape, not the data).
+"auto": per-choice GEMVs for a few tokens on one rank, LL up to ``ll_max_tokens`` tokens per call,
+HT above (chosen from the shape, not the data).
 
 On one rank with the local backend nothing is sent: HT permutes the caller's x, ids and weights
 directly and unpermute's output is the result; LL scatters tokens into the masked layout with one
-kernel (quantization fused) and gathers them back, weighted, with another
-(:mod:`epmoe.comm.masked_layout`).
+kernel (quantization fused) and gathers them back, weighted, with another (comm.masked_layout).
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
 K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
@@ -45,11 +45,10 @@ OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
 MODES = ("ht", "ll", "auto")
 # mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
-# crossover is on benchmarks/results/h200/RESULTS.md)
+# crossover: benchmarks/results/h200/RESULTS.md)
 AUTO_LL_MAX_TOKENS = 512
 # mode="auto" on one rank (local backend): calls of at most this many tokens per scheme run the
-# per-choice GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound), more tokens the LL / HT
-# layouts (the measured crossover is on benchmarks/results/h200/RESULTS.md)
+# per-choice GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound; crossover: same page)
 AUTO_GEMV_MAX_TOKENS = {"bf16": 8, "fp8": 8, "int8": 4}
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
@@ -165,9 +164,8 @@ class StageRecord:
     - "gemm1", "gemm2": bf16 `[M_sum, N]` (HT) or `[E, C, N]` (LL); "unpermute", "combine",
       "ll_combine", "ll_gather": bf16 `[T, H]` (HT unpermute: `[M, H]`, M received rows).
 
-    A backend may reuse its receive buffers (DeepEP LL), so read the record before the next
-    forward pass. ``record[stage]`` is the stage's latest output; ``names`` lists the recorded
-    stages in the order they ran.
+    A backend may reuse its receive buffers (DeepEP LL): read the record before the next forward
+    pass. ``record[stage]`` is the stage's latest output; ``names`` the stages in the order run.
     """
 
     def __init__(self, replace: Optional[Dict[str, Callable]] = None):
@@ -206,9 +204,9 @@ class EPMoE(nn.Module):
         hidden_size: H. intermediate_size: I. top_k: K.
         quant: "bf16", "fp8" (e4m3, activations 1x128, weights 128x128) or "int8" (per token / per
             output channel).
-        mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (LL for
-            calls of at most ``ll_max_tokens`` tokens, HT above; the choice follows the shape, so a
-            graph captured at one size stays valid).
+        mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
+            GEMVs up to AUTO_GEMV_MAX_TOKENS; LL up to ``ll_max_tokens`` tokens, HT above; chosen
+            from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
         alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
@@ -254,6 +252,7 @@ class EPMoE(nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._cuda = device.type == "cuda"
         if alignment is None:
             alignment = DEFAULT_ALIGNMENT
         _checks.check_positive_int(OP, "alignment", alignment)
@@ -377,7 +376,7 @@ class EPMoE(nn.Module):
         direct = _eager.calm() and FORWARD.direct(*args) and chained
         if not direct:
             FORWARD.check(*args)
-        if self.w1 is None:
+        if self._buffers["w1"] is None:  # (buffers read from the dict: no Module.__getattr__)
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
         st = _TRUSTED if direct else _CHAINED if chained else _PUBLIC
         if self.uses_gemv(x.shape[0]):
@@ -460,7 +459,7 @@ class EPMoE(nn.Module):
         )
 
     def _scale_layout(self) -> str:
-        return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
+        return "deepgemm" if self.quant == "fp8" and self._cuda else "row"
 
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
@@ -486,13 +485,13 @@ class EPMoE(nn.Module):
             scales,
             scale_layout=self._scale_layout(),
         )
-        p = self._emit("permute", p)
+        p, b = self._emit("permute", p), self._buffers
         y = st.grouped_gemm(  # (rows: permute writes only -1 or [0, E))
             p.x,
-            self.w1,
+            b["w1"],
             m_indices=p.m_indices,
             a_scales=p.x_scales,
-            w_scales=self.w1_scale,
+            w_scales=b["w1_scale"],
             expert_offsets=p.expert_offsets,
         )
         y = self._emit("gemm1", y)
@@ -501,10 +500,10 @@ class EPMoE(nn.Module):
         h, hs = self._emit("act", act)
         y = st.grouped_gemm(
             h,
-            self.w2,
+            b["w2"],
             m_indices=p.m_indices,
             a_scales=hs,
-            w_scales=self.w2_scale,
+            w_scales=b["w2_scale"],
             expert_offsets=p.expert_offsets,
         )
         y = self._emit("gemm2", y)
@@ -585,16 +584,17 @@ class EPMoE(nn.Module):
 
     def _forward_gemv(self, st, x, topk_ids, topk_weights):
         """One rank, a few tokens: gate/up GEMVs + SiLU, then down GEMVs + the weighted sum."""
-        h = self._emit("gemv_gate_up", st.gemv_gate_up(x, topk_ids, self.w1, self.w1_scale))
-        out = st.gemv_down(h, topk_ids, topk_weights, self.w2, self.w2_scale)
+        b = self._buffers
+        h = self._emit("gemv_gate_up", st.gemv_gate_up(x, topk_ids, b["w1"], b["w1_scale"]))
+        out = st.gemv_down(h, topk_ids, topk_weights, b["w2"], b["w2_scale"])
         return self._emit("gemv_down", out)
 
     def _experts_ll(self, st, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         # (the counts come from a dispatch that clamps them to the capacity)
-        kw = dict(masked_m=masked_m, expected_m=self.expected_m())
-        y = st.grouped_gemm(a, self.w1, a_scales=s, w_scales=self.w1_scale, **kw)
+        kw, b = dict(masked_m=masked_m, expected_m=self.expected_m()), self._buffers
+        y = st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)
         h, hs = self._emit("act", self._act(st, y, masked_m))
-        y = st.grouped_gemm(h, self.w2, a_scales=hs, w_scales=self.w2_scale, **kw)
+        y = st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
         return self._emit("gemm2", y)
