@@ -20,6 +20,6 @@ def test_host_python_runs_every_path():
     rows = dict(
         line.rsplit(None, 2)[0:2] for line in res.stdout.splitlines() if line.endswith("us")
     )
-    for quant in ("bf16", "fp8"):
+    for quant in ("bf16", "fp8", "int8"):
         for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32)):
             assert float(rows[f"{quant} {path} T={tokens}"]) > 0
