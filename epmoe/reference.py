@@ -19,6 +19,7 @@ INT8_MAX = 127.0  # symmetric range: -128 is never produced
 SCALE_EPS = 1e-10  # floor for scales so all-zero groups give q = 0, not NaN
 FP8_WEIGHT_BLOCK = 128  # weights are quantized per 128x128 block (DeepSeek-V3 recipe)
 QUANT_SCHEMES = ("bf16", "fp8", "int8")
+SCHEME_OF_DTYPE = {torch.bfloat16: "bf16", FP8_DTYPE: "fp8", torch.int8: "int8"}  # GEMM operands
 
 
 def round_up(x, m: int):
@@ -250,9 +251,6 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
 
 
 # ---------------------------------------------------------------------------- per-choice GEMVs
-_WEIGHT_SCHEME = {torch.bfloat16: "bf16", FP8_DTYPE: "fp8", torch.int8: "int8"}
-
-
 def _quantized_rows(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """x bf16 `[..., D]` as the scheme's GEMM reads it, in float32 (quantized and dequantized)."""
     return x.float() if scheme == "bf16" else dequantize(*quantize(x, scheme))
@@ -274,7 +272,7 @@ def gemv_gate_up(
     """x bf16 `[T, H]`, topk_ids `[T, K]` local expert or -1, w1 `[E, 2I, H]` (bf16, or fp8 /
     int8 with their scales) -> bf16 `[T, K, I]`: silu_and_mul of the bf16-rounded product of x,
     quantized per the weights' scheme, with each choice's expert; rows of -1 choices zero."""
-    scheme = _WEIGHT_SCHEME[w1.dtype]
+    scheme = SCHEME_OF_DTYPE[w1.dtype]
     xf = _quantized_rows(x, scheme)  # [T, H]
     wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, 2I, H]
     y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16)
@@ -292,7 +290,7 @@ def gemv_down(
     """h bf16 `[T, K, I]`, topk_ids `[T, K]` local expert or -1, topk_weights float `[T, K]`, w2
     `[E, H, I]` -> bf16 `[T, H]`: sum_k w[t,k] * bf16(h^[t,k] . W2[e]^T) over live choices in
     float32 (k order), h^ = h quantized per the weights' scheme."""
-    scheme = _WEIGHT_SCHEME[w2.dtype]
+    scheme = SCHEME_OF_DTYPE[w2.dtype]
     hf = _quantized_rows(h, scheme)  # [T, K, I]
     wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, H, I]
     y = torch.einsum("tki,tkni->tkn", hf, wf).to(torch.bfloat16).float()

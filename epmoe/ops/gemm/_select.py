@@ -55,11 +55,8 @@ _DG_NAMES = {
 _SCHEME_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-_DTYPE_SCHEME = {d: s for s, d in _SCHEME_DTYPE.items()}
-
-
 def scheme_of(dtype: torch.dtype) -> str:
-    return _DTYPE_SCHEME[dtype]
+    return reference.SCHEME_OF_DTYPE[dtype]
 
 
 # ------------------------------------------------------------------------------- backend selection
