@@ -252,7 +252,6 @@ class EPMoE(nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._cuda = device.type == "cuda"
         if alignment is None:
             alignment = DEFAULT_ALIGNMENT
         _checks.check_positive_int(OP, "alignment", alignment)
@@ -459,7 +458,7 @@ class EPMoE(nn.Module):
         )
 
     def _scale_layout(self) -> str:
-        return "deepgemm" if self.quant == "fp8" and self._cuda else "row"
+        return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
 
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
