@@ -10,7 +10,13 @@ would add malloc's cost, larger and less steady than the CUDA caching allocator'
 `torch.empty` is ~0.7 µs on the H200 host, `diag_layer.txt`). Compare trees with it; confirm on
 the GPU with `scripts/diag_layer.py`.
 
-  python scripts/host_python.py [--iters 500] [--repeats 7] [--profile PATH]
+With ``--stages`` it also prints each stage's trusted call (the chain's entries, one at a time).
+With ``--device cuda`` nothing is stubbed: the same calls launch for real on the GPU (kept busy
+behind a sleep kernel, so no call waits), which splits a call's host time into its Python (the
+stubbed figure) and its launches (the difference).
+
+  python scripts/host_python.py [--iters 500] [--repeats 7] [--profile PATH] [--stages]
+                                [--device cpu|cuda]
 """
 
 import argparse
@@ -52,20 +58,28 @@ def stub_launches() -> None:
     _checks.direct_launch = lambda t: not tracing(t) and not wrapped()
 
 
-def build(quant: str):
-    layer = L.EPMoE(**SHAPE, quant=quant, mode="auto", device="cpu", max_tokens_per_rank=32)
+def build(quant: str, device: str = "cpu"):
+    layer = L.EPMoE(**SHAPE, quant=quant, mode="auto", device=device, max_tokens_per_rank=32)
     E, H, I = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["intermediate_size"]
     g = torch.Generator().manual_seed(0)
     layer.load_weights(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g))
     return layer
 
 
+def inputs(layer, tokens: int):
+    """(x, topk_ids, topk_weights) on "meta" (CPU layer) or the layer's CUDA device."""
+    g = torch.Generator().manual_seed(1)
+    dev = "meta" if layer.device.type == "cpu" else layer.device
+    x = torch.randn(tokens, layer.hidden_size, generator=g).bfloat16().to(dev)
+    ids = torch.stack([torch.randperm(layer.num_experts, generator=g)[: layer.top_k]
+                       for _ in range(tokens)]).to(dev)  # fmt: skip
+    w = torch.rand(tokens, layer.top_k, generator=g).to(dev)
+    return x, ids, w
+
+
 def call_of(layer, path: str, tokens: int) -> Callable[[], object]:
     """One eager call as forward() runs it on the direct path: the boundary check, then the path."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, layer.hidden_size, generator=g).bfloat16().to("meta")
-    ids = torch.randint(0, layer.num_experts, (tokens, layer.top_k), generator=g).to("meta")
-    w = torch.rand(tokens, layer.top_k, generator=g).to("meta")
+    x, ids, w = inputs(layer, tokens)
     run = {"gemv": layer._forward_gemv, "ll": layer._forward_ll, "ht": layer._forward_ht}[path]
     args = (x, ids, w, layer.hidden_size, layer.top_k, layer.device)
     ok, st = L.FORWARD.ok, L._TRUSTED
@@ -75,6 +89,46 @@ def call_of(layer, path: str, tokens: int) -> Callable[[], object]:
         return run(st, x, ids, w)
 
     return call
+
+
+def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
+    """Each stage's trusted call as the chains run it, on inputs of the right shapes."""
+    st, b, q = L._TRUSTED, layer._buffers, layer.quant
+    x, ids, w = inputs(layer, tokens)
+    dev, E, C = x.device, layer.num_local_experts, layer.ll_capacity
+    lay = layer._scale_layout()
+    a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
+    s = s if q != "bf16" else None
+    kw = dict(masked_m=mm, expected_m=layer.expected_m())
+    I2, H = 2 * layer.intermediate_size, layer.hidden_size
+    y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
+    h, hs = layer._act(st, y1, mm)
+    y2 = torch.zeros(E, C, H, dtype=torch.bfloat16, device=dev)
+    xq, xs = st.quantize(x, q) if q != "bf16" else (x, None)
+    p = st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay)
+    pkw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+    yp1 = torch.zeros(p.x.shape[0], I2, dtype=torch.bfloat16, device=dev)
+    hp, hps = layer._act(st, yp1, **pkw)
+    yp2 = torch.zeros(p.x.shape[0], H, dtype=torch.bfloat16, device=dev)
+    out = {
+        "ll_scatter": lambda: st.ll_scatter(x, ids, E, C, q, scale_layout=lay),
+        "ll gemm1": lambda: st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw),
+        "ll act": lambda: layer._act(st, y1, mm),
+        "ll gemm2": lambda: st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
+        "ll_gather": lambda: st.ll_gather(y2, rows, w),
+        "permute": lambda: st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay),
+        "ht gemm1": lambda: st.grouped_gemm(
+            p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **pkw
+        ),
+        "ht act": lambda: layer._act(st, yp1, **pkw),
+        "ht gemm2": lambda: st.grouped_gemm(
+            hp, b["w2"], a_scales=hps, w_scales=b["w2_scale"], **pkw
+        ),
+        "unpermute": lambda: st.unpermute(yp2, p.inv_perm, w),
+    }
+    if q != "bf16":
+        out["quantize"] = lambda: st.quantize(x, q)
+    return out
 
 
 def best_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
@@ -89,23 +143,50 @@ def best_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
     return best
 
 
+def _busy_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
+    """best_us on the GPU: each pass behind a sleep kernel long enough that no launch waits."""
+    for _ in range(min(iters, 100)):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda._sleep(int(1e8))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
 def main(argv=None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", default=None, help="write a cProfile of the fp8 LL call here")
+    p.add_argument("--stages", action="store_true", help="each stage's trusted call too")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: real launches")
     a = p.parse_args(argv)
-    stub_launches()
+    if a.device == "cpu":
+        stub_launches()
+        timed = best_us
+    else:
+        timed = lambda fn, iters, repeats: _busy_us(fn, iters, repeats)  # noqa: E731
     out = {}
     for quant, path, tokens in CASES:
-        call = call_of(build(quant), path, tokens)
-        out[f"{quant} {path} T={tokens}"] = best_us(call, a.iters, a.repeats)
+        layer = build(quant, a.device)
+        call = call_of(layer, path, tokens)
+        out[f"{quant} {path} T={tokens}"] = timed(call, a.iters, a.repeats)
+        if a.stages and path == "ht":
+            for name, fn in stage_calls(layer, tokens).items():
+                out[f"{quant} {name} T={tokens}"] = timed(fn, a.iters, a.repeats)
         if a.profile and (quant, path) == ("fp8", "ll"):
             prof = cProfile.Profile()
             prof.runcall(best_us, call, a.iters, 1)
             pstats.Stats(prof).dump_stats(a.profile)
-    out["torch.empty (meta)"] = best_us(
-        lambda: torch.empty((8, 32, 128), dtype=torch.bfloat16, device="meta"), a.iters, a.repeats
+    dev = "meta" if a.device == "cpu" else a.device
+    out[f"torch.empty ({dev})"] = timed(
+        lambda: torch.empty((8, 32, 128), dtype=torch.bfloat16, device=dev), a.iters, a.repeats
     )
     for name, us in out.items():
         print(f"{name:22s} {us:7.1f} us")
