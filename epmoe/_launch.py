@@ -22,6 +22,7 @@ hooks, when set, send every launch through Triton's own path.
 those are Triton constexpr functions, which unwrap every argument on each call.
 """
 
+import functools
 import os
 from typing import Any, Callable, Dict, Tuple
 
@@ -155,6 +156,64 @@ def _key(dev, args, meta) -> Tuple:
         else:
             key.append(c)
     return tuple(key)
+
+
+class Prepared:
+    """One launch of kernel ``fn`` whose grid, trailing arguments ``tail`` and keywords ``meta``
+    are fixed (a function of sizes, strides and dtypes: see :func:`memo`); call it with the
+    leading tensor arguments. Launched as :func:`kernel` would, and on the direct path from its
+    own cache of the compiled kernel, keyed by the device and each tensor's dtype and 16-byte
+    alignment (the rest of Triton's specialization is fixed with the tail and meta)."""
+
+    __slots__ = ("fn", "grid", "tail", "meta", "hits")
+
+    def __init__(self, fn, grid: Tuple, tail: Tuple, meta: Dict[str, Any]):
+        self.fn = fn
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.tail = tuple(tail)
+        self.meta = meta
+        self.hits: Dict[Tuple, Any] = {}
+
+    def __call__(self, *tensors) -> None:
+        if _INTERPRET or not _CACHED or _wrap_enabled() or _hooked():
+            kernel(self.fn)[self.grid](*tensors, *self.tail, **self.meta)
+            return
+        dev = torch._C._cuda_getDevice()
+        key = [dev]
+        for t in tensors:
+            key.append(t.dtype)
+            key.append(t.data_ptr() & 15 == 0)
+        key = tuple(key)
+        hit = self.hits.get(key)
+        if hit is None:
+            args = (*tensors, *self.tail)
+            d = direct(self.fn)
+            d.launch(self.grid, args, self.meta)
+            hit = d.cache.get(_key(dev, args, self.meta)) if isinstance(d, _Direct) else None
+            if hit is not None:
+                self.hits[key] = hit
+            return
+        run, function, packed, rest = hit
+        g = self.grid
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        run(g[0], g[1], g[2], stream, function, packed, None, None, None, *tensors, *self.tail,
+            *rest)  # fmt: skip
+
+
+def memo(plan: Callable) -> Callable:
+    """``plan(*args)`` cached on its arguments (sizes, strides, dtypes, flags: hashable); computed
+    afresh when one is a SymInt (torch.compile's symbolic sizes are unhashable; traced once)."""
+    cached = functools.lru_cache(maxsize=4096)(plan)
+
+    @functools.wraps(plan)
+    def get(*args):
+        try:
+            return cached(*args)
+        except TypeError:  # (an unhashable SymInt among the arguments)
+            return plan(*args)
+
+    get.cache_clear = cached.cache_clear
+    return get
 
 
 def _hooked() -> bool:

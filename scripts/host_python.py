@@ -45,6 +45,7 @@ def stub_launches() -> None:
     """Every kernel launch and deep_gemm call becomes a no-op; the backend choice is sm90's with
     deep_gemm; direct launches assert in the kernel (no flag read back)."""
     _launch.kernel = _launch.direct = lambda k: _NoLaunch()
+    _launch.Prepared.__call__ = lambda self, *tensors: None
     _int8._launch_tuned = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
     noop = lambda *a, **k: None  # noqa: E731
     _select._cap = lambda device: (9, 0)

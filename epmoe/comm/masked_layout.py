@@ -263,6 +263,27 @@ def _warps(elements: int) -> int:
     return 8 if elements > 4096 else 4
 
 
+@_launch.memo
+def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
+                    in_kernel):  # fmt: skip
+    """The scatter kernel's launch for these sizes, strides and options."""
+    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    R, W, chunks = scatter_tiling(H, quant)
+    k_pad = _launch.pow2(max(K, 1))
+    # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
+    # masked_m program
+    return _launch.Prepared(
+        _ll_scatter_kernel,
+        (T * chunks + 1,),
+        (T, H, C, E, expert_lo, NG, G, chunks, *x_strides, *id_strides, *s_strides),
+        dict(
+            K=K, K_PAD=k_pad, QUANT=_QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
+            BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
+            num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
+
+
 @_eager.on_input_device
 def _ll_scatter_triton(
     x: torch.Tensor,
@@ -292,19 +313,10 @@ def _ll_scatter_triton(
     # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
     ok = topk_ids if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
-    R, W, chunks = scatter_tiling(H, quant)
-    k_pad = _launch.pow2(max(K, 1))
-    # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
-    # masked_m program
-    _launch.kernel(_ll_scatter_kernel)[(T * chunks + 1,)](
-        xk, topk_ids, xok, s, masked_m, rows, ok,
-        T, H, C, E, expert_lo, NG, G, chunks,
-        x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-        s.stride(0), s.stride(1), s.stride(2),
-        K=K, K_PAD=k_pad, QUANT=_QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
-        BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
-        num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
-    )  # fmt: skip
+    launch = _scatter_launch(
+        T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(), in_kernel
+    )
+    launch(xk, topk_ids, xok, s, masked_m, rows, ok)
     if not in_kernel:
         _checks.check_values(ok[0], "ll_scatter", "topk_ids", f"ids in [0, {NG}) or -1")
         _checks.check_values(
@@ -315,6 +327,21 @@ def _ll_scatter_triton(
             "an expert over capacity",
         )
     return xo, s, masked_m, rows
+
+
+@_launch.memo
+def _gather_launch(T, K, E, C, H, y_strides, row_strides, w_strides, has_w, check, in_kernel):
+    """The gather kernel's launch for these sizes, strides and options."""
+    block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)
+    return _launch.Prepared(
+        _ll_gather_kernel,
+        (T, _launch.cdiv(H, block)),
+        (H, C, E * C, *y_strides, *row_strides, *w_strides),
+        dict(
+            K=K, K_PAD=_launch.pow2(max(K, 1)), BLOCK_H=block, HAS_W=has_w, ASSERT=in_kernel,
+            CHECK=check, num_warps=4, **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
 
 
 @_eager.on_input_device
@@ -332,16 +359,13 @@ def _ll_gather_launch(
     in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
     flag = check and not in_kernel
     ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else rows  # (unused)
-    w = topk_weights if topk_weights is not None else rows  # placeholder, never read
-    sw = topk_weights.stride() if topk_weights is not None else (0, 0)
-    block = min(_launch.pow2(max(H, 1)), GATHER_BYTES // 2)
-    _launch.kernel(_ll_gather_kernel)[(T, _launch.cdiv(H, block))](
-        y, rows, w, out, ok, H, C, E * C,
-        y.stride(0), y.stride(1), y.stride(2), rows.stride(0), rows.stride(1), sw[0], sw[1],
-        K=K, K_PAD=_launch.pow2(max(K, 1)), BLOCK_H=block,
-        HAS_W=topk_weights is not None, ASSERT=in_kernel, CHECK=check, num_warps=4,
-        **_checks.assert_build(in_kernel),
+    has_w = topk_weights is not None
+    w = topk_weights if has_w else rows  # placeholder, never read
+    launch = _gather_launch(
+        T, K, E, C, H, y.stride(), rows.stride(), w.stride() if has_w else (0, 0), has_w, check,
+        in_kernel,
     )  # fmt: skip
+    launch(y, rows, w, out, ok)
     if flag:
         _checks.check_values(ok, "ll_gather", "rows", f"rows in [0, {E * C}) or -1")
 

@@ -20,8 +20,7 @@ unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_qu
 ``quantize(silu_and_mul(y))`` bit for bit on the same backend.
 """
 
-import dataclasses
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch.library import triton_op
@@ -38,6 +37,7 @@ from epmoe._contract import (
     Tensor,
     masked_m_steps,
 )
+from epmoe.ops import quantize as _quantize
 
 # kernels and jit helpers by name (tests and scripts reach them as attributes of this module)
 from epmoe.ops._activation_kernels import (  # noqa: F401 - _approx etc. are re-exported
@@ -53,7 +53,6 @@ from epmoe.ops.quantize import (  # host helpers, by name
     SCALE_LAYOUTS,
     _warps,
     alloc_scales,
-    as_3d,
     as_layout,
     max_warps,
     num_slots,
@@ -64,7 +63,7 @@ OPQ = "silu_and_mul_quant"
 
 
 # ------------------------------------------------------------------------------ launch config
-@dataclasses.dataclass(frozen=True)
+@_config.frozen
 class ActivationConfig:
     """Launch parameters of the SiLU kernels; warps and masked slots come from the quantize
     module's config (design notes: docs/kernels.md)."""
@@ -103,36 +102,61 @@ _FAST_MATH = not _launch._INTERPRET
 
 
 # ----------------------------------------------------------------------------- host-side launch
-class _Rows(NamedTuple):
-    E: int
-    T: int
-    strides: Tuple[int, int, int]
-    bound: torch.Tensor  # pointer the kernels read the row bound from (masked_m, offsets[-1:])
-    has_bound: bool
-    masked: bool  # decode-style masked layout (few live rows per expert)
+# The row bound the kernels read: none, expert_offsets[-1] (HT: the unused tail is skipped) or
+# masked_m (decode: few live rows per expert)
+_NO_BOUND, _OFFSETS, _MASKED = 0, 1, 2
 
 
-def _rows(y, masked_m, expert_offsets) -> _Rows:
-    E, T, strides = as_3d(y)
+def _bound(y, masked_m, expert_offsets) -> Tuple[torch.Tensor, int]:
+    """(the tensor the kernels read the row bound from, its kind)."""
     if masked_m is not None:
-        return _Rows(E, T, strides, masked_m, True, True)
-    if expert_offsets is not None:  # rows >= expert_offsets[-1] (the unused tail) are skipped
-        return _Rows(E, T, strides, expert_offsets[-1:], True, False)
-    return _Rows(E, T, strides, y, False, False)  # placeholder pointer, never read
+        return masked_m, _MASKED
+    if expert_offsets is not None:
+        return expert_offsets[-1:], _OFFSETS
+    return y, _NO_BOUND  # placeholder pointer, never read
 
 
-def _slots(rows: _Rows, block_m: int, m_indices=None) -> int:
+def _dims(shape, strides) -> Tuple[int, int, Tuple[int, int, int]]:
+    """(E, T, strides (e, t, h)) of a 2-D (E = 1) or 3-D tensor of this shape and strides."""
+    if len(shape) == 2:
+        return 1, shape[0], (0, *strides)
+    return shape[0], shape[1], tuple(strides)
+
+
+def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig) -> int:
     """Row-block slots (grid axis 0). With m_indices, or with expert_offsets, a fixed number of
     programs loops over the row blocks (prefetching the next block's m_indices); programs past
     the bound (the unused tail) then never start."""
-    slots = num_slots(rows.E, rows.T, rows.masked, block_m)
+    slots = num_slots(E, T, kind == _MASKED, block_m)
     # (imin: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
     # would guard on it)
-    if rows.has_bound and not rows.masked:
-        return _launch.imin(slots, CONFIG.offsets_programs)
-    if m_indices is not None:
-        return _launch.imin(slots, CONFIG.row_programs)
+    if kind == _OFFSETS:
+        return _launch.imin(slots, cfg.offsets_programs)
+    if has_rows:
+        return _launch.imin(slots, cfg.row_programs)
     return slots
+
+
+@_launch.memo
+def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
+    """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous)."""
+    inter = shape[-1] // 2
+    E, T, (sye, syt, syh) = _dims(shape, y_strides)
+    she, sht = (T * inter if len(shape) == 3 else 0), inter
+    block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
+    block_m = 1 if kind == _MASKED else cfg.silu_block_m
+    slots = _slots(E, T, kind, block_m, has_rows, cfg)
+    # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
+    # launches nothing
+    return _launch.Prepared(
+        _silu_mul_kernel,
+        (slots, E, _launch.cdiv(inter, block)),
+        (T, inter, slots, sye, syt, syh, she, sht),
+        dict(
+            BLOCK=block, BLOCK_M=block_m, HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows,
+            STAGES=cfg.row_stages, FAST=_FAST_MATH, num_warps=_warps(block * block_m),
+        ),
+    )  # fmt: skip
 
 
 @_eager.on_input_device
@@ -143,26 +167,56 @@ def _silu_and_mul_triton(
     expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
-    inter = y.shape[-1] // 2
-    h = torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
-    rows = _rows(y, masked_m, expert_offsets)
-    (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
-    _, _, (she, sht, _) = as_3d(h)
-    cfg = CONFIG
-    block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
-    block_m = 1 if rows.masked else cfg.silu_block_m
-    slots = _slots(rows, block_m, m_indices)
-    # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
-    # launches nothing
-    grid = (slots, E, _launch.cdiv(inter, block))
-    _launch.kernel(_silu_mul_kernel)[grid](
-        y, h, rows.bound, m_indices if m_indices is not None else y,
-        T, inter, slots, sye, syt, syh, she, sht,
-        BLOCK=block, BLOCK_M=block_m, HAS_MASK=rows.has_bound,
-        HAS_ROWS=m_indices is not None, STAGES=cfg.row_stages, FAST=_FAST_MATH,
-        num_warps=_warps(block * block_m),
-    )  # fmt: skip
+    h = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    bound, kind = _bound(y, masked_m, expert_offsets)
+    has_rows = m_indices is not None
+    launch = _silu_launch(tuple(y.shape), y.stride(), kind, has_rows, CONFIG, _quantize.CONFIG)
+    launch(y, h, bound, m_indices if has_rows else y)
     return h
+
+
+@_launch.memo
+def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, has_rows, cfg,
+                       qcfg):  # fmt: skip
+    """The fused silu_and_mul + quantize kernel's launch for y of this shape and strides (q
+    contiguous, scales of these strides)."""
+    inter = shape[-1] // 2
+    E, T, (sye, syt, syh) = _dims(shape, y_strides)
+    sqe, sqt = (T * inter if len(shape) == 3 else 0), inter
+    _, _, (sse, sst, ssg) = _dims(shape, s_strides)
+    flags = dict(HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows, STAGES=cfg.row_stages,
+                 FAST=_FAST_MATH)  # fmt: skip
+    masked = kind == _MASKED
+    if scheme == "fp8":
+        groups = inter // group_size
+        block_g = _launch.pow2(group_size)
+        tile = cfg.fp8_tile if not masked else cfg.fp8_tile_masked
+        gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
+        block_m = 1 if masked else cfg.fp8_block_m
+        slots = _slots(E, T, kind, block_m, has_rows, cfg)
+        return _launch.Prepared(
+            _silu_mul_fp8_kernel,
+            (slots, E, _launch.cdiv(groups, gpp)),
+            (T, inter, groups, slots, sye, syt, syh, sqe, sqt, sse, sst, ssg),
+            dict(
+                GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
+                num_warps=_warps(block_m * gpp * block_g), **flags,
+            ),
+        )  # fmt: skip
+    single = inter <= cfg.int8_single_pass_max
+    block = _launch.pow2(max(inter, 1)) if single else cfg.int8_chunk
+    block_m = 1 if masked else max(1, cfg.int8_row_tile // block)
+    slots = _slots(E, T, kind, block_m, has_rows, cfg)
+    if masked:
+        warps = _warps(block * block_m)
+    else:
+        warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
+    return _launch.Prepared(
+        _silu_mul_int8_kernel,
+        (slots, E),
+        (T, inter, slots, sye, syt, syh, sqe, sqt, sse, sst),
+        dict(BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags),
+    )
 
 
 @_eager.on_input_device
@@ -176,51 +230,20 @@ def _silu_and_mul_quant_triton(
     expert_offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
-    inter = y.shape[-1] // 2
-    lead = tuple(y.shape[:-1])
+    shape = tuple(y.shape)
+    inter = shape[-1] // 2
+    lead = shape[:-1]
     qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
     groups = inter // group_size if scheme == "fp8" else 1
     q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
     s = alloc_scales(lead, groups, scale_layout, y.device)
-    rows = _rows(y, masked_m, expert_offsets)
-    (sye, syt, syh), E, T = rows.strides, rows.E, rows.T
-    _, _, (sqe, sqt, _) = as_3d(q)
-    _, _, (sse, sst, ssg) = as_3d(s)
-    mi = m_indices if m_indices is not None else y  # placeholder pointer, never read
-    cfg = CONFIG
-    flags = dict(
-        HAS_MASK=rows.has_bound,
-        HAS_ROWS=m_indices is not None,
-        STAGES=cfg.row_stages,
-        FAST=_FAST_MATH,
-    )
-    if scheme == "fp8":
-        block_g = _launch.pow2(group_size)
-        tile = cfg.fp8_tile if not rows.masked else cfg.fp8_tile_masked
-        gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
-        block_m = 1 if rows.masked else cfg.fp8_block_m
-        slots = _slots(rows, block_m, m_indices)
-        grid = (slots, E, _launch.cdiv(groups, gpp))
-        _launch.kernel(_silu_mul_fp8_kernel)[grid](
-            y, q, s, rows.bound, mi, T, inter, groups, slots,
-            sye, syt, syh, sqe, sqt, sse, sst, ssg,
-            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
-            num_warps=_warps(block_m * gpp * block_g), **flags,
-        )  # fmt: skip
-    else:
-        single = inter <= cfg.int8_single_pass_max
-        block = _launch.pow2(max(inter, 1)) if single else cfg.int8_chunk
-        block_m = 1 if rows.masked else max(1, cfg.int8_row_tile // block)
-        slots = _slots(rows, block_m, m_indices)
-        if rows.masked:
-            warps = _warps(block * block_m)
-        else:
-            warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
-        _launch.kernel(_silu_mul_int8_kernel)[(slots, E)](
-            y, q, s, rows.bound, mi, T, inter, slots,
-            sye, syt, syh, sqe, sqt, sse, sst,
-            BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags,
-        )  # fmt: skip
+    bound, kind = _bound(y, masked_m, expert_offsets)
+    has_rows = m_indices is not None
+    launch = _silu_quant_launch(
+        scheme, group_size, shape, y.stride(), s.stride(), kind, has_rows, CONFIG,
+        _quantize.CONFIG,
+    )  # fmt: skip
+    launch(y, q, s, bound, m_indices if has_rows else y)
     return q, s
 
 

@@ -35,7 +35,6 @@ torch.compile; a bad id is never read through. ``check=False`` (the layer's gemv
 gemv_gate_up checked) skips the check.
 """
 
-import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -57,7 +56,7 @@ GROUP = 128  # fp8 channels per activation scale and per weight block
 
 
 # ------------------------------------------------------------------------------ launch config
-@dataclasses.dataclass(frozen=True)
+@_config.frozen
 class GemvConfig:
     """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme, for calls
     of several tokens and (``*_one``) of one token: output columns per program (fp8: a divisor of

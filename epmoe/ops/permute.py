@@ -28,7 +28,6 @@ index chain ask the L2 for rows later programs read (a hint: CONFIG.pf_*).
 ValueError in debug mode; under torch.compile an async assert after the kernels).
 """
 
-import dataclasses
 import functools
 from typing import NamedTuple, Optional, Tuple
 
@@ -51,7 +50,7 @@ OP = "permute"
 
 
 # ------------------------------------------------------------------------------ launch config
-@dataclasses.dataclass(frozen=True)
+@_config.frozen
 class PermuteConfig:
     """Launch parameters of the permute kernels (design notes: docs/kernels.md)."""
 
@@ -224,30 +223,39 @@ def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, d
     entries, no row-block scales) into ``outs`` (the op's 5 tensors); ``ok``: the id check's
     flag, checked here unless the kernel asserts it."""
     x_out, s_out, m_indices, inv_perm, offsets = outs
-    M, K = topk_ids.shape
-    H = x.shape[1]
-    S = x_scales.shape[1] if x_scales is not None else 0
-    k_pad = _launch.pow2(K)
-    xs = x_scales if x_scales is not None else x
-    ssm, sss = x_scales.stride() if x_scales is not None else (0, 0)
-    sit, sik = topk_ids.stride()
     in_kernel = _checks.assert_in_kernel(direct)
-    block_h = min(_launch.pow2(max(H, 1)), max(16, cfg.small_copy_bytes // x.element_size()))
-    chunks = max(_launch.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
-    spc = _launch.cdiv(S, chunks)  # scales per column chunk
-    _launch.kernel(_small_permute_kernel)[(M * chunks + E + 1,)](
-        x, xs, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok,
-        M, H, S, spc, E, A, m_sum, chunks,
-        sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
-        K=K, K_PAD=k_pad, N_PAD=_launch.pow2(max(cfg.small_entries, 1)),
-        NUM_BINS=_launch.pow2(E + 1), BLOCK_H=block_h,
-        BLOCK_S=_launch.pow2(max(spc, 1)), HAS_SCALES=S > 0,
-        BLOCK_ROWS=cfg.block_rows, LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache,
-        SCALE_POLICY=cfg.scale_policy, ASSERT=in_kernel, num_warps=cfg.small_warps,
-        **_checks.assert_build(in_kernel),
+    has_s = x_scales is not None
+    launch = _one_kernel_launch(
+        tuple(topk_ids.shape), x.shape[1], x_scales.shape[1] if has_s else 0, E, A, m_sum,
+        x.element_size(), x.stride(), x_scales.stride() if has_s else (0, 0), topk_ids.stride(),
+        s_out.stride(), in_kernel, cfg,
     )  # fmt: skip
+    launch(x, x_scales if has_s else x, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok)
     if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
+
+
+@_launch.memo
+def _one_kernel_launch(ids_shape, H, S, E, A, m_sum, elem, x_strides, s_strides, id_strides,
+                       out_s_strides, in_kernel, cfg):  # fmt: skip
+    """_small_permute_kernel's launch for these sizes, strides and options."""
+    M, K = ids_shape
+    block_h = min(_launch.pow2(max(H, 1)), max(16, cfg.small_copy_bytes // elem))
+    chunks = max(_launch.cdiv(H, block_h), 1)  # (H = 0: one chunk still writes inv_perm)
+    spc = _launch.cdiv(S, chunks)  # scales per column chunk
+    return _launch.Prepared(
+        _small_permute_kernel,
+        (M * chunks + E + 1,),
+        (M, H, S, spc, E, A, m_sum, chunks, *id_strides, *x_strides, *s_strides, *out_s_strides),
+        dict(
+            K=K, K_PAD=_launch.pow2(K), N_PAD=_launch.pow2(max(cfg.small_entries, 1)),
+            NUM_BINS=_launch.pow2(E + 1), BLOCK_H=block_h,
+            BLOCK_S=_launch.pow2(max(spc, 1)), HAS_SCALES=S > 0,
+            BLOCK_ROWS=cfg.block_rows, LOAD_POLICY=cfg.load_policy, STORE_CACHE=cfg.store_cache,
+            SCALE_POLICY=cfg.scale_policy, ASSERT=in_kernel, num_warps=cfg.small_warps,
+            **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
 
 
 def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct: bool,

@@ -20,7 +20,6 @@ CUDA-graph safe (static shapes, fixed grid, no host sync). ``group_size`` is the
 unrelated to the permute ``alignment``.
 """
 
-import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -50,7 +49,7 @@ TMA_ALIGN = 4  # DeepGEMM pads the MN dim of float32 scales to 16 bytes
 
 
 # ------------------------------------------------------------------------------ launch config
-@dataclasses.dataclass(frozen=True)
+@_config.frozen
 class QuantizeConfig:
     """Launch parameters of the quantize kernels; max_warps, min_slots and masked_programs also
     steer the activation kernels (design notes: docs/kernels.md)."""
@@ -266,34 +265,50 @@ def launch_quant(
     masked_m: Optional[torch.Tensor],
 ) -> None:
     """Quantize x `[M, H]` / `[E, T, H]` into preallocated q (contiguous) and s (any strides)."""
-    E, T, (sxe, sxt, sxh) = as_3d(x)
-    H = x.shape[-1]
-    _, _, (sqe, sqt, _) = as_3d(q)
-    _, _, (sse, sst, ssg) = as_3d(s)
     masked = masked_m is not None
+    launch = _quant_launch(
+        scheme, group_size, tuple(x.shape), x.stride(), q.stride(), s.stride(), masked, CONFIG
+    )
+    launch(x, q, s, masked_m if masked else x)  # (x: a placeholder pointer, never read)
+
+
+def _strides3(shape, strides) -> Tuple[int, int, int]:
+    return (0, *strides) if len(shape) == 2 else tuple(strides)
+
+
+@_launch.memo
+def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, masked, cfg):
+    """The quantize kernel's launch for x of this shape and these strides."""
+    E, T = (1, shape[0]) if len(shape) == 2 else shape[:2]
+    H = shape[-1]
+    sxe, sxt, sxh = _strides3(shape, x_strides)
+    sqe, sqt, _ = _strides3(shape, q_strides)
+    sse, sst, ssg = _strides3(shape, s_strides)
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
-    mm = masked_m if masked else x  # placeholder pointer, never read
     if scheme == "fp8":
         groups = H // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked)
         slots = num_slots(E, T, masked, block_m)
-        grid = (slots, E, _launch.cdiv(groups, gpp))
-        _launch.kernel(_quant_fp8_kernel)[grid](
-            x, q, s, mm, T, H, groups, slots,
-            sxe, sxt, sxh, sqe, sqt, sse, sst, ssg,
-            GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
-            HAS_MASK=masked, num_warps=_warps(block_m * gpp * block_g),
+        return _launch.Prepared(
+            _quant_fp8_kernel,
+            (slots, E, _launch.cdiv(groups, gpp)),
+            (T, H, groups, slots, sxe, sxt, sxh, sqe, sqt, sse, sst, ssg),
+            dict(
+                GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
+                HAS_MASK=masked, num_warps=_warps(block_m * gpp * block_g),
+            ),
         )  # fmt: skip
-    else:
-        block, block_m, single = int8_tiling(H, masked)
-        slots = num_slots(E, T, masked, block_m)
-        warps = _warps(block_m * block) if masked else CONFIG.int8_warps
-        _launch.kernel(_quant_int8_kernel)[(slots, E)](
-            x, q, s, mm, T, H, slots,
-            sxe, sxt, sxh, sqe, sqt, sse, sst,
+    block, block_m, single = int8_tiling(H, masked)
+    slots = num_slots(E, T, masked, block_m)
+    return _launch.Prepared(
+        _quant_int8_kernel,
+        (slots, E),
+        (T, H, slots, sxe, sxt, sxh, sqe, sqt, sse, sst),
+        dict(
             BLOCK_H=block, BLOCK_M=block_m, SINGLE_PASS=single, HAS_MASK=masked,
-            num_warps=warps,
-        )  # fmt: skip
+            num_warps=_warps(block_m * block) if masked else cfg.int8_warps,
+        ),
+    )  # fmt: skip
 
 
 @_eager.on_input_device

@@ -14,8 +14,6 @@ debug mode; under torch.compile an async assert after the kernel); they are neve
 ``check=False`` (the layer's own chain: inv_perm from its permute) skips that check.
 """
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +27,7 @@ OP = "unpermute"
 
 
 # ------------------------------------------------------------------------------ launch config
-@dataclasses.dataclass(frozen=True)
+@_config.frozen
 class UnpermuteConfig:
     """Launch parameters of the unpermute kernel (design notes: docs/kernels.md)."""
 
@@ -88,6 +86,24 @@ def _unpermute_kernel(
 
 
 # ----------------------------------------------------------------------------- host-side launch
+@_launch.memo
+def _unpermute_launch(M, K, R, H, elem, y_strides, inv_strides, w_strides, check, in_kernel,
+                      cfg):  # fmt: skip
+    """The unpermute kernel's launch for these sizes (R rows of y), strides and options."""
+    block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // elem))
+    # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
+    # empty grid launches nothing
+    return _launch.Prepared(
+        _unpermute_kernel,
+        (M, _launch.cdiv(H, block)),
+        (H, R, *y_strides, *inv_strides, *w_strides),
+        dict(
+            K=K, K_PAD=_launch.pow2(K), BLOCK_H=block, ASSERT=in_kernel, CHECK=check,
+            num_warps=cfg.warps, **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
+
+
 @_eager.on_input_device
 def _unpermute_triton(
     y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor, check: bool = True
@@ -95,27 +111,21 @@ def _unpermute_triton(
     """unpermute on CUDA (or CPU tensors under TRITON_INTERPRET=1); check=False: no row check
     (inv_perm from permute in the same chain)."""
     M, K = inv_perm.shape
-    H = y.shape[1]
+    R, H = y.shape
     out = torch.empty((M, H), dtype=y.dtype, device=y.device)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the rows inside
     # the kernel: one launch, nothing after it; otherwise (torch.compile, the interpreter) the
     # kernel clears the flag on a bad row
     in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(y))
-    cfg = CONFIG
     flag = check and not in_kernel
     ok = torch.ones((), dtype=torch.bool, device=y.device) if flag else inv_perm  # (unused)
-    # no `if` on sizes: M is unbacked after an exact-size HT dispatch under torch.compile; an
-    # empty grid launches nothing
-    block = min(_launch.pow2(max(H, 1)), max(16, cfg.block_bytes // y.element_size()))
-    _launch.kernel(_unpermute_kernel)[(M, _launch.cdiv(H, block))](
-        y, inv_perm, topk_weights, out, ok, H, y.shape[0],
-        y.stride(0), y.stride(1), inv_perm.stride(0), inv_perm.stride(1),
-        topk_weights.stride(0), topk_weights.stride(1),
-        K=K, K_PAD=_launch.pow2(K), BLOCK_H=block, ASSERT=in_kernel, CHECK=check,
-        num_warps=cfg.warps, **_checks.assert_build(in_kernel),
+    launch = _unpermute_launch(
+        M, K, R, H, y.element_size(), y.stride(), inv_perm.stride(), topk_weights.stride(), check,
+        in_kernel, CONFIG,
     )  # fmt: skip
+    launch(y, inv_perm, topk_weights, out, ok)
     if flag:
-        _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {y.shape[0]}) or -1")
+        _checks.check_values(ok, OP, "inv_perm", f"ids in [0, {R}) or -1")
     return out
 
 

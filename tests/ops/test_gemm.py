@@ -70,3 +70,52 @@ def test_gemm_bad_input(seed):
         )
     with pytest.raises(ValueError, match="grouped_gemm: a_scales expected shape"):
         ops.grouped_gemm(a, w, m_indices=m_idx, a_scales=as_[:, :0], w_scales=ws)
+
+
+@pytest.mark.parametrize("which", ["masked", "contiguous"])
+def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
+    """After the autotuner's first call per key, the INT8 GEMMs launch the tuned config's
+    JITFunction directly, with the heuristics' EVEN_K filled in (through the heuristics layer,
+    Triton's own run binds every argument again on each call)."""
+    import triton
+
+    from epmoe import _launch
+    from epmoe.ops.gemm import _int8
+
+    tuned = getattr(_int8, f"_int8_{which}_tuned")
+    cfg = (_int8._MASKED_CONFIGS if which == "masked" else _int8._CONTIGUOUS_CONFIGS)[0]
+    through_tuner, direct = [], []
+
+    def tuner_run(*args, grid, warmup, **meta):
+        through_tuner.append(grid)
+        tuned.best_config = cfg
+
+    class Direct:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: direct.append((self.fn, grid, args, meta))
+
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "direct", Direct)
+    monkeypatch.setattr(tuned, "run", tuner_run)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(_int8, "_BEST", {})
+    names = tuned.fn.arg_names
+    K = 384  # not a multiple of 256: EVEN_K is False for BLOCK_K = 256
+    args = tuple(K if n == "K" else 1 for n in names[: names.index("BLOCK_M")])
+    meta = {"BLOCK_M": 16, "M_SPLIT": 1} if which == "masked" else {}
+
+    def grid(m):
+        return (m["BLOCK_N"], 1, 1)
+
+    for _ in range(3):
+        _int8._launch_tuned(tuned, (which, K), grid, args, dict(meta))
+    assert len(through_tuner) == 1 and len(direct) == 2
+    fn, g, a, m = direct[-1]
+    assert not isinstance(fn, triton.runtime.autotuner.Heuristics) and fn is tuned.fn.fn
+    assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == args
+    assert m["EVEN_K"] == (K % cfg.kwargs["BLOCK_K"] == 0)
+    assert m["num_warps"] == cfg.num_warps and m["num_stages"] == cfg.num_stages
+    assert all(m[k] == v for k, v in {**cfg.kwargs, **meta}.items())

@@ -187,25 +187,38 @@ _int8_masked_tuned = triton.autotune(_MASKED_CONFIGS, key=["N", "K", "E", "BLOCK
 )
 
 
-_BEST: Dict[Tuple, dict] = {}  # (autotuner, device, static key) -> the tuned config's launch kwargs
+_BEST: Dict[Tuple, Tuple] = {}  # (autotuner, device, static key) -> (JITFunction, launch kwargs)
 
 
 def _launch_tuned(tuned, key: Tuple, grid, args: Tuple, meta: dict) -> None:
     """Launch autotuned kernel ``tuned``: its first call per static ``key`` goes through the
-    autotuner (tuning if needed); later calls launch the chosen config directly, without the
-    autotuner's per-call key building and re-binding (the kernels run inside an opaque custom op:
-    never traced)."""
+    autotuner (tuning if needed); later calls launch the chosen config's JITFunction directly
+    (:func:`epmoe._launch.direct`), without the autotuner's and the heuristics' per-call
+    re-binding (the kernels run inside an opaque custom op: never traced)."""
     if _launch._INTERPRET:
         tuned[grid](*args, **meta)
         return
-    key = (id(tuned), torch.cuda.current_device(), *key)
-    best = _BEST.get(key)
-    if best is None:
+    key = (id(tuned), torch._C._cuda_getDevice(), *key)
+    hit = _BEST.get(key)
+    if hit is None:
         tuned[grid](*args, **meta)
-        _BEST[key] = tuned.best_config.all_kwargs()
+        _BEST[key] = _resolved(tuned, args, meta)
         return
+    fn, best = hit
     full = {**meta, **best}
-    _launch.direct(tuned.fn)[grid(full)](*args, **full)
+    _launch.direct(fn)[grid(full)](*args, **full)
+
+
+def _resolved(tuned, args: Tuple, meta: dict) -> Tuple:
+    """(the jitted function under ``tuned``, its launch kwargs): the tuned config plus the values of
+    the heuristics between them (ours read key-static arguments only: fixed per key)."""
+    best = tuned.best_config.all_kwargs()
+    fn = tuned.fn
+    while isinstance(fn, triton.runtime.autotuner.Heuristics):
+        named = {**dict(zip(fn.arg_names, args, strict=False)), **meta, **best}
+        best = {**best, **{name: value(named) for name, value in fn.values.items()}}
+        fn = fn.fn
+    return fn, best
 
 
 def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
