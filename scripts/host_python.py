@@ -145,8 +145,10 @@ def best_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
 
 
 def _busy_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
-    """best_us on the GPU: each pass behind a sleep kernel long enough that no launch waits."""
-    for _ in range(min(iters, 100)):
+    """best_us on the GPU: each pass behind a sleep kernel long enough that no launch waits (at
+    most 100 calls a pass: more would fill the launch queue, and the host would wait for it)."""
+    iters = min(iters, 100)
+    for _ in range(iters):
         fn()
     torch.cuda.synchronize()
     best = float("inf")
