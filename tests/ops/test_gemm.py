@@ -72,6 +72,24 @@ def test_gemm_bad_input(seed):
         ops.grouped_gemm(a, w, m_indices=m_idx, a_scales=as_[:, :0], w_scales=ws)
 
 
+def test_gemm_inputs_that_need_grad_are_refused(seed):
+    """The GEMMs have no backward: an input that would need one is a ValueError at the call
+    (through the op too), never a gradient that silently stops there; under no_grad it runs."""
+    a, w = torch.randn(4, 32).bfloat16(), torch.randn(2, 16, 32).bfloat16().requires_grad_()
+    m_idx = torch.tensor([0, 0, 1, -1], dtype=torch.int32)
+    a3, mm = torch.randn(2, 3, 32).bfloat16(), torch.tensor([1, 3], dtype=torch.int32)
+    for call in (
+        lambda: ops.grouped_gemm(a, w, m_indices=m_idx),
+        lambda: torch.ops.epmoe.grouped_gemm_contiguous(a, w, m_idx),
+        lambda: ops.grouped_gemm(a3, w, masked_m=mm),
+        lambda: torch.ops.epmoe.grouped_gemm_masked(a3, w, mm),
+    ):
+        with pytest.raises(ValueError, match="grouped_gemm: a/w/scales expected no tensor that"):
+            call()
+        with torch.no_grad():
+            assert not call().requires_grad
+
+
 @pytest.mark.parametrize("which", ["masked", "contiguous"])
 def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     """After the autotuner's first call per key, the INT8 GEMMs launch the tuned config's

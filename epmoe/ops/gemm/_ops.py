@@ -69,82 +69,91 @@ def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=Fa
 
 
 # -------------------------------------------------------------------------------------------- ops
-@torch.library.custom_op("epmoe::grouped_gemm_contiguous", mutates_args=())
-def _contiguous_op(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    m_indices: torch.Tensor,
-    a_scales: Optional[torch.Tensor] = None,
-    w_scales: Optional[torch.Tensor] = None,
-    expert_offsets: Optional[torch.Tensor] = None,
-    trusted: bool = False,
-) -> torch.Tensor:
-    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-    return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
+# Defined on a torch.library.Library, not with custom_op: the compiled layer calls both GEMMs
+# through the dispatcher, where custom_op's Python autograd and aliasing wrappers cost several
+# times a plain registration. No autograd kernel (inference only): inputs that would need one
+# are a ValueError in every kernel (_check_no_grad), never a silently missing gradient.
+_LIB = torch.library.Library("epmoe", "FRAGMENT")
+_LIB.define(
+    "grouped_gemm_contiguous(Tensor a, Tensor w, Tensor m_indices, Tensor? a_scales=None, "
+    "Tensor? w_scales=None, Tensor? expert_offsets=None, bool trusted=False) -> Tensor"
+)
+_LIB.define(
+    "grouped_gemm_masked(Tensor a, Tensor w, Tensor masked_m, Tensor? a_scales=None, "
+    "Tensor? w_scales=None, int expected_m=0, bool trusted=False) -> Tensor"
+)
 
 
-@_contiguous_op.register_fake
+def _check_no_grad(*tensors) -> None:
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                raise _checks.fail(
+                    OP, "a/w/scales", "no tensor that requires grad (inference only: call it "
+                    "under torch.no_grad() or torch.inference_mode())", "requires_grad=True",
+                )  # fmt: skip
+
+
 def _contiguous_fake(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
     CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    _check_no_grad(a, w, a_scales, w_scales)
     return a.new_empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
-@_contiguous_op.register_kernel("cpu")
-def _contiguous_cpu(
+def _contiguous_reference(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
     CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    _check_no_grad(a, w, a_scales, w_scales)
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
 
-@_contiguous_op.register_kernel("cuda")
 def _contiguous_cuda(
     a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
 ):
     CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
+    _check_no_grad(a, w, a_scales, w_scales)
     if not trusted:
         _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
         return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
 
 
-@torch.library.custom_op("epmoe::grouped_gemm_masked", mutates_args=())
-def _masked_op(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    masked_m: torch.Tensor,
-    a_scales: Optional[torch.Tensor] = None,
-    w_scales: Optional[torch.Tensor] = None,
-    expected_m: int = 0,
-    trusted: bool = False,
-) -> torch.Tensor:
-    MASKED.check(a, w, masked_m, a_scales, w_scales)
-    _check_counts(masked_m, a.shape[1])
-    return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
-
-
-@_masked_op.register_fake
 def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     MASKED.check(a, w, masked_m, a_scales, w_scales)
+    _check_no_grad(a, w, a_scales, w_scales)
     return a.new_empty((a.shape[0], a.shape[1], w.shape[1]), dtype=torch.bfloat16)
 
 
-@_masked_op.register_kernel("cpu")
-def _masked_cpu(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+def _masked_reference(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     MASKED.check(a, w, masked_m, a_scales, w_scales)
+    _check_no_grad(a, w, a_scales, w_scales)
     _check_counts(masked_m, a.shape[1])
     return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
 
 
-@_masked_op.register_kernel("cuda")
 def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
     MASKED.check(a, w, masked_m, a_scales, w_scales)
+    _check_no_grad(a, w, a_scales, w_scales)
     with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
         return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
+
+
+for _name, _fake, _ref, _cuda in (
+    ("grouped_gemm_contiguous", _contiguous_fake, _contiguous_reference, _contiguous_cuda),
+    ("grouped_gemm_masked", _masked_fake, _masked_reference, _masked_cuda),
+):
+    # the reference serves every device but CUDA (CPU: the same bytes compiled or eager)
+    _LIB.impl(_name, _ref, "CompositeExplicitAutograd")
+    _LIB.impl(_name, _cuda, "CUDA")
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"epmoe::{_name}", _fake, lib=_LIB)
+
+_contiguous_op = torch.ops.epmoe.grouped_gemm_contiguous.default
+_masked_op = torch.ops.epmoe.grouped_gemm_masked.default
 
 
 def grouped_gemm(
