@@ -35,3 +35,43 @@ def test_key_separates_what_triton_specializes_on():
     assert base != _launch._key(0, (x, 7.0), {"BLOCK": 16})  # float
     p = torch.nn.Parameter(x)  # tensor subclasses keyed like tensors
     assert _launch._key(0, (p, 7), {"BLOCK": 16}) == base
+
+
+def test_memo_caches_ints_and_recomputes_symbolic_sizes():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    calls = []
+
+    @_launch.memo
+    def plan(n, flag):
+        calls.append(n)
+        return (n * 2, flag)
+
+    assert plan(3, True) is plan(3, True) and calls == [3]  # one computation per key
+    assert plan(4, True) == (8, True) and calls == [3, 4]
+    env = ShapeEnv()
+    s = env.create_symintnode(
+        env.create_symbol(5, torch._dynamo.source.ConstantSource("s")), hint=5
+    )
+    assert plan(s, True)[0] == 2 * s and plan(s, True) is not plan(s, True)  # never cached
+    plan.cache_clear()
+    plan(3, True)
+    assert calls[-1] == 3 and len(calls) == 6  # (3 symbolic calls, then 3 again)
+
+
+def test_prepared_pads_the_grid_and_keeps_its_arguments():
+    p = _launch.Prepared(object(), (4,), [1, 2], {"BLOCK": 8})
+    assert p.grid == (4, 1, 1) and p.tail == (1, 2) and p.meta == {"BLOCK": 8} and not p.hits
+
+
+@pytest.mark.interpret
+def test_prepared_launch_runs_the_kernel_under_the_interpreter(triton_interpret):
+    if not triton_interpret:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from epmoe import _range
+
+    x = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    for hi, want in ((10, True), (9, False)):
+        ok = torch.zeros((), dtype=torch.bool)
+        _launch.Prepared(_range._range_kernel, (1,), (x.numel(), 0, hi), {"BLOCK": 16})(x, ok)
+        assert bool(ok) is want

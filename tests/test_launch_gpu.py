@@ -91,3 +91,24 @@ def test_launch_hooks_take_tritons_path():
         finally:
             rt.launch_enter_hook = None
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_prepared_launch_matches_triton_and_keys_alignment(offset):
+    """A Prepared launch writes what Triton's own launch writes, from its own cache after the
+    first call, with one entry per (device, dtypes, 16-byte alignment) of its tensors."""
+    n = 1000
+    x = torch.randn(n + offset, device="cuda")[offset:]
+    y = torch.randn(n + offset, device="cuda")[offset:]
+    p = _launch.Prepared(_axpy_kernel, (triton.cdiv(n, 128),), (n, 2.5),
+                         dict(FLIP=True, BLOCK=128, num_warps=4))  # fmt: skip
+    want = _run(_axpy_kernel, x, y, n, 2.5, True)
+    for _ in range(3):
+        out = torch.full_like(x, 7.0)
+        p(x, y, out)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert len(p.hits) == 1
+    z = torch.randn(n, device="cuda")
+    out = torch.full_like(z, 7.0)
+    p(z, z, out)  # aligned where x was not (offset 1): a key of its own
+    assert len(p.hits) == 1 + offset
