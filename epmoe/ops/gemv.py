@@ -338,6 +338,42 @@ def _check_setup(t: torch.Tensor, check: bool):
     return in_kernel, ok
 
 
+@_launch.memo
+def _up_launch(T, H, I, E, K, quant, x_st, id_st, w_st, s_st, check, in_kernel, cfg):
+    """The gate/up GEMV kernel's launch for these sizes, strides and options."""
+    block_n, block_k, warps = config_field("up", _SCHEME[quant], T)
+    return _launch.Prepared(
+        _gemv_gate_up_kernel,
+        (T * K + (1 if check else 0), _launch.cdiv(I, block_n)),
+        (T, H, I, E, *x_st, *id_st, *w_st, *s_st),
+        dict(
+            K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k, CHECK_IDS=cfg.check_ids,
+            CHECK=check, ASSERT=in_kernel, FAST=_FAST_MATH, num_warps=warps,
+            **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
+
+
+@_launch.memo
+def _down_launch(T, H, I, E, K, quant, id_st, tw_st, w_st, s_st, check, in_kernel, cfg):
+    """The down GEMV kernel's launch for these sizes, strides and options."""
+    block_n, block_k, warps = config_field("down", _SCHEME[quant], T)
+    return _launch.Prepared(
+        _gemv_down_kernel,
+        (T + (1 if check else 0), _launch.cdiv(H, block_n)),
+        (T, H, I, E, *id_st, *tw_st, *w_st, *s_st),
+        dict(
+            K=K, K_PAD=_launch.pow2(K), QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k,
+            CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel, num_warps=warps,
+            **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
+
+
+def _scale_strides(s: Optional[torch.Tensor]) -> Tuple[int, int, int]:
+    return (0, 0, 0) if s is None else (*s.stride(), 0)[:3]
+
+
 @_eager.on_input_device
 def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
@@ -346,20 +382,12 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     E, I = w1.shape[0], w1.shape[1] // 2
     h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
     in_kernel, ok = _check_setup(x, check)
-    quant = _QCODE[w1.dtype]
-    block_n, block_k, warps = config_field("up", _SCHEME[quant], T)
-    ws = w1_scales if w1_scales is not None else w1
-    ss = (0, 0, 0) if w1_scales is None else (*w1_scales.stride(), 0)[:3]
-    grid = (T * K + (1 if check else 0), _launch.cdiv(I, block_n))
-    _launch.kernel(_gemv_gate_up_kernel)[grid](
-        x, topk_ids, w1, ws, h, ok if ok is not None else topk_ids,
-        T, H, I, E,
-        x.stride(0), x.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-        w1.stride(0), w1.stride(1), w1.stride(2), ss[0], ss[1], ss[2],
-        K=K, QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k, CHECK_IDS=CONFIG.check_ids,
-        CHECK=check, ASSERT=in_kernel, FAST=_FAST_MATH, num_warps=warps,
-        **_checks.assert_build(in_kernel),
+    launch = _up_launch(
+        T, H, I, E, K, _QCODE[w1.dtype], x.stride(), topk_ids.stride(), w1.stride(),
+        _scale_strides(w1_scales), check, in_kernel, CONFIG,
     )  # fmt: skip
+    ws = w1_scales if w1_scales is not None else w1
+    launch(x, topk_ids, w1, ws, h, ok if ok is not None else topk_ids)
     if ok is not None:
         _checks.check_values(ok, OP_UP, "topk_ids", f"ids in [0, {E}) or -1")
     return h
@@ -373,20 +401,12 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     out = torch.empty((T, H), dtype=torch.bfloat16, device=h.device)
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
-    quant = _QCODE[w2.dtype]
-    block_n, block_k, warps = config_field("down", _SCHEME[quant], T)
-    ws = w2_scales if w2_scales is not None else w2
-    ss = (0, 0, 0) if w2_scales is None else (*w2_scales.stride(), 0)[:3]
-    grid = (T + (1 if check else 0), _launch.cdiv(H, block_n))
-    _launch.kernel(_gemv_down_kernel)[grid](
-        h, topk_ids, topk_weights, w2, ws, out, ok if ok is not None else topk_ids,
-        T, H, I, E,
-        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2), ss[0], ss[1], ss[2],
-        K=K, K_PAD=_launch.pow2(K), QUANT=quant, BLOCK_N=block_n, BLOCK_K=block_k,
-        CHECK_IDS=CONFIG.check_ids, CHECK=check, ASSERT=in_kernel, num_warps=warps,
-        **_checks.assert_build(in_kernel),
+    launch = _down_launch(
+        T, H, I, E, K, _QCODE[w2.dtype], topk_ids.stride(), topk_weights.stride(), w2.stride(),
+        _scale_strides(w2_scales), check, in_kernel, CONFIG,
     )  # fmt: skip
+    ws = w2_scales if w2_scales is not None else w2
+    launch(h, topk_ids, topk_weights, w2, ws, out, ok if ok is not None else topk_ids)
     if ok is not None:
         _checks.check_values(ok, OP_DOWN, "topk_ids", f"ids in [0, {E}) or -1")
     return out
