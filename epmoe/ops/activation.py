@@ -54,6 +54,7 @@ from epmoe.ops.quantize import (  # host helpers, by name
     _warps,
     alloc_scales,
     as_layout,
+    dims,
     max_warps,
     num_slots,
 )
@@ -116,13 +117,6 @@ def _bound(y, masked_m, expert_offsets) -> Tuple[torch.Tensor, int]:
     return y, _NO_BOUND  # placeholder pointer, never read
 
 
-def _dims(shape, strides) -> Tuple[int, int, Tuple[int, int, int]]:
-    """(E, T, strides (e, t, h)) of a 2-D (E = 1) or 3-D tensor of this shape and strides."""
-    if len(shape) == 2:
-        return 1, shape[0], (0, *strides)
-    return shape[0], shape[1], tuple(strides)
-
-
 def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig) -> int:
     """Row-block slots (grid axis 0). With m_indices, or with expert_offsets, a fixed number of
     programs loops over the row blocks (prefetching the next block's m_indices); programs past
@@ -141,7 +135,7 @@ def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig)
 def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
     """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous)."""
     inter = shape[-1] // 2
-    E, T, (sye, syt, syh) = _dims(shape, y_strides)
+    E, T, (sye, syt, syh) = dims(shape, y_strides)
     she, sht = (T * inter if len(shape) == 3 else 0), inter
     block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
     block_m = 1 if kind == _MASKED else cfg.silu_block_m
@@ -181,9 +175,9 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
     """The fused silu_and_mul + quantize kernel's launch for y of this shape and strides (q
     contiguous, scales of these strides)."""
     inter = shape[-1] // 2
-    E, T, (sye, syt, syh) = _dims(shape, y_strides)
+    E, T, (sye, syt, syh) = dims(shape, y_strides)
     sqe, sqt = (T * inter if len(shape) == 3 else 0), inter
-    _, _, (sse, sst, ssg) = _dims(shape, s_strides)
+    _, _, (sse, sst, ssg) = dims(shape, s_strides)
     flags = dict(HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows, STAGES=cfg.row_stages,
                  FAST=_FAST_MATH)  # fmt: skip
     masked = kind == _MASKED

@@ -249,13 +249,6 @@ def int8_tiling(n: int, masked: bool) -> Tuple[int, int, bool]:
     return block, block_m, single
 
 
-def as_3d(x: torch.Tensor) -> Tuple[int, int, Tuple[int, int, int]]:
-    """(E, T, strides (e, t, h)) of a 2-D (E = 1) or 3-D tensor."""
-    if x.dim() == 2:
-        return 1, x.shape[0], (0, x.stride(0), x.stride(1))
-    return x.shape[0], x.shape[1], (x.stride(0), x.stride(1), x.stride(2))
-
-
 def launch_quant(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -272,18 +265,21 @@ def launch_quant(
     launch(x, q, s, masked_m if masked else x)  # (x: a placeholder pointer, never read)
 
 
-def _strides3(shape, strides) -> Tuple[int, int, int]:
-    return (0, *strides) if len(shape) == 2 else tuple(strides)
+def dims(shape, strides) -> Tuple[int, int, Tuple[int, int, int]]:
+    """(E, T, strides (e, t, h)) of a 2-D (E = 1) or 3-D tensor of this shape and strides (sizes
+    only: launch plans are cached on them)."""
+    if len(shape) == 2:
+        return 1, shape[0], (0, *strides)
+    return shape[0], shape[1], tuple(strides)
 
 
 @_launch.memo
 def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, masked, cfg):
     """The quantize kernel's launch for x of this shape and these strides."""
-    E, T = (1, shape[0]) if len(shape) == 2 else shape[:2]
+    E, T, (sxe, sxt, sxh) = dims(shape, x_strides)
     H = shape[-1]
-    sxe, sxt, sxh = _strides3(shape, x_strides)
-    sqe, sqt, _ = _strides3(shape, q_strides)
-    sse, sst, ssg = _strides3(shape, s_strides)
+    _, _, (sqe, sqt, _) = dims(shape, q_strides)
+    _, _, (sse, sst, ssg) = dims(shape, s_strides)
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
     if scheme == "fp8":
         groups = H // group_size
