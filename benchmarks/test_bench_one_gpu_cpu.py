@@ -42,8 +42,11 @@ def test_cpu_smoke_run(tmp_path, capsys):
         (q, m, t) for q in bench.SCHEMES for m in bench.MODES for t in (1, 200)
     }
     for c in on_disk["cases"]:
-        auto_ll = c["mode"] == "auto" and c["T"] <= epmoe.layer.AUTO_LL_MAX_TOKENS
-        assert c["path"] == ("ll" if c["mode"] == "ll" or auto_ll else "ht"), c["id"]
+        auto = c["mode"] == "auto"
+        auto_gemv = auto and c["T"] <= epmoe.layer.AUTO_GEMV_MAX_TOKENS[c["scheme"]]  # (1 rank)
+        auto_ll = auto and c["T"] <= epmoe.layer.AUTO_LL_MAX_TOKENS
+        want = "gemv" if auto_gemv else "ll" if c["mode"] == "ll" or auto_ll else "ht"
+        assert c["path"] == want, c["id"]
         if not _usable(c):
             assert "warmup" in c["errors"], c["id"]
             continue
