@@ -65,7 +65,10 @@ printed at the end. ``--cpu-smoke`` runs the tiny ``tiny-1rank`` shape on CPU th
 code (CUDA-only timings recorded as skipped); benchmarks/test_bench_one_gpu_cpu.py runs it.
 
 JSON: {"schema": 1, "command", "date", "device", "versions" (torch, triton, deep_gemm,
-transformers, epmoe, git), "args", "copy_gbps", "copy_by_method", "budget_s", "elapsed_s",
+transformers, epmoe, git), "args", "copy_gbps", "copy_by_method", "host_ref_us" ({"start",
+"end"}: {"x_plus_x", "empty"}, host µs of ``x + x`` and of a ``torch.empty`` on the device at the
+run's start and end: the host's speed then; host figures of two runs compare only through it, and
+start and end apart mean something else ran on the host), "budget_s", "elapsed_s",
 "complete", "notes": [str], "skipped": [case id], "fatal" (only when the run stopped), "cases":
 [record]}. A record: "id" ("shape/scheme/mode/T<T>"), "shape", "E", "H", "I", "K", "T", "scheme",
 "mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
@@ -1052,6 +1055,7 @@ def main(argv=None) -> dict:
     except Exception as e:  # noqa: BLE001
         report["notes"].append(f"copy bandwidth not measured: {_err(e)}")
         report["copy_gbps"] = None
+    _host_reference(report, timer, device, "start")
 
     def on_term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1074,11 +1078,28 @@ def main(argv=None) -> dict:
         report["notes"].append(f"interrupted: {e}")
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        _host_reference(report, timer, device, "end")
         run.save()
         print(table(report["cases"]), flush=True)
         for n in report["notes"]:
             print("note:", n, flush=True)
     return report
+
+
+def host_reference(timer, device) -> Dict[str, float]:
+    """Host µs per call of ``x + x`` and of ``torch.empty`` on ``device`` (timer.host_us)."""
+    x = torch.ones(1024, device=device)
+    return {
+        "x_plus_x": round(timer.host_us(lambda: x + x), 2),
+        "empty": round(timer.host_us(lambda: torch.empty(1024, device=device)), 2),
+    }
+
+
+def _host_reference(report: dict, timer, device, when: str) -> None:
+    try:
+        report.setdefault("host_ref_us", {})[when] = host_reference(timer, device)
+    except Exception as e:  # noqa: BLE001  (a reference, not a case: the run goes on)
+        report["notes"].append(f"host reference ({when}) not measured: {_err(e)}")
 
 
 @dataclass

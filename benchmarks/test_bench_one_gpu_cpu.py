@@ -37,6 +37,9 @@ def test_cpu_smoke_run(tmp_path, capsys):
     on_disk = json.loads(out.read_text())
     assert on_disk["schema"] == 1 and on_disk["complete"] and on_disk["device"] == "cpu"
     assert on_disk["copy_gbps"] > 0 and len(on_disk["cases"]) == len(report["cases"])
+    for when in ("start", "end"):
+        assert set(on_disk["host_ref_us"][when]) == {"x_plus_x", "empty"}
+        assert all(v > 0 for v in on_disk["host_ref_us"][when].values())
     # 3 schemes x (ll, ht, auto) x T {1, 200}
     assert {(c["scheme"], c["mode"], c["T"]) for c in on_disk["cases"]} == {
         (q, m, t) for q in bench.SCHEMES for m in bench.MODES for t in (1, 200)

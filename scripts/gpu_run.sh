@@ -32,11 +32,14 @@ for step in "$@"; do
                             END{for(i=0;i<n;i++) if(f[i]!="") print f[i]}' > "$OUT/test_groups.txt"
       i=0; pids=()
       while read -r files; do
-        EPMOE_FAILLOG="$OUT/failures.txt" timeout $((t - 10)) python3 -m pytest $files -m "gpu or multi_gpu" -q -rfE \
+        EPMOE_FAILLOG="$OUT/failures.txt" setsid timeout $((t - 10)) python3 -m pytest $files -m "gpu or multi_gpu" -q -rfE \
           -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests_$i.log" 2>&1 < /dev/null &
         pids+=($!); i=$((i + 1))
       done < "$OUT/test_groups.txt"
       rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+      # a job cut by the cap can leave workers running (Inductor's compile pool), which would slow
+      # every later step's host: each job runs in its own process group, ended here
+      for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null; done
       for f in "$OUT"/gpu_tests_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/gpu_tests.log"
       rm -f "$OUT"/gpu_tests_*.log
       grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" >> "$OUT/summary.txt"
