@@ -54,6 +54,7 @@ AUTO_GEMV_MAX_TOKENS = {"bf16": 8, "fp8": 8, "int8": 4}
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
 _QDTYPE = {"fp8": reference.FP8_DTYPE, "int8": torch.int8}
+_WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
 # the stages each path records, in order ("quantize" only where it runs: HT fp8 / int8, LL int8)
 HT_STAGES = ("quantize", "dispatch", "permute", "gemm1", "act", "gemm2", "unpermute", "combine")
 LL_STAGES = ("ll_dispatch", "quantize", "gemm1", "act", "gemm2", "ll_combine")
@@ -288,10 +289,14 @@ class EPMoE(nn.Module):
                 if self.local
                 else self.comm.ll_capacity
             )
-        self.register_buffer("w1", None)
-        self.register_buffer("w1_scale", None)
-        self.register_buffer("w2", None)
-        self.register_buffer("w2_scale", None)
+        for name in _WEIGHTS:
+            self.register_buffer(name, None)
+
+    def __setattr__(self, name: str, value) -> None:
+        # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too
+        if name in _WEIGHTS and isinstance(value, torch.nn.Parameter):
+            value = value.detach()
+        super().__setattr__(name, value)
 
     @property
     def rank(self) -> int:
@@ -485,26 +490,12 @@ class EPMoE(nn.Module):
             scale_layout=self._scale_layout(),
         )
         p, b = self._emit("permute", p), self._buffers
-        y = st.grouped_gemm(  # (rows: permute writes only -1 or [0, E))
-            p.x,
-            b["w1"],
-            m_indices=p.m_indices,
-            a_scales=p.x_scales,
-            w_scales=b["w1_scale"],
-            expert_offsets=p.expert_offsets,
-        )
+        # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
+        kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+        y = st.grouped_gemm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)
-        # padding rows and the unused tail are skipped
-        act = self._act(st, y, m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-        h, hs = self._emit("act", act)
-        y = st.grouped_gemm(
-            h,
-            b["w2"],
-            m_indices=p.m_indices,
-            a_scales=hs,
-            w_scales=b["w2_scale"],
-            expert_offsets=p.expert_offsets,
-        )
+        h, hs = self._emit("act", self._act(st, y, **kw))
+        y = st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
         y = self._emit("gemm2", y)
         return self._emit("unpermute", st.unpermute(y, p.inv_perm, topk_weights))
 

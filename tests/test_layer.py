@@ -178,6 +178,19 @@ def test_load_weights_without_copy_keeps_bf16_weights():
     assert layer.w1.data_ptr() == w1.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
 
 
+def test_weights_assigned_as_parameters_stay_buffers():
+    """layer.w1 = nn.Parameter(...) (as a loader might) replaces the weight the forward reads."""
+    layer = epmoe.EPMoE(**SMALL, quant="bf16", backend="local", device="cpu", alignment=16)
+    layer.load_weights(*global_weights(**SMALL))
+    x, ids, w = tokens(5, seed=6, **SMALL)
+    want = layer(x, ids, w)
+    layer.w1 = torch.nn.Parameter(layer.w1.clone(), requires_grad=False)
+    assert "w1" in layer._buffers and not dict(layer.named_parameters())
+    assert torch.equal(layer(x, ids, w), want)
+    layer.w2 = torch.nn.Parameter(torch.zeros_like(layer.w2), requires_grad=False)
+    assert not layer(x, ids, w).any()
+
+
 def test_forward_and_backward_safe_with_grad_weights():
     """Weights that require grad leak no autograd into the layer (no 'no autograd formula')."""
     w1, w2 = (w.requires_grad_() for w in global_weights(**SMALL))
