@@ -108,15 +108,11 @@ def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
         through_tuner.append(grid)
         tuned.best_config = cfg
 
-    class Direct:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **meta: direct.append((self.fn, grid, args, meta))
+    def prepared_call(self, *tensors):
+        direct.append((self.fn, self.grid, (*tensors, *self.tail), self.meta))
 
     monkeypatch.setattr(_launch, "_INTERPRET", False)
-    monkeypatch.setattr(_launch, "direct", Direct)
+    monkeypatch.setattr(_launch.Prepared, "__call__", prepared_call)
     monkeypatch.setattr(tuned, "run", tuner_run)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(_int8, "_BEST", {})
@@ -133,7 +129,7 @@ def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     assert len(through_tuner) == 1 and len(direct) == 2
     fn, g, a, m = direct[-1]
     assert not isinstance(fn, triton.runtime.autotuner.Heuristics) and fn is tuned.fn.fn
-    assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == args
+    assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == args  # (Prepared pads the grid to 3-D)
     assert m["EVEN_K"] == (K % cfg.kwargs["BLOCK_K"] == 0)
     assert m["num_warps"] == cfg.num_warps and m["num_stages"] == cfg.num_stages
     assert all(m[k] == v for k, v in {**cfg.kwargs, **meta}.items())

@@ -187,6 +187,8 @@ _int8_masked_tuned = triton.autotune(_MASKED_CONFIGS, key=["N", "K", "E", "BLOCK
 )
 
 
+# leading tensor arguments of each tuned kernel (the rest: sizes and strides)
+_TENSOR_ARGS = {id(_int8_contiguous_tuned): 6, id(_int8_masked_tuned): 7}
 _BEST: Dict[Tuple, Tuple] = {}  # (autotuner, device, static key) -> (JITFunction, launch kwargs)
 
 
@@ -204,9 +206,15 @@ def _launch_tuned(tuned, key: Tuple, grid, args: Tuple, meta: dict) -> None:
         tuned[grid](*args, **meta)
         _BEST[key] = _resolved(tuned, args, meta)
         return
-    fn, best = hit
-    full = {**meta, **best}
-    _launch.direct(fn)[grid(full)](*args, **full)
+    full = {**meta, **hit[1]}
+    n = _TENSOR_ARGS[id(tuned)]
+    _tuned_launch(key, grid(full), args[n:], tuple(full.items()))(*args[:n])
+
+
+@_launch.memo
+def _tuned_launch(key: Tuple, grid: Tuple, tail: Tuple, meta: Tuple) -> _launch.Prepared:
+    """The tuned config's launch for these sizes (``key``: the _BEST entry it launches)."""
+    return _launch.Prepared(_BEST[key][0], grid, tail, dict(meta))
 
 
 def _resolved(tuned, args: Tuple, meta: dict) -> Tuple:
