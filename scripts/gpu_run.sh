@@ -18,6 +18,9 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
   python3 -m epmoe env
   echo "tree: $(cat .tree-rev 2>/dev/null || echo unknown)"
 } > "$OUT/env.txt" 2>&1
+# without deep_gemm every fp8 / bf16 GEMM falls back to a reference and its tests skip: say so first
+# (e.g. a PYTHONPATH set after `source .whl/install.sh` drops the wheels' site directory)
+python3 -c "import deep_gemm" 2>/dev/null || echo "WARNING: deep_gemm not importable: fp8/bf16 figures and tests are not the real ones" >> "$OUT/summary.txt"
 for step in "$@"; do
   t=$(left)
   cap_var="EPMOE_CAP_${step}"; cap=${!cap_var:-$t}; [ "$cap" -lt "$t" ] && t=$cap; [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
