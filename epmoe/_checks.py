@@ -43,6 +43,18 @@ def fail(op: str, arg: str, expected: str, got: object) -> "ValueError":
     return ValueError(f"{op}: {arg} expected {expected}, got {got}")
 
 
+def check_no_grad(op: str, **tensors) -> None:
+    """Inference-only ops (none has a backward): with grad mode on, a tensor that requires grad is
+    a ValueError, never a gradient that silently stops here or a backward that fails later."""
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if t is not None and t.requires_grad:
+                raise fail(
+                    op, name, "a tensor that does not require grad (inference only: call it under "
+                    "torch.no_grad() or torch.inference_mode())", "requires_grad=True",
+                )  # fmt: skip
+
+
 def _names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d) for d in dtypes)
 

@@ -380,6 +380,7 @@ class EPMoE(nn.Module):
         direct = _eager.calm() and FORWARD.direct(*args) and chained
         if not direct:
             FORWARD.check(*args)
+            _checks.check_no_grad(OP, x=x, topk_weights=topk_weights)
         if self._buffers["w1"] is None:  # (buffers read from the dict: no Module.__getattr__)
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
         st = _TRUSTED if direct else _CHAINED if chained else _PUBLIC

@@ -178,6 +178,24 @@ def test_load_weights_without_copy_keeps_bf16_weights():
     assert layer.w1.data_ptr() == w1.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
 
 
+@pytest.mark.parametrize("mode,T", [("auto", 1), ("ll", 4), ("ht", 4)])
+def test_inputs_that_need_grad_are_refused_on_every_path(mode, T):
+    """No stage has a backward: the layer refuses x / topk_weights that require grad (grad mode
+    on) at its boundary, whichever path the call takes; under no_grad the same call runs."""
+    layer = epmoe.EPMoE(**SMALL, quant="bf16", backend="local", device="cpu", alignment=16,
+                        mode=mode, max_tokens_per_rank=8)  # fmt: skip
+    layer.load_weights(*global_weights(**SMALL))
+    x, ids, w = tokens(T, seed=7, **SMALL)
+    for name, args in (("x", (x.requires_grad_(), ids, w)), ("topk_weights", (x, ids, w))):
+        if name == "topk_weights":
+            x.requires_grad_(False)
+            w.requires_grad_()
+        with pytest.raises(ValueError, match=f"EPMoE: {name} expected a tensor that does not"):
+            layer(*args)
+        with torch.no_grad():
+            assert not layer(*args).requires_grad
+
+
 def test_weights_assigned_as_parameters_stay_buffers():
     """layer.w1 = nn.Parameter(...) (as a loader might) replaces the weight the forward reads."""
     layer = epmoe.EPMoE(**SMALL, quant="bf16", backend="local", device="cpu", alignment=16)

@@ -84,14 +84,8 @@ _LIB.define(
 )
 
 
-def _check_no_grad(*tensors) -> None:
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if t is not None and t.requires_grad:
-                raise _checks.fail(
-                    OP, "a/w/scales", "no tensor that requires grad (inference only: call it "
-                    "under torch.no_grad() or torch.inference_mode())", "requires_grad=True",
-                )  # fmt: skip
+def _check_no_grad(a, w, a_scales, w_scales) -> None:
+    _checks.check_no_grad(OP, a=a, w=w, a_scales=a_scales, w_scales=w_scales)
 
 
 def _contiguous_fake(
