@@ -7,7 +7,7 @@ as an eager CUDA call runs them) on CPU tensors with the Triton launches, the de
 the device-side checks replaced by no-ops, and a CUDA-like backend choice (sm90, deep_gemm
 present). Tensors live on the "meta" device: allocations cost their Python call only (CPU memory
 would add malloc's cost, larger and less steady than the CUDA caching allocator's; a CUDA
-`torch.empty` is ~0.7 µs on the H200 host, `diag_layer.txt`). Compare trees with it; confirm on
+`torch.empty` took 0.7 to 3.4 µs on the H200 host, by session). Compare trees with it; confirm on
 the GPU with `scripts/diag_layer.py`.
 
 With ``--stages`` it also prints each stage's trusted call (the chain's entries, one at a time).
