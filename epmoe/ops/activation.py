@@ -55,6 +55,8 @@ from epmoe.ops.quantize import (  # host helpers, by name
     alloc_scales,
     as_layout,
     dims,
+    fp8_tiling,
+    int8_tiling,
     max_warps,
     num_slots,
 )
@@ -133,7 +135,8 @@ def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig)
 
 @_launch.memo
 def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
-    """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous)."""
+    """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous);
+    ``qcfg`` as in :func:`_silu_quant_launch`."""
     inter = shape[-1] // 2
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     she, sht = (T * inter if len(shape) == 3 else 0), inter
@@ -173,7 +176,8 @@ def _silu_and_mul_triton(
 def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, has_rows, cfg,
                        qcfg):  # fmt: skip
     """The fused silu_and_mul + quantize kernel's launch for y of this shape and strides (q
-    contiguous, scales of these strides)."""
+    contiguous, scales of these strides). ``qcfg``: the quantize config in force, which the slot
+    and warp counts read (a key of the cache only)."""
     inter = shape[-1] // 2
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     sqe, sqt = (T * inter if len(shape) == 3 else 0), inter
@@ -183,10 +187,7 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
     masked = kind == _MASKED
     if scheme == "fp8":
         groups = inter // group_size
-        block_g = _launch.pow2(group_size)
-        tile = cfg.fp8_tile if not masked else cfg.fp8_tile_masked
-        gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
-        block_m = 1 if masked else cfg.fp8_block_m
+        block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = _slots(E, T, kind, block_m, has_rows, cfg)
         return _launch.Prepared(
             _silu_mul_fp8_kernel,
@@ -197,9 +198,7 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
                 num_warps=_warps(block_m * gpp * block_g), **flags,
             ),
         )  # fmt: skip
-    single = inter <= cfg.int8_single_pass_max
-    block = _launch.pow2(max(inter, 1)) if single else cfg.int8_chunk
-    block_m = 1 if masked else max(1, cfg.int8_row_tile // block)
+    block, block_m, single = int8_tiling(inter, masked, cfg)
     slots = _slots(E, T, kind, block_m, has_rows, cfg)
     if masked:
         warps = _warps(block * block_m)

@@ -230,19 +230,19 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
     return _launch.imin(blocks, max(cfg.min_slots, cfg.masked_programs // max(e, 1)))
 
 
-def fp8_tiling(groups: int, group_size: int, masked: bool) -> Tuple[int, int, int]:
-    """(BLOCK_G, groups per program, rows per program) of the fp8 kernels."""
+def fp8_tiling(groups: int, group_size: int, masked: bool, cfg) -> Tuple[int, int, int]:
+    """(BLOCK_G, groups per program, rows per program) of the fp8 kernels; ``cfg``: the stage's
+    config (quantize's or the activation's: its fp8_tile, fp8_tile_masked, fp8_block_m)."""
     block_g = _launch.pow2(group_size)
-    cfg = CONFIG
     tile = cfg.fp8_tile if not masked else cfg.fp8_tile_masked
     gpp = min(_launch.pow2(max(groups, 1)), max(1, tile // block_g))
     return block_g, gpp, (cfg.fp8_block_m if not masked else 1)
 
 
-def int8_tiling(n: int, masked: bool) -> Tuple[int, int, bool]:
-    """(BLOCK, rows per program, single pass) of the int8 kernels for rows of n elements:
-    small rows are batched up to 4096 elements a program (more loads in flight per thread)."""
-    cfg = CONFIG
+def int8_tiling(n: int, masked: bool, cfg) -> Tuple[int, int, bool]:
+    """(BLOCK, rows per program, single pass) of the int8 kernels for rows of n elements: small
+    rows are batched up to cfg.int8_row_tile elements a program (more loads in flight per
+    thread); ``cfg``: the stage's config (its int8_single_pass_max, int8_chunk, int8_row_tile)."""
     single = n <= cfg.int8_single_pass_max
     block = _launch.pow2(max(n, 1)) if single else cfg.int8_chunk
     block_m = 1 if masked else max(1, cfg.int8_row_tile // block)
@@ -283,7 +283,7 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
     if scheme == "fp8":
         groups = H // group_size
-        block_g, gpp, block_m = fp8_tiling(groups, group_size, masked)
+        block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = num_slots(E, T, masked, block_m)
         return _launch.Prepared(
             _quant_fp8_kernel,
@@ -294,7 +294,7 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
                 HAS_MASK=masked, num_warps=_warps(block_m * gpp * block_g),
             ),
         )  # fmt: skip
-    block, block_m, single = int8_tiling(H, masked)
+    block, block_m, single = int8_tiling(H, masked, cfg)
     slots = num_slots(E, T, masked, block_m)
     return _launch.Prepared(
         _quant_int8_kernel,
