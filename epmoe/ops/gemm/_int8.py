@@ -187,28 +187,26 @@ _int8_masked_tuned = triton.autotune(_MASKED_CONFIGS, key=["N", "K", "E", "BLOCK
 )
 
 
-# leading tensor arguments of each tuned kernel (the rest: sizes and strides)
-_TENSOR_ARGS = {id(_int8_contiguous_tuned): 6, id(_int8_masked_tuned): 7}
 _BEST: Dict[Tuple, Tuple] = {}  # (autotuner, device, static key) -> (JITFunction, launch kwargs)
 
 
-def _launch_tuned(tuned, key: Tuple, grid, args: Tuple, meta: dict) -> None:
-    """Launch autotuned kernel ``tuned``: its first call per static ``key`` goes through the
-    autotuner (tuning if needed); later calls launch the chosen config's JITFunction directly
-    (:func:`epmoe._launch.direct`), without the autotuner's and the heuristics' per-call
-    re-binding (the kernels run inside an opaque custom op: never traced)."""
+def _launch_tuned(tuned, key: Tuple, grid, tensors: Tuple, sizes: Tuple, meta: dict) -> None:
+    """Launch autotuned kernel ``tuned`` on its leading ``tensors`` and the ``sizes`` (sizes and
+    strides) after them: its first call per static ``key`` goes through the autotuner (tuning if
+    needed); later calls launch the chosen config's JITFunction as a cached
+    :class:`epmoe._launch.Prepared`, without the autotuner's and the heuristics' per-call
+    re-binding (the kernels run inside an opaque op: never traced)."""
     if _launch._INTERPRET:
-        tuned[grid](*args, **meta)
+        tuned[grid](*tensors, *sizes, **meta)
         return
     key = (id(tuned), torch._C._cuda_getDevice(), *key)
     hit = _BEST.get(key)
     if hit is None:
-        tuned[grid](*args, **meta)
-        _BEST[key] = _resolved(tuned, args, meta)
+        tuned[grid](*tensors, *sizes, **meta)
+        _BEST[key] = _resolved(tuned, (*tensors, *sizes), meta)
         return
     full = {**meta, **hit[1]}
-    n = _TENSOR_ARGS[id(tuned)]
-    _tuned_launch(key, grid(full), args[n:], tuple(full.items()))(*args[:n])
+    _tuned_launch(key, grid(full), sizes, tuple(full.items()))(*tensors)
 
 
 @_launch.memo
@@ -268,8 +266,8 @@ def _int8_contiguous_triton(
     def grid(meta):
         return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(N, meta["BLOCK_N"]),)
 
-    args = (
-        a, w, a_scales, w_scales, m_indices, out,
+    tensors = (a, w, a_scales, w_scales, m_indices, out)
+    sizes = (
         M, N, K, E,
         a.stride(0), a.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
@@ -278,9 +276,10 @@ def _int8_contiguous_triton(
         out.stride(0), out.stride(1),
     )  # fmt: skip
     if config is None:
-        _launch_tuned(_int8_contiguous_tuned, (N, K, E, a.dtype, out.dtype), grid, args, {})
+        key = (N, K, E, a.dtype, out.dtype)
+        _launch_tuned(_int8_contiguous_tuned, key, grid, tensors, sizes, {})
     else:
-        _int8_contiguous_kernel[grid](*args, **config)
+        _int8_contiguous_kernel[grid](*tensors, *sizes, **config)
     return out
 
 
@@ -324,8 +323,8 @@ def _int8_masked_triton(
     def grid(m):
         return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
 
-    args = (
-        a, w, a_scales, w_scales, masked_m, out, ok if ok is not None else masked_m,
+    tensors = (a, w, a_scales, w_scales, masked_m, out, ok if ok is not None else masked_m)
+    sizes = (
         T, N, K, E,
         a.stride(0), a.stride(1), a.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
@@ -336,7 +335,7 @@ def _int8_masked_triton(
     meta.update(CHECK=ok is not None, E_PAD=_launch.pow2(E))
     if config is None:
         key = (N, K, E, meta["BLOCK_M"], a.dtype, out.dtype)
-        _launch_tuned(_int8_masked_tuned, key, grid, args, meta)
+        _launch_tuned(_int8_masked_tuned, key, grid, tensors, sizes, meta)
     else:
-        _int8_masked_kernel[grid](*args, **meta)
+        _int8_masked_kernel[grid](*tensors, *sizes, **meta)
     return out
