@@ -36,8 +36,8 @@ FLUSH_BYTES = 512 * 2**20  # > 8x the H100/H200 L2 (50 MiB): a memset of it evic
 COPY_BYTES = 2 * 2**30  # ceiling buffer: 2 GiB read + 2 GiB written
 ITERS = 100  # timed calls per measurement (median)
 WARMUP = 3  # eager calls before capture: compiles Triton kernels, faults pages in
-HOST_CALLS, HOST_REPEATS = 10, 3  # host_us: calls per timed pass, passes (median)
-HOST_SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep at H200 clocks: covers HOST_CALLS calls
+HOST_CALLS, HOST_REPEATS = 40, 7  # host_us: calls per timed pass, passes (median)
+HOST_SLEEP_CYCLES = 200_000_000  # ~100 ms of GPU sleep at H200 clocks: covers HOST_CALLS calls
 
 
 @dataclass

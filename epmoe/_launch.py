@@ -175,8 +175,19 @@ class Prepared:
         self.hits: Dict[Tuple, Any] = {}
 
     def __call__(self, *tensors) -> None:
-        if _INTERPRET or not _CACHED or _wrap_enabled() or _hooked():
+        self._launch(tensors, _wrap_enabled())
+
+    def untraced(self, *tensors) -> None:
+        """The launch from code no trace ever runs (a dispatcher kernel's body, on real tensors):
+        direct whatever the wrap_triton flag, which is on by default outside a triton op."""
+        self._launch(tensors, False)
+
+    def _launch(self, tensors, wrap: bool) -> None:
+        if _INTERPRET or wrap:
             kernel(self.fn)[self.grid](*tensors, *self.tail, **self.meta)
+            return
+        if not _CACHED or _hooked():
+            direct(self.fn)[self.grid](*tensors, *self.tail, **self.meta)
             return
         dev = torch._C._cuda_getDevice()
         key = [dev]

@@ -64,6 +64,30 @@ def test_prepared_pads_the_grid_and_keeps_its_arguments():
     assert p.grid == (4, 1, 1) and p.tail == (1, 2) and p.meta == {"BLOCK": 8} and not p.hits
 
 
+def test_prepared_untraced_launches_directly_whatever_the_wrap_flag(monkeypatch):
+    """wrap_triton's flag is on by default outside a triton op: a Prepared called from a
+    dispatcher kernel's body (untraced) launches directly; a plain call follows the flag."""
+    seen = []
+
+    class Door:
+        def __init__(self, how):
+            self.how = how
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append((self.how, grid, args, meta))
+
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_CACHED", False)  # (the direct door, not the compiled cache)
+    monkeypatch.setattr(_launch, "wrap_triton", lambda k: Door("wrap"))
+    monkeypatch.setattr(_launch, "direct", lambda k: Door("direct"))
+    p = _launch.Prepared(object(), (4,), (1,), {"BLOCK": 8})
+    assert torch._library.triton.is_wrap_triton_enabled()
+    p.untraced("t")
+    p("t")
+    assert seen == [("direct", (4, 1, 1), ("t", 1), {"BLOCK": 8}),
+                    ("wrap", (4, 1, 1), ("t", 1), {"BLOCK": 8})]  # fmt: skip
+
+
 @pytest.mark.interpret
 def test_prepared_launch_runs_the_kernel_under_the_interpreter(triton_interpret):
     if not triton_interpret:

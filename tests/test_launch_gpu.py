@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _launch
+from epmoe import _eager, _launch
 
 pytestmark = pytest.mark.gpu
 
@@ -103,12 +103,13 @@ def test_prepared_launch_matches_triton_and_keys_alignment(offset):
     p = _launch.Prepared(_axpy_kernel, (triton.cdiv(n, 128),), (n, 2.5),
                          dict(FLIP=True, BLOCK=128, num_warps=4))  # fmt: skip
     want = _run(_axpy_kernel, x, y, n, 2.5, True)
-    for _ in range(3):
+    # as a triton op's body calls it (wrap_triton off), and from a dispatcher kernel's body
+    for launch in (lambda *t: _eager.run(p, *t), p.untraced, p.untraced):
         out = torch.full_like(x, 7.0)
-        p(x, y, out)
+        launch(x, y, out)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert len(p.hits) == 1
     z = torch.randn(n, device="cuda")
     out = torch.full_like(z, 7.0)
-    p(z, z, out)  # aligned where x was not (offset 1): a key of its own
+    p.untraced(z, z, out)  # aligned where x was not (offset 1): a key of its own
     assert len(p.hits) == 1 + offset

@@ -108,11 +108,12 @@ def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
         through_tuner.append(grid)
         tuned.best_config = cfg
 
-    def prepared_call(self, *tensors):
+    def prepared_launch(self, tensors, wrap):
+        assert not wrap  # (called from the op's CUDA kernel: wrap_triton's flag is on there)
         direct.append((self.fn, self.grid, (*tensors, *self.tail), self.meta))
 
     monkeypatch.setattr(_launch, "_INTERPRET", False)
-    monkeypatch.setattr(_launch.Prepared, "__call__", prepared_call)
+    monkeypatch.setattr(_launch.Prepared, "_launch", prepared_launch)
     monkeypatch.setattr(tuned, "run", tuner_run)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(_int8, "_BEST", {})

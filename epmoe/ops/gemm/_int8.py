@@ -206,7 +206,7 @@ def _launch_tuned(tuned, key: Tuple, grid, tensors: Tuple, sizes: Tuple, meta: d
         _BEST[key] = _resolved(tuned, (*tensors, *sizes), meta)
         return
     full = {**meta, **hit[1]}
-    _tuned_launch(key, grid(full), sizes, tuple(full.items()))(*tensors)
+    _tuned_launch(key, grid(full), sizes, tuple(full.items())).untraced(*tensors)
 
 
 @_launch.memo
