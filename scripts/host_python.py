@@ -16,11 +16,13 @@ behind a sleep kernel, so no call waits), which splits a call's host time into i
 stubbed figure) and its launches (the difference).
 
   python scripts/host_python.py [--iters 500] [--repeats 7] [--profile PATH] [--stages]
-                                [--device cpu|cuda]
+                                [--device cpu|cuda] [--tokens 32] [--shape tiny|qwen3]
+                                [--quant bf16,fp8,int8]
 """
 
 import argparse
 import cProfile
+import importlib
 import pstats
 import time
 from typing import Callable, Dict
@@ -32,6 +34,7 @@ from epmoe import layer as L
 from epmoe.ops.gemm import _int8, _ops, _select
 
 SHAPE = dict(num_experts=8, hidden_size=128, intermediate_size=128, top_k=8)  # (any shape)
+QWEN3 = dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8)  # (--shape qwen3)
 CASES = tuple((q, path, t) for q in ("bf16", "fp8", "int8") for path, t in
               (("gemv", 1), ("ll", 32), ("ht", 32)))  # fmt: skip
 
@@ -50,6 +53,7 @@ def stub_launches() -> None:
     noop = lambda *a, **k: None  # noqa: E731
     _select._cap = lambda device: (9, 0)
     _select._deps.available = lambda name: True
+    importlib.import_module("epmoe.ops.permute")._sm_count = lambda index: 132  # (H200's)
     for cached in (_select._backend, _select.masked_row_block):  # (cached per process)
         getattr(cached, "cache_clear", lambda: None)()
     fns = {role: noop for role in _select._DG_NAMES}
@@ -59,9 +63,10 @@ def stub_launches() -> None:
     _checks.direct_launch = lambda t: not tracing(t) and not wrapped()
 
 
-def build(quant: str, device: str = "cpu"):
-    layer = L.EPMoE(**SHAPE, quant=quant, mode="auto", device=device, max_tokens_per_rank=32)
-    E, H, I = SHAPE["num_experts"], SHAPE["hidden_size"], SHAPE["intermediate_size"]
+def build(quant: str, device: str = "cpu", shape: Dict[str, int] = SHAPE, tokens: int = 32):
+    layer = L.EPMoE(**shape, quant=quant, mode="auto", device=device,
+                    max_tokens_per_rank=max(tokens, 32))  # fmt: skip
+    E, H, I = shape["num_experts"], shape["hidden_size"], shape["intermediate_size"]
     g = torch.Generator().manual_seed(0)
     layer.load_weights(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g))
     return layer
@@ -98,13 +103,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     x, ids, w = inputs(layer, tokens)
     dev, E, C = x.device, layer.num_local_experts, layer.ll_capacity
     lay = layer._scale_layout()
-    a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
-    s = s if q != "bf16" else None
-    kw = dict(masked_m=mm, expected_m=layer.expected_m())
     I2, H = 2 * layer.intermediate_size, layer.hidden_size
-    y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
-    h, hs = layer._act(st, y1, mm)
-    y2 = torch.zeros(E, C, H, dtype=torch.bfloat16, device=dev)
     xq, xs = st.quantize(x, q) if q != "bf16" else (x, None)
     p = st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay)
     pkw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
@@ -112,11 +111,6 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     hp, hps = layer._act(st, yp1, **pkw)
     yp2 = torch.zeros(p.x.shape[0], H, dtype=torch.bfloat16, device=dev)
     out = {
-        "ll_scatter": lambda: st.ll_scatter(x, ids, E, C, q, scale_layout=lay),
-        "ll gemm1": lambda: st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw),
-        "ll act": lambda: layer._act(st, y1, mm),
-        "ll gemm2": lambda: st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
-        "ll_gather": lambda: st.ll_gather(y2, rows, w),
         "permute": lambda: st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay),
         "ht gemm1": lambda: st.grouped_gemm(
             p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **pkw
@@ -129,6 +123,21 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     }
     if q != "bf16":
         out["quantize"] = lambda: st.quantize(x, q)
+    if tokens > layer.ll_max_tokens:  # (past the LL capacity: HT stages only)
+        return out
+    a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
+    s = s if q != "bf16" else None
+    kw = dict(masked_m=mm, expected_m=layer.expected_m())
+    y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
+    h, hs = layer._act(st, y1, mm)
+    y2 = torch.zeros(E, C, H, dtype=torch.bfloat16, device=dev)
+    out.update({
+        "ll_scatter": lambda: st.ll_scatter(x, ids, E, C, q, scale_layout=lay),
+        "ll gemm1": lambda: st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw),
+        "ll act": lambda: layer._act(st, y1, mm),
+        "ll gemm2": lambda: st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
+        "ll_gather": lambda: st.ll_gather(y2, rows, w),
+    })  # fmt: skip
     return out
 
 
@@ -169,15 +178,23 @@ def main(argv=None) -> Dict[str, float]:
     p.add_argument("--profile", default=None, help="write a cProfile of the fp8 LL call here")
     p.add_argument("--stages", action="store_true", help="each stage's trusted call too")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: real launches")
+    p.add_argument("--tokens", type=int, default=32, help="T of the LL and HT cases")
+    p.add_argument("--shape", default="tiny", choices=("tiny", "qwen3"))
+    p.add_argument("--quant", default="bf16,fp8,int8", help="comma-separated schemes")
     a = p.parse_args(argv)
+    shape = QWEN3 if a.shape == "qwen3" else SHAPE
+    cases = [(q, path, t if path == "gemv" else a.tokens) for q, path, t in CASES
+             if q in a.quant.split(",")]  # fmt: skip
     if a.device == "cpu":
         stub_launches()
         timed = best_us
     else:
         timed = lambda fn, iters, repeats: _busy_us(fn, iters, repeats)  # noqa: E731
     out = {}
-    for quant, path, tokens in CASES:
-        layer = build(quant, a.device)
+    for quant, path, tokens in cases:
+        layer = build(quant, a.device, shape, a.tokens)
+        if path == "ll" and tokens > layer.ll_max_tokens:
+            continue
         call = call_of(layer, path, tokens)
         out[f"{quant} {path} T={tokens}"] = timed(call, a.iters, a.repeats)
         if a.stages and path == "ht":
