@@ -13,9 +13,9 @@
 
 The direct key is what Triton specializes on: the device, every keyword (constexprs and launch
 options), each tensor's dtype and 16-byte alignment, each int's ``== 1`` / multiple-of-16 / 32-bit
-range, and the type of any other argument. Runtime arguments are passed positionally, constexprs
-by keyword (a kernel that takes a runtime argument by keyword is never cached). Profiler launch
-hooks, when set, send every launch through Triton's own path.
+range, and the type of any other argument. A runtime scalar passed by keyword is keyed by its value
+(a runtime tensor by keyword is never cached). Profiler launch hooks, when set, send every launch
+through Triton's own path.
 
 :func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts.
 :func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
@@ -41,6 +41,7 @@ _CACHED = (3, 6) <= _VERSION < (4, 0)
 _wrap_enabled = _triton_lib.is_wrap_triton_enabled
 _Tensor = torch.Tensor
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_SCALARS = (int, float, bool)
 
 
 def pow2(n):
@@ -137,8 +138,9 @@ class _Direct:
     def _first(self, grid, args, meta, key) -> None:
         """Triton's own launch (it compiles on a miss); the compiled kernel is kept for the key."""
         compiled = self.fn[grid](*args, **meta)
-        if compiled is None or any(n in self.runtime for n in meta):
-            return  # (a runtime argument by keyword: its value would be part of the key)
+        if compiled is None or any(n in self.runtime and type(v) not in _SCALARS
+                                   for n, v in meta.items()):  # fmt: skip
+            return  # (a runtime tensor by keyword: the key holds keywords by value)
         names = self.fn.arg_names[len(args) :]
         rest = tuple(meta[n] if n in meta else self.defaults[n] for n in names)
         self.cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, rest)

@@ -1,9 +1,14 @@
 """epmoe._launch: host size helpers and the direct-launch key (CPU; launches: test_launch_gpu)."""
 
+import os
+import pathlib
+
 import pytest
 import torch
 
 from epmoe import _launch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("n", [-3, 0, 1, 2, 3, 4, 5, 127, 128, 129, 4095, 4096, 4097])
@@ -35,6 +40,42 @@ def test_key_separates_what_triton_specializes_on():
     assert base != _launch._key(0, (x, 7.0), {"BLOCK": 16})  # float
     p = torch.nn.Parameter(x)  # tensor subclasses keyed like tensors
     assert _launch._key(0, (p, 7), {"BLOCK": 16}) == base
+
+
+def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
+    """A runtime int given by keyword (permute's PF_DIST) is cached per value: before, such a
+    launch never hit the cache and went through Triton's own run on every call."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def body(x_ptr, n, dist, BLOCK: tl.constexpr):
+        pass
+
+    k = JITFunction(body)  # (not triton.jit: under TRITON_INTERPRET=1 that is no JITFunction)
+
+    launched, tuned = [], []
+
+    class Compiled:
+        function, packed_metadata = "f", "p"
+
+        @staticmethod
+        def run(*a):
+            launched.append(a)
+
+    def triton_run(*args, grid, warmup, **meta):
+        tuned.append(meta)
+        return Compiled()
+
+    monkeypatch.setattr(k, "run", triton_run)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    monkeypatch.setattr(_launch, "_hooked", lambda: False)
+    d = _launch._Direct(k)
+    x = torch.zeros(4)
+    for dist in (5, 5, 5, 6):
+        d[(2,)](x, 3, dist=dist, BLOCK=8)
+    assert len(tuned) == 2 and len(d.cache) == 2  # (one entry per value of dist)
+    assert launched[-1][-3:] == (3, 5, 8)  # positional n, then dist and BLOCK in signature order
 
 
 def test_memo_caches_ints_and_recomputes_symbolic_sizes():
@@ -99,3 +140,83 @@ def test_prepared_launch_runs_the_kernel_under_the_interpreter(triton_interpret)
         ok = torch.zeros((), dtype=torch.bool)
         _launch.Prepared(_range._range_kernel, (1,), (x.numel(), 0, hi), {"BLOCK": 16})(x, ok)
         assert bool(ok) is want
+
+
+def _probe_triton_runs() -> None:
+    """(Run in a subprocess: it patches the launch modules process-wide.) The layer's eager chain
+    on a CUDA-like host (sm90, deep_gemm present, the launch caches real, Triton's own run
+    replaced by a counter returning a stand-in compiled kernel): prints, per path, the kernels that
+    still went through Triton's run after two warm-up calls."""
+    import importlib
+    import json
+    import sys
+
+    import triton
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import host_python as hp
+
+    from epmoe import _checks
+    from epmoe.ops.gemm import _ops, _select
+
+    class Compiled:
+        function, packed_metadata = None, None
+
+        @staticmethod
+        def run(*args):
+            pass
+
+    runs = []
+
+    def triton_run(self, *args, grid, warmup, **meta):
+        runs.append(self.__name__)
+        return Compiled()
+
+    def tuner_run(self, *args, **kwargs):
+        self.best_config = self.configs[0]
+        runs.append("autotune")
+
+    triton.runtime.jit.JITFunction.run = triton_run
+    triton.runtime.autotuner.Autotuner.run = tuner_run
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch.Tensor.data_ptr = lambda self: 0  # (meta tensors: 16-byte aligned)
+    _launch._INTERPRET, _launch._CACHED = False, True
+    _select._cap = lambda device: (9, 0)
+    _select._deps.available = lambda name: True
+    for cached in (_select._backend, _select.masked_row_block):
+        getattr(cached, "cache_clear", lambda: None)()
+    fns = {role: (lambda *a, **k: None) for role in _select._DG_NAMES}
+    _select._dg_functions = _ops._dg_functions = lambda: fns
+    importlib.import_module("epmoe.ops.permute")._sm_count = lambda index: 132
+    tracing, wrapped = _checks._tracing, torch._library.triton.is_wrap_triton_enabled
+    _checks.direct_launch = lambda t: not tracing(t) and not wrapped()
+    out = {}
+    for quant in ("bf16", "fp8", "int8"):
+        for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32), ("ht", 4096)):
+            layer = hp.build(quant, tokens=32)
+            call = hp.call_of(layer, path, tokens)
+            call(), call()
+            runs.clear()
+            for _ in range(3):
+                call()
+            out[f"{quant} {path} T={tokens}"] = sorted(set(runs))
+    print(json.dumps(out))
+
+
+def test_every_eager_launch_hits_the_cache_after_warmup():
+    """After two calls, no launch of the layer's eager chain goes through Triton's own run (each
+    costs tens of µs of host time: the permute chain's copy kernels did, through a runtime
+    argument given by keyword; the INT8 GEMMs did, through wrap_triton), on every path and
+    scheme, the one-kernel permute and the permute chain both."""
+    import json
+    import subprocess
+    import sys
+
+    code = "import tests.test_launch as t; t._probe_triton_runs()"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(seen) == 12
+    assert {case: kernels for case, kernels in seen.items() if kernels} == {}
