@@ -16,7 +16,7 @@ could stop it.
 """
 
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -164,6 +164,20 @@ def check_values(
             raise fail(op, arg, expected, got or "values outside it")
         return
     torch._assert_async(ok, f"{op}: {arg} expected {expected}")
+
+
+def check_codes(code: torch.Tensor, op: str, arg: str, cases: Sequence[Tuple[str, str]]) -> None:
+    """Several value checks of one kernel in one int32 ``code``: bit i is set when check i failed,
+    ``cases[i]`` = (expected, got). Traced (or async on a device): one assert that code == 0, so
+    one kernel under torch.compile; on CPU or in debug mode the first failed check raises."""
+    if _tracing(code) or (code.device.type != "cpu" and not _DEBUG):
+        expected = " and ".join(e for e, _ in cases)
+        torch._assert_async(code == 0, f"{op}: {arg} expected {expected}")
+        return
+    c = int(code)
+    for i, (expected, got) in enumerate(cases):
+        if c >> i & 1:
+            raise fail(op, arg, expected, got)
 
 
 def check_ids(ids: torch.Tensor, hi: int, op: str, arg: str) -> None:

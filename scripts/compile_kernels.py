@@ -69,17 +69,18 @@ class _Recorder:
 def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
-    saved = (_launch.kernel, _checks.check_values, G._int8_masked_kernel, G._int8_contiguous_kernel)
+    saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._int8_masked_kernel,
+             G._int8_contiguous_kernel)  # fmt: skip
     _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
-    _checks.check_values = lambda *a, **k: None
+    _checks.check_values = _checks.check_codes = lambda *a, **k: None
     # the INT8 GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)
     G._int8_contiguous_kernel = _Recorder(G._int8_contiguous_kernel, calls)
     try:
         launch()
     finally:
-        _launch.kernel, _checks.check_values = saved[:2]
-        G._int8_masked_kernel, G._int8_contiguous_kernel = saved[2:]
+        _launch.kernel, _checks.check_values, _checks.check_codes = saved[:3]
+        G._int8_masked_kernel, G._int8_contiguous_kernel = saved[3:]
     return calls
 
 

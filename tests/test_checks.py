@@ -31,6 +31,25 @@ def test_check_values_under_compile_is_a_graph_assert():
         compiled(torch.tensor(False), torch.ones(2))
 
 
+def test_check_codes_raises_the_first_failed_check_and_is_one_assert_traced():
+    cases = (("ids in [0, 4) or -1", "values outside it"), ("at most 3 a row", "more"))
+    _checks.check_codes(torch.tensor(0, dtype=torch.int32), "op", "arg", cases)
+    for code, msg in ((1, r"ids in \[0, 4\) or -1, got values"), (2, "at most 3 a row, got more"),
+                      (3, r"ids in \[0, 4\)")):  # fmt: skip
+        with pytest.raises(ValueError, match="op: arg expected " + msg):
+            _checks.check_codes(torch.tensor(code, dtype=torch.int32), "op", "arg", cases)
+
+    def f(code, x):
+        _checks.check_codes(code, "op", "arg", cases)
+        return x + 1
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(
+        torch.tensor(0, dtype=torch.int32), torch.ones(2)
+    )
+    asserts = [n for n in gm.graph.nodes if "assert_async" in str(n.target)]
+    assert len(asserts) == 1 and "and at most 3 a row" in str(asserts[0].args)
+
+
 def test_in_kernel_asserts_only_on_direct_launches_off_debug():
     """CPU tensors (the interpreter) and fake tensors (torch.compile) are not direct launches, so
     they keep the check after the kernels; debug mode never asserts in a kernel."""

@@ -114,7 +114,8 @@ def _ll_scatter_kernel(
     number of entries of the same expert before it in flat (t, k) order, counted by the program
     itself from the ids (a few KiB, read from L2), so no program waits on another. Chunk 0 also
     writes rows[t]. The last program writes masked_m and checks the ids and capacities: with
-    ASSERT (a debug=True build) it asserts them, else it writes ok[0] (ids) and ok[1] (capacity)."""
+    ASSERT (a debug=True build) it asserts them, else it writes their int32 code to ok (bit 0: a
+    bad id, bit 1: an expert over capacity)."""
     pid = tl.program_id(0)
     if pid >= T * CHUNKS:
         bins = tl.arange(0, NUM_BINS)
@@ -133,9 +134,8 @@ def _ll_scatter_kernel(
         if ASSERT:
             tl.device_assert(bad_ids == 0, "ll_scatter: topk_ids expected ids in [0, Et) or -1")
             tl.device_assert(over == 0, "ll_scatter: topk_ids expected at most C per expert")
-        else:
-            two = tl.arange(0, 2)
-            tl.store(ok_ptr + two, tl.where(two == 0, bad_ids == 0, over == 0))
+        else:  # (one code: one assert after the kernel under torch.compile)
+            tl.store(ok_ptr, (bad_ids > 0).to(tl.int32) + 2 * (over > 0).to(tl.int32))
     else:
         t = pid // CHUNKS
         c = pid % CHUNKS
@@ -312,20 +312,16 @@ def _ll_scatter_triton(
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
     # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
-    ok = topk_ids if in_kernel else torch.empty((2,), dtype=torch.bool, device=dev)  # (unused)
+    ok = topk_ids if in_kernel else torch.empty((), dtype=torch.int32, device=dev)  # (unused)
     launch = _scatter_launch(
         T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(), in_kernel
     )
     launch(xk, topk_ids, xok, s, masked_m, rows, ok)
     if not in_kernel:
-        _checks.check_values(ok[0], "ll_scatter", "topk_ids", f"ids in [0, {NG}) or -1")
-        _checks.check_values(
-            ok[1],
-            "ll_scatter",
-            "topk_ids",
-            f"at most capacity={C} entries per expert",
-            "an expert over capacity",
-        )
+        _checks.check_codes(ok, "ll_scatter", "topk_ids", (
+            (f"ids in [0, {NG}) or -1", "values outside it"),
+            (f"at most capacity={C} entries per expert", "an expert over capacity"),
+        ))  # fmt: skip
     return xo, s, masked_m, rows
 
 

@@ -103,7 +103,7 @@ def test_overflow_and_bad_ids_raise_and_stay_in_bounds(blocks, monkeypatch):
     # nothing (token 4's program runs last: a write to expert 0's slot 3, expert 1's slot 0,
     # would replace token 0 there)
     with monkeypatch.context() as mp:
-        mp.setattr(M._checks, "check_values", lambda *a, **k: None)
+        mp.setattr(M._checks, "check_codes", lambda *a, **k: None)
         out = _scatter(x, topk, 2, 3, "bf16")
     assert out[2].tolist() == [3, 3]
     assert out[3].tolist() == [[0, 3], [1, -1], [2, 4], [5, -1], [-1, -1]]
