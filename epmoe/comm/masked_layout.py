@@ -310,7 +310,7 @@ def _ll_scatter_triton(
     masked_m = torch.empty((E,), dtype=torch.int32, device=dev)
     rows = torch.empty((T, K), dtype=torch.int32, device=dev)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
-    # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes flags
+    # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes a code
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
     ok = topk_ids if in_kernel else torch.empty((), dtype=torch.int32, device=dev)  # (unused)
     launch = _scatter_launch(
