@@ -42,6 +42,22 @@ def test_direct_matches_triton(n, flip, offset):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_runtime_scalar_by_keyword_is_cached_in_signature_order():
+    """A runtime argument given by keyword (permute's PF_DIST) rides in the cached launch's
+    trailing arguments at its place in the signature: same bytes as Triton's own launch."""
+    d = _launch.direct(_axpy_kernel)
+    d.cache.clear()
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    for a in (2.5, 2.5, 2.5, -1.0):
+        got = torch.full_like(x, 7.0)
+        d[(8,)](x, y, got, 1000, a=a, FLIP=True, BLOCK=128, num_warps=4)
+        want = torch.full_like(x, 7.0)
+        _axpy_kernel[(8,)](x, y, want, 1000, a=a, FLIP=True, BLOCK=128, num_warps=4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(d.cache) == 2  # (one entry per value of a)
+
+
 def test_one_entry_per_specialization():
     d = _launch.direct(_axpy_kernel)
     d.cache.clear()
