@@ -152,25 +152,27 @@ def assert_build(in_kernel: bool) -> dict:
     return dict(debug=True, sanitize_overflow=False) if in_kernel else {}
 
 
+def _asserts_async(flag: torch.Tensor) -> bool:
+    """A value check on ``flag`` is an async assert (traced, or on a device outside debug mode);
+    otherwise (CPU, debug mode) it reads the flag and raises a ValueError."""
+    return _tracing(flag) or (flag.device.type != "cpu" and not _DEBUG)
+
+
 def check_values(
     ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None
 ) -> None:
     """Value check; ``ok`` is a 0-d bool tensor that is True when the input is valid."""
-    if _tracing(ok):
+    if _asserts_async(ok):
         torch._assert_async(ok, f"{op}: {arg} expected {expected}")
-        return
-    if ok.device.type == "cpu" or _DEBUG:
-        if not bool(ok):
-            raise fail(op, arg, expected, got or "values outside it")
-        return
-    torch._assert_async(ok, f"{op}: {arg} expected {expected}")
+    elif not bool(ok):
+        raise fail(op, arg, expected, got or "values outside it")
 
 
 def check_codes(code: torch.Tensor, op: str, arg: str, cases: Sequence[Tuple[str, str]]) -> None:
     """Several value checks of one kernel in one int32 ``code``: bit i is set when check i failed,
     ``cases[i]`` = (expected, got). Traced (or async on a device): one assert that code == 0, so
     one kernel under torch.compile; on CPU or in debug mode the first failed check raises."""
-    if _tracing(code) or (code.device.type != "cpu" and not _DEBUG):
+    if _asserts_async(code):
         expected = " and ".join(e for e, _ in cases)
         torch._assert_async(code == 0, f"{op}: {arg} expected {expected}")
         return
