@@ -45,11 +45,17 @@ class _NoLaunch:
 
 
 def stub_launches() -> None:
-    """Every kernel launch and deep_gemm call becomes a no-op; the backend choice is sm90's with
-    deep_gemm; direct launches assert in the kernel (no flag read back)."""
+    """Every kernel launch and deep_gemm call becomes a no-op, on a :func:`cuda_like_host`."""
     _launch.kernel = _launch.direct = lambda k: _NoLaunch()
     _launch.Prepared.__call__ = lambda self, *tensors: None
     _int8._launch_tuned = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
+    cuda_like_host()
+
+
+def cuda_like_host() -> None:
+    """CPU tensors take the CUDA chain: the backend choice is sm90's with deep_gemm (its calls
+    no-ops), an H200's multiprocessors, and direct launches assert in the kernel (no flag read
+    back). Launches themselves are left as they are."""
     noop = lambda *a, **k: None  # noqa: E731
     _select._cap = lambda device: (9, 0)
     _select._deps.available = lambda name: True

@@ -147,7 +147,6 @@ def _probe_triton_runs() -> None:
     on a CUDA-like host (sm90, deep_gemm present, the launch caches real, Triton's own run
     replaced by a counter returning a stand-in compiled kernel): prints, per path, the kernels that
     still went through Triton's run after two warm-up calls."""
-    import importlib
     import json
     import sys
 
@@ -155,9 +154,6 @@ def _probe_triton_runs() -> None:
 
     sys.path.insert(0, str(REPO / "scripts"))
     import host_python as hp
-
-    from epmoe import _checks
-    from epmoe.ops.gemm import _ops, _select
 
     class Compiled:
         function, packed_metadata = None, None
@@ -182,15 +178,7 @@ def _probe_triton_runs() -> None:
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     torch.Tensor.data_ptr = lambda self: 0  # (meta tensors: 16-byte aligned)
     _launch._INTERPRET, _launch._CACHED = False, True
-    _select._cap = lambda device: (9, 0)
-    _select._deps.available = lambda name: True
-    for cached in (_select._backend, _select.masked_row_block):
-        getattr(cached, "cache_clear", lambda: None)()
-    fns = {role: (lambda *a, **k: None) for role in _select._DG_NAMES}
-    _select._dg_functions = _ops._dg_functions = lambda: fns
-    importlib.import_module("epmoe.ops.permute")._sm_count = lambda index: 132
-    tracing, wrapped = _checks._tracing, torch._library.triton.is_wrap_triton_enabled
-    _checks.direct_launch = lambda t: not tracing(t) and not wrapped()
+    hp.cuda_like_host()
     out = {}
     for quant in ("bf16", "fp8", "int8"):
         for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32), ("ht", 4096)):
