@@ -38,6 +38,8 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   T 32 and 4096) for every scheme, on the "auto" layer (LL at 32, HT at 4096; the "ll" / "ht"
   layer where "auto" is absent), after the shape's other cases and within ``--compile-budget-s``
   (default COMPILE_BUDGET_S) of the run's budget, so the shapes after it still run.
+  ``compile_loop_ms`` / ``compile_host_us`` (and ``compile_ro_``): back-to-back calls and host µs
+  per call of the compiled layer, measured as ``eager_loop_ms`` / ``host_us`` are.
   ``--compile-all`` compiles every case, ``--no-compile`` none.
 - ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
   points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
@@ -75,10 +77,11 @@ start and end apart mean something else ran on the host), "budget_s", "elapsed_s
 "errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
 "host_us", "launches", "copies", "kernels" {name: count}, "graph_ms"; "compile_s", "compile_ms",
-"compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips",
-"compile_same_bytes" and the same with "compile_ro_"; "raw_ms", "raw_impl", "raw_layout" ({"C",
-"expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per
-token vs the layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
+"compile_loop_ms", "compile_host_us", "compile_graph_breaks", "compile_break_reasons",
+"compile_cudagraph_skips", "compile_same_bytes" and the same with "compile_ro_"; "raw_ms",
+"raw_impl", "raw_layout" ({"C", "expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer"
+(the raw GEMMs' rows combined per token vs the layer's output: checks that the raw operands are
+the layer's); "grouped_mm_eager_ms",
 "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
@@ -821,6 +824,8 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
         timer.sync()
         res = {f"{prefix}_s": round(time.perf_counter() - t0, 2)}
         res[f"{prefix}_ms"] = timer.eager(run)
+        res[f"{prefix}_loop_ms"] = timer.loop(run)
+        res[f"{prefix}_host_us"] = timer.host_us(run)
         res[f"{prefix}_graph_breaks"] = int(sum(counters["graph_break"].values()))
         if counters["graph_break"]:
             res[f"{prefix}_break_reasons"] = [str(k)[:200] for k in counters["graph_break"]][:5]
