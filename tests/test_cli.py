@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _epmoe(*args, timeout):
     """Run the real command (``python -m epmoe ...``) and return the finished process."""
-    envv = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a user's shell: none of the test runner's own variables (pytest-xdist's worker id would turn
+    # pytest-benchmark off in the bench command's pytest)
+    envv = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    envv["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "epmoe", *args],
         capture_output=True,
