@@ -3,15 +3,15 @@
 ``torch.compile`` (default mode) and ``mode="reduce-overhead"``, and of the eager layer: host
 self time per op and device time per kernel, and the launches per call. With ``--host``, instead:
 host µs per call of the eager and the compiled layer (the GPU kept busy behind a sleep kernel, so
-no call waits for it; torch.profiler's per-event cost would hide the difference) and a cProfile
-of those calls (top functions by self time).
+no call waits for it; torch.profiler's per-event cost would hide the difference), the compiled
+call split into Dynamo's frame and the code it calls, a GEMM op call through the dispatcher
+against the eager chain's, torch.compile's fixed cost on a one-kernel function, and cProfiles.
 
     PYTHONPATH=. python scripts/diag_compile.py [--tokens 32] [--cases fp8:ht,int8:ht,...] [--host]
 """
 
 import argparse
 import cProfile
-import io
 import pstats
 import time
 
@@ -37,9 +37,8 @@ def _table(fn, n=20, rows=14):
     return kernels / n, host, dev
 
 
-def _host(fn, calls=40, repeats=7, rows=25):
-    """Host µs per call (median of ``repeats`` passes behind a GPU sleep) and a cProfile of one
-    more such pass."""
+def _busy_us(fn, calls=40, repeats=7):
+    """Host µs per call: median of ``repeats`` passes of ``calls`` calls behind a GPU sleep."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -51,6 +50,12 @@ def _host(fn, calls=40, repeats=7, rows=25):
             fn()
         vals.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
+    return sorted(vals)[len(vals) // 2]
+
+
+def _cprofile(fn, calls=40, rows=22):
+    """cProfile of ``calls`` calls behind a GPU sleep: per-function µs per call (self, with
+    callees), top ``rows`` by self time (cProfile's own cost inflates Python-heavy rows)."""
     prof = cProfile.Profile()
     torch.cuda._sleep(200_000_000)
     prof.enable()
@@ -58,9 +63,77 @@ def _host(fn, calls=40, repeats=7, rows=25):
         fn()
     prof.disable()
     torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
-    return sorted(vals)[len(vals) // 2], buf.getvalue()
+    st = pstats.Stats(prof).stats
+    out = ["    self µs   total µs  calls  function"]
+    for (file, line, name), (_, nc, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][2])[
+        :rows
+    ]:
+        where = f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})"
+        out.append(f"{tt / calls * 1e6:11.1f}{ct / calls * 1e6:11.1f}{nc / calls:7.1f}  {where}")
+    return "\n".join(out)
+
+
+def _capturing_backend(holder):
+    """Inductor (default mode) that keeps its compiled callable and the graph's first inputs:
+    calling those directly times the AOT wrapper + Inductor's code without Dynamo's frame."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        inner = compile_fx(gm, example_inputs)
+
+        def run(*args):
+            holder.setdefault("args", args)
+            return inner(*args)
+
+        holder["inner"] = inner
+        return run
+
+    return backend
+
+
+def _host_case(layer, args, quant, mode, tokens):
+    """Host µs of the eager and the compiled layer call and where the compiled call's time goes."""
+    from epmoe import layer as L
+
+    eager = _busy_us(lambda: layer(*args))
+    holder = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=_capturing_backend(holder), fullgraph=True)
+    full = _busy_us(lambda: compiled(*args))
+    inner = _busy_us(lambda: holder["inner"](*holder["args"]))
+    print(f"=== {quant} {mode} T={tokens}: host µs per call: eager {eager:.1f}, compiled (default) "
+          f"{full:.1f} = Dynamo frame + guards {full - inner:.1f} + AOT wrapper and Inductor's "
+          f"code {inner:.1f}")  # fmt: skip
+    if mode == "ll" and args[0].is_cuda:
+        st, b, E, C = L._TRUSTED, layer._buffers, layer.num_local_experts, layer.ll_capacity
+        a, s, mm, _ = st.ll_scatter(
+            args[0], args[1], E, C, quant, scale_layout=layer._scale_layout()
+        )
+        s = s if quant != "bf16" else None
+        em = layer.expected_m()
+        op = torch.ops.epmoe.grouped_gemm_masked.default
+        w, ws = b["w1"], b["w1_scale"]
+        us_op = _busy_us(lambda: op(a, w, mm, s, ws, em, True))
+        us_st = _busy_us(
+            lambda: st.grouped_gemm(a, w, a_scales=s, w_scales=ws, masked_m=mm, expected_m=em)
+        )
+        print(f"    GEMM1 through the dispatcher (as the compiled graph calls it) {us_op:.1f} µs, "
+              f"the eager chain's trusted call {us_st:.1f} µs")  # fmt: skip
+    print("--- compiled, cProfile:")
+    print(_cprofile(lambda: compiled(*args)))
+    print("--- eager, cProfile:")
+    print(_cprofile(lambda: layer(*args)))
+    torch._dynamo.reset()
+
+
+def _torch_floor():
+    """Host µs of torch.compile's fixed cost: a compiled one-kernel function against eager."""
+    x = torch.randn(32, 2048, device="cuda")
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t + 1, fullgraph=True)
+    print(f"=== x + 1 ([32, 2048] fp32): host µs per call: eager {_busy_us(lambda: x + 1):.1f}, "
+          f"compiled (default) {_busy_us(lambda: f(x)):.1f}")  # fmt: skip
+    torch._dynamo.reset()
 
 
 def main():
@@ -69,18 +142,20 @@ def main():
     p.add_argument("--cases", default="fp8:ht,int8:ht,bf16:ll,fp8:ll,int8:ll")
     p.add_argument("--host", action="store_true", help="host µs and cProfile, no torch.profiler")
     a = p.parse_args()
+    if a.host:
+        _torch_floor()
     for case in a.cases.split(","):
         quant, mode = case.split(":")
         layer, args = _layer(quant, mode, T=a.tokens, **QWEN3)
         layer.warmup([a.tokens])
-        for name in ("default", "eager") if a.host else ("default", "reduce-overhead", "eager"):
+        if a.host:
+            _host_case(layer, args, quant, mode, a.tokens)
+            del layer
+            torch.cuda.empty_cache()
+            continue
+        for name in ("default", "reduce-overhead", "eager"):
             torch._dynamo.reset()
             fn = layer if name == "eager" else torch.compile(layer, mode=name, fullgraph=True)
-            if a.host:
-                us, table = _host(lambda fn=fn, args=args: fn(*args))
-                print(f"=== {quant} {mode} T={a.tokens} {name}: host {us:.1f} us/call")
-                print(table)
-                continue
             try:
                 launches, host, dev = _table(lambda fn=fn, args=args: fn(*args))
             except Exception as e:  # noqa: BLE001
