@@ -39,7 +39,11 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   layer where "auto" is absent), after the shape's other cases and within ``--compile-budget-s``
   (default COMPILE_BUDGET_S) of the run's budget, so the shapes after it still run.
   ``compile_loop_ms`` / ``compile_host_us`` (and ``compile_ro_``): back-to-back calls and host µs
-  per call of the compiled layer, measured as ``eager_loop_ms`` / ``host_us`` are.
+  per call of the compiled layer, measured as ``eager_loop_ms`` / ``host_us`` are, and its
+  ``compile_launches`` / ``compile_copies`` / ``compile_kernels`` as ``launches`` counts them
+  (reduce-overhead: the graph's kernels and the copies of non-static inputs).
+- ``copy_us`` / ``device_us`` (and with the ``compile_`` prefixes): device µs of one call's
+  copies and of all its device activities (profiler durations, summed).
   ``--compile-all`` compiles every case, ``--no-compile`` none.
 - ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
   points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
@@ -76,12 +80,13 @@ start and end apart mean something else ran on the host), "budget_s", "elapsed_s
 "mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
 "errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
-"host_us", "launches", "copies", "kernels" {name: count}, "graph_ms"; "compile_s", "compile_ms",
-"compile_loop_ms", "compile_host_us", "compile_graph_breaks", "compile_break_reasons",
-"compile_cudagraph_skips", "compile_same_bytes" and the same with "compile_ro_"; "raw_ms",
-"raw_impl", "raw_layout" ({"C", "expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer"
-(the raw GEMMs' rows combined per token vs the layer's output: checks that the raw operands are
-the layer's); "grouped_mm_eager_ms",
+"host_us", "launches", "copies", "copy_us", "device_us", "kernels" {name: count}, "graph_ms";
+"compile_s", "compile_ms", "compile_loop_ms", "compile_host_us", "compile_launches",
+"compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
+"compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips", "compile_same_bytes"
+and the same with "compile_ro_"; "raw_ms", "raw_impl", "raw_layout" ({"C", "expected_m"} |
+{"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per token vs the
+layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
 "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
@@ -194,9 +199,16 @@ class CudaTimer:
             fn()
             torch.cuda.synchronize()
         acts = _timing.device_activities(prof)
+        copies = [a for a in acts if a[0].startswith(("Memcpy", "Memset"))]
         kernels = [a[0] for a in acts if not a[0].startswith(("Memcpy", "Memset"))]
         names = Counter(k[:80] for k in kernels)
-        return {"launches": len(kernels), "copies": len(acts) - len(kernels), "kernels": names}
+        return {
+            "launches": len(kernels),
+            "copies": len(copies),
+            "copy_us": round(sum(e - s for _, s, e in copies), 1),
+            "device_us": round(sum(e - s for _, s, e in acts), 1),
+            "kernels": names,
+        }
 
     def copy_gbps(self) -> dict:
         return {"copy_gbps": _timing.copy_gbps(), "copy_by_method": _timing.copy_timings()}
@@ -826,6 +838,7 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
         res[f"{prefix}_ms"] = timer.eager(run)
         res[f"{prefix}_loop_ms"] = timer.loop(run)
         res[f"{prefix}_host_us"] = timer.host_us(run)
+        res.update({f"{prefix}_{k}": v for k, v in timer.launches(run).items()})
         res[f"{prefix}_graph_breaks"] = int(sum(counters["graph_break"].values()))
         if counters["graph_break"]:
             res[f"{prefix}_break_reasons"] = [str(k)[:200] for k in counters["graph_break"]][:5]
