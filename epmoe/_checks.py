@@ -161,7 +161,7 @@ def _asserts_async(flag: torch.Tensor) -> bool:
 def check_values(
     ok: torch.Tensor, op: str, arg: str, expected: str, got: Optional[str] = None
 ) -> None:
-    """Value check; ``ok`` is a 0-d bool tensor that is True when the input is valid."""
+    """Value check; ``ok`` is a one-element bool tensor, True when the input is valid."""
     if _asserts_async(ok):
         torch._assert_async(ok, f"{op}: {arg} expected {expected}")
     elif not bool(ok):

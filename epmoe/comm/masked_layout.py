@@ -312,7 +312,7 @@ def _ll_scatter_triton(
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
     # capacities inside the kernel; otherwise (torch.compile, the interpreter) it writes a code
     in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
-    ok = topk_ids if in_kernel else torch.empty((), dtype=torch.int32, device=dev)  # (unused)
+    ok = topk_ids if in_kernel else torch.empty((1,), dtype=torch.int32, device=dev)  # (unused)
     launch = _scatter_launch(
         T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(), in_kernel
     )

@@ -334,7 +334,7 @@ def _check_setup(t: torch.Tensor, check: bool):
     otherwise the check program writes a flag that an async assert reads."""
     in_kernel = check and _checks.assert_in_kernel(_checks.direct_launch(t))
     flag = check and not in_kernel
-    ok = torch.empty((), dtype=torch.bool, device=t.device) if flag else None
+    ok = torch.empty((1,), dtype=torch.bool, device=t.device) if flag else None
     return in_kernel, ok
 
 

@@ -354,7 +354,7 @@ def _permute_triton(
     m_indices = torch.empty((m_sum,), dtype=torch.int32, device=dev)
     inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
     offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
-    ok = torch.empty((), dtype=torch.bool, device=dev)
+    ok = torch.empty((1,), dtype=torch.bool, device=dev)  # ([1]: Inductor fills a 0-d empty)
     outs = (x_out, s_out, m_indices, inv_perm, offsets)
     by_row = _by_row(S, scale_layout, M * K, cfg)
     direct = _checks.direct_launch(x)

@@ -383,7 +383,16 @@ def _run_all() -> dict:  # pragma: no cover - runs in the subprocess
             )
             (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
             vals = [o.meta["val"] if o is not None else None for o in outs]
-            return [describe(v) for v in vals], kernels(gm)
+            return [describe(v) for v in vals], kernels(gm), scalar_empties(gm)
+
+    def scalar_empties(gm):
+        """The 0-d empty tensors the body allocates (Inductor lowers each to a kernel)."""
+        found = []
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if "empty" in str(n.target) and isinstance(val, torch.Tensor) and val.dim() == 0:
+                found.append(str(n.target))
+        return found
 
     results = {}
     only = os.environ.get("EPMOE_FAKE_PATHS_ONLY", "")  # (a substring of the case ids to run)
@@ -392,7 +401,7 @@ def _run_all() -> dict:  # pragma: no cover - runs in the subprocess
             continue
         try:
             res = dict(ok=True, plain=fake_call(op, args, kind, "cuda"))
-            res["aot"], res["kernels"] = aot_trace(op, args, kind)
+            res["aot"], res["kernels"], res["scalar_empties"] = aot_trace(op, args, kind)
             if kind == "static":  # the contract: the CPU branch (the reference) on fake tensors
                 res["cpu"] = fake_call(op, args, kind, "cpu")
         except Exception as e:  # noqa: BLE001 - reported per case
@@ -449,6 +458,9 @@ def test_cuda_host_code_traces_on_fake_tensors(traced, cid, op, args, expect, ki
     for (_, consts), (name, want) in zip(res["kernels"], expect, strict=True):
         for key, val in want.items():
             assert consts.get(key) == val, (name, key, consts.get(key), val)
+    # a flag or code buffer is `[1]`, not 0-d: Inductor would fill a 0-d empty in a kernel of its
+    # own, one more launch per compiled call
+    assert res["scalar_empties"] == [], res["scalar_empties"]
 
 
 if __name__ == "__main__":  # pragma: no cover
