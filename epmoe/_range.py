@@ -40,7 +40,7 @@ def range_ok(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     # plain() first: under tracing numel() may be an unbacked size that must not be guarded on
     if not _eager.plain(x) or x.numel() > MAX_ELEMENTS:
         return ((x >= lo) & (x < hi)).all()
-    ok = torch.empty((1,), dtype=torch.bool, device=x.device)
+    ok = torch.empty((), dtype=torch.bool, device=x.device)
     flat = x.reshape(-1)
     with _eager.on_device(x):
         launch = _launch.direct(_range_kernel)[(1,)]
