@@ -13,11 +13,16 @@ against the eager chain's, torch.compile's fixed cost on a one-kernel function, 
 import argparse
 import cProfile
 import pstats
-import time
+import sys
+from pathlib import Path
 
 import torch
 from diag_layer import _layer  # (scripts/ is on sys.path when run as a script)
 from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _timing import host_us  # noqa: E402  (host µs per call, the GPU kept busy)
 
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
 
@@ -37,22 +42,6 @@ def _table(fn, n=20, rows=14):
     return kernels / n, host, dev
 
 
-def _busy_us(fn, calls=40, repeats=7):
-    """Host µs per call: median of ``repeats`` passes of ``calls`` calls behind a GPU sleep."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    vals = []
-    for _ in range(repeats):
-        torch.cuda._sleep(200_000_000)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        vals.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(vals)[len(vals) // 2]
-
-
 def _cprofile(fn, calls=40, rows=22):
     """cProfile of ``calls`` calls behind a GPU sleep: per-function µs per call (self, with
     callees), top ``rows`` by self time (cProfile's own cost inflates Python-heavy rows)."""
@@ -68,7 +57,7 @@ def _cprofile(fn, calls=40, rows=22):
     for (file, line, name), (_, nc, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][2])[
         :rows
     ]:
-        where = f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})"
+        where = f"{file.split('site-packages/')[-1].removeprefix(str(ROOT) + '/')}:{line}({name})"
         out.append(f"{tt / calls * 1e6:11.1f}{ct / calls * 1e6:11.1f}{nc / calls:7.1f}  {where}")
     return "\n".join(out)
 
@@ -95,12 +84,12 @@ def _host_case(layer, args, quant, mode, tokens):
     """Host µs of the eager and the compiled layer call and where the compiled call's time goes."""
     from epmoe import layer as L
 
-    eager = _busy_us(lambda: layer(*args))
+    eager = host_us(lambda: layer(*args))
     holder = {}
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend=_capturing_backend(holder), fullgraph=True)
-    full = _busy_us(lambda: compiled(*args))
-    inner = _busy_us(lambda: holder["inner"](*holder["args"]))
+    full = host_us(lambda: compiled(*args))
+    inner = host_us(lambda: holder["inner"](*holder["args"]))
     print(f"=== {quant} {mode} T={tokens}: host µs per call: eager {eager:.1f}, compiled (default) "
           f"{full:.1f} = Dynamo frame + guards {full - inner:.1f} + AOT wrapper and Inductor's "
           f"code {inner:.1f}")  # fmt: skip
@@ -113,8 +102,8 @@ def _host_case(layer, args, quant, mode, tokens):
         em = layer.expected_m()
         op = torch.ops.epmoe.grouped_gemm_masked.default
         w, ws = b["w1"], b["w1_scale"]
-        us_op = _busy_us(lambda: op(a, w, mm, s, ws, em, True))
-        us_st = _busy_us(
+        us_op = host_us(lambda: op(a, w, mm, s, ws, em, True))
+        us_st = host_us(
             lambda: st.grouped_gemm(a, w, a_scales=s, w_scales=ws, masked_m=mm, expected_m=em)
         )
         print(f"    GEMM1 through the dispatcher (as the compiled graph calls it) {us_op:.1f} µs, "
@@ -131,8 +120,8 @@ def _torch_floor():
     x = torch.randn(32, 2048, device="cuda")
     torch._dynamo.reset()
     f = torch.compile(lambda t: t + 1, fullgraph=True)
-    print(f"=== x + 1 ([32, 2048] fp32): host µs per call: eager {_busy_us(lambda: x + 1):.1f}, "
-          f"compiled (default) {_busy_us(lambda: f(x)):.1f}")  # fmt: skip
+    print(f"=== x + 1 ([32, 2048] fp32): host µs per call: eager {host_us(lambda: x + 1):.1f}, "
+          f"compiled (default) {host_us(lambda: f(x)):.1f}")  # fmt: skip
     torch._dynamo.reset()
 
 
