@@ -54,9 +54,8 @@ def _cprofile(fn, calls=40, rows=22):
     torch.cuda.synchronize()
     st = pstats.Stats(prof).stats
     out = ["    self µs   total µs  calls  function"]
-    for (file, line, name), (_, nc, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][2])[
-        :rows
-    ]:
+    top = sorted(st.items(), key=lambda kv: -kv[1][2])[:rows]  # (by self time)
+    for (file, line, name), (_, nc, tt, ct, _) in top:
         where = f"{file.split('site-packages/')[-1].removeprefix(str(ROOT) + '/')}:{line}({name})"
         out.append(f"{tt / calls * 1e6:11.1f}{ct / calls * 1e6:11.1f}{nc / calls:7.1f}  {where}")
     return "\n".join(out)
