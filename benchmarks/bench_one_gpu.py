@@ -21,7 +21,8 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
 - ``eager_ms``: ``layer(x, ids, w)`` launched eagerly, each call after an L2 flush (the flush, a
   ~0.1 ms read of 512 MiB, lets the host run ahead by that much, so this is close to the device
   time); ``eager_loop_ms``: back-to-back eager calls without flush (host-bound calls show their
-  host time here).
+  host time here); ``eager_queued_ms``: each call after a flush and queued behind a ~10 ms GPU
+  sleep (AHEAD_CYCLES), so its host time is hidden however long: the call's device time.
 - ``host_us``: host time per eager call: wall time of N calls divided by N, with the GPU first
   given a ~50 ms sleep kernel so it stays busy behind the host (launches only queue; nothing the
   host does waits for the device, and the final ``torch.cuda.synchronize`` is outside the timed
@@ -38,19 +39,31 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   T 32 and 4096) for every scheme, on the "auto" layer (LL at 32, HT at 4096; the "ll" / "ht"
   layer where "auto" is absent), after the shape's other cases and within ``--compile-budget-s``
   (default COMPILE_BUDGET_S) of the run's budget, so the shapes after it still run.
-  ``compile_loop_ms`` / ``compile_host_us`` (and ``compile_ro_``): back-to-back calls and host µs
-  per call of the compiled layer, measured as ``eager_loop_ms`` / ``host_us`` are, and its
+  ``compile_loop_ms`` / ``compile_queued_ms`` / ``compile_host_us`` (and ``compile_ro_``):
+  back-to-back calls, queued calls and host µs per call of the compiled layer, measured as
+  ``eager_loop_ms`` / ``eager_queued_ms`` / ``host_us`` are (``compile_ro_ms`` over
+  ``compile_ro_queued_ms``: the host time before the graph's replay that the flush did not
+  cover), and its
   ``compile_launches`` / ``compile_copies`` / ``compile_kernels`` as ``launches`` counts them
   (reduce-overhead: the graph's kernels and the copies of non-static inputs).
 - ``copy_us`` / ``device_us`` (and with the ``compile_`` prefixes): device µs of one call's
   copies and of all its device activities (profiler durations, summed).
   ``--compile-all`` compiles every case, ``--no-compile`` none.
+- ``stack_*`` (on the compile targets, ``--stack`` N layers, default STACK_LAYERS): the layer
+  called N times in one module (``LayerStack``, each call on the previous output: a model's MoE
+  layers as one compiled frame, torch.compile's per-call cost paid once for N layers), eager,
+  as a plain CUDA graph and compiled in both modes, every time, launch count and host µs divided
+  by N: ``stack_eager_ms``, ``stack_eager_loop_ms``, ``stack_eager_queued_ms``,
+  ``stack_host_us``, ``stack_graph_ms``,
+  ``stack_compile_*`` / ``stack_compile_ro_*`` (compile seconds, copies and kernels per stack call).
 - ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
   points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
   HT: the contiguous ones at the same M_sum with the same m_indices (reference permute at the
   layer's alignment). Activations built outside the timing (fp8 scales in deep_gemm's MN-major
   layout, as the layer passes them). int8 has no deep_gemm: its anchor is the fp8 raw GEMM on
   the same routing (``raw_impl`` says so). bf16 without deep_gemm: torch._grouped_mm / torch.bmm.
+  ``raw_host_us``: host µs of that GEMM1 + GEMM2 pair called eagerly (as ``host_us``): the part of
+  the layer's host time the GEMM library's own calls take.
 - ``grouped_mm_*``: transformers' ``Qwen3MoeExperts`` with ``_experts_implementation =
   "grouped_mm"`` (built on the meta device, its ``gate_up_proj`` `[E, 2I, H]` / ``down_proj``
   `[E, H, I]` set to the same global bf16 tensors: no copy), called as ``experts(x, ids,
@@ -80,17 +93,24 @@ start and end apart mean something else ran on the host), "budget_s", "elapsed_s
 "mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
 "errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
+"eager_queued_ms",
 "host_us", "launches", "copies", "copy_us", "device_us", "kernels" {name: count}, "graph_ms";
-"compile_s", "compile_ms", "compile_loop_ms", "compile_host_us", "compile_launches",
+"compile_s", "compile_ms", "compile_loop_ms", "compile_queued_ms", "compile_host_us",
+"compile_launches",
 "compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
 "compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips", "compile_same_bytes"
 and the same with "compile_ro_"; "raw_ms", "raw_impl", "raw_layout" ({"C", "expected_m"} |
 {"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per token vs the
 layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
 "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
+"raw_host_us"; "stack_layers", "stack_eager_ms", "stack_eager_loop_ms", "stack_host_us",
+"stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" / "stack_compile_ro_*" (the
+compile_ keys, per layer);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
-compile_over_eager, compile_ro_over_graph}. A figure that was not measured is absent.
+compile_over_eager, compile_ro_over_graph, compile_ro_queued_over_graph, stack_compile_over_eager,
+stack_compile_host_over_eager, stack_compile_ro_over_graph, host_over_raw_host}. A figure that was
+not measured is absent.
 """
 
 import argparse
@@ -132,6 +152,8 @@ COMPILE_SHAPES = ("qwen3-30b-a3b",)
 COMPILE_TOKENS = (32, 4096)  # one LL-sized and one HT-sized call per scheme
 COMPILE_RESERVE_S = 40.0  # a compile step starts only with this much of the run's budget left
 COMPILE_BUDGET_S = 180.0  # what compile steps may spend in all (default --compile-budget-s)
+AHEAD_CYCLES = 20_000_000  # ~10 ms of GPU sleep before a queued call (covers a stack's host time)
+STACK_LAYERS = 8  # layers of the "stack" step (a model's MoE layers in one compiled frame)
 W_STD = 0.02  # weight scale: GEMM outputs of O(1) at these sizes
 GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
 CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
@@ -180,6 +202,14 @@ class CudaTimer:
         self._warm(fn)
         return _timing.launch_ms(fn, self.iters)
 
+    def queued(self, fn) -> float:
+        """Median ms of eager calls, each after an L2 flush and queued behind a GPU sleep: the
+        call's device time (its host time, however long, runs while the GPU sleeps)."""
+        self._warm(fn)
+        return _timing.time_cuda(
+            fn, iters=self.iters, warmup=0, use_graph=False, ahead_cycles=AHEAD_CYCLES
+        ).ms
+
     def graph(self, fn) -> float:
         """Median ms of replays of a CUDA graph of one call, each after an L2 flush."""
         t = _timing.time_cuda(fn, iters=self.iters, warmup=self.warmup)
@@ -227,6 +257,9 @@ class CpuTimer:
 
     def eager(self, fn) -> float:
         return statistics.median(_timing.wall_ms(fn, self.iters, self.warmup))
+
+    def queued(self, fn) -> float:
+        return self.eager(fn)
 
     def loop(self, fn) -> float:
         t0 = time.perf_counter()
@@ -438,6 +471,7 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
     res = {"raw_impl": impl, "raw_layout": layout, "_out": combined.to(torch.bfloat16)}
     try:
         res["raw_ms"] = timer.graph(both)
+        res["raw_host_us"] = timer.host_us(both)
     except Skip as e:
         res["_skip"] = str(e)
     return res
@@ -676,11 +710,19 @@ def _grouped_mm(sr: ShapeRun, tokens: int, steps) -> dict:
     return res
 
 
-def run_case(sr: ShapeRun, case: Case, steps, rec: Optional[dict] = None, budget=None) -> dict:
+def run_case(
+    sr: ShapeRun,
+    case: Case,
+    steps,
+    rec: Optional[dict] = None,
+    budget=None,
+    stack: int = STACK_LAYERS,
+) -> dict:
     """Measure one case (the steps named in ``steps``) into ``rec`` (a new record by default).
 
     Steps: "eager" (eager_ms, eager_loop_ms), "host", "launches", "graph", "compile", "raw",
-    "grouped_mm". The floor and ratios are always filled in.
+    "grouped_mm", "stack" (``stack`` calls of the layer in one module, eager, graph and compiled:
+    the ``stack_`` figures, per layer). The floor and ratios are always filled in.
     """
     cfg, timer, T = sr.cfg, sr.timer, case.tokens
     rec = new_record(case, cfg) if rec is None else rec
@@ -725,7 +767,13 @@ def run_case(sr: ShapeRun, case: Case, steps, rec: Optional[dict] = None, budget
         return rec
     if "eager" in steps:
         _step(
-            rec, "eager", lambda: dict(eager_ms=timer.eager(call), eager_loop_ms=timer.loop(call))
+            rec,
+            "eager",
+            lambda: dict(
+                eager_ms=timer.eager(call),
+                eager_loop_ms=timer.loop(call),
+                eager_queued_ms=timer.queued(call),
+            ),
         )
     if "host" in steps:
         _step(rec, "host", lambda: {"host_us": timer.host_us(call)})
@@ -745,6 +793,17 @@ def run_case(sr: ShapeRun, case: Case, steps, rec: Optional[dict] = None, budget
                 name,
                 lambda m=mode: _compile_step(layer, (x, ids, w), state["out"], m, timer, budget),
             )
+    if "stack" in steps and stack > 1:
+        st = LayerStack(layer, stack)
+        _step(rec, "stack", lambda: _stack_eager_step(st, (x, ids, w), timer, state))
+        for mode in (None, "reduce-overhead"):
+            name = "stack_compile" if mode is None else "stack_compile_ro"
+            if "stack_out" in state:
+                _step(
+                    rec,
+                    name,
+                    lambda m=mode: _stack_compile_step(st, (x, ids, w), state, m, timer, budget),
+                )
     rec["floor_ms"] = rec["weight_bytes"] / (sr.copy_gbps * 1e6) if sr.copy_gbps else None
     rec["ratios"] = ratios(rec)
     rec["status"] = "error" if rec["errors"] else "ok"
@@ -837,6 +896,7 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
         res = {f"{prefix}_s": round(time.perf_counter() - t0, 2)}
         res[f"{prefix}_ms"] = timer.eager(run)
         res[f"{prefix}_loop_ms"] = timer.loop(run)
+        res[f"{prefix}_queued_ms"] = timer.queued(run)
         res[f"{prefix}_host_us"] = timer.host_us(run)
         res.update({f"{prefix}_{k}": v for k, v in timer.launches(run).items()})
         res[f"{prefix}_graph_breaks"] = int(sum(counters["graph_break"].values()))
@@ -851,6 +911,47 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
         _free()
         if budget is not None:
             budget.compile_spent += time.perf_counter() - t_step
+
+
+class LayerStack(torch.nn.Module):
+    """``n`` calls of one layer, each on the previous call's output, in one forward: a model's MoE
+    layers as torch.compile sees them (one frame, its per-call cost paid once for ``n`` layers)."""
+
+    def __init__(self, layer, n: int):
+        super().__init__()
+        self.layer, self.n = layer, n
+
+    def forward(self, x, topk_ids, topk_weights):
+        for _ in range(self.n):
+            x = self.layer(x, topk_ids, topk_weights)
+        return x
+
+
+def _stack_eager_step(stack: LayerStack, args, timer, state: dict) -> dict:
+    """The stack eager and as a plain CUDA graph: ms and host µs per layer."""
+    state["stack_out"] = stack(*args).clone()
+    timer.sync()
+    n = stack.n
+
+    def call():
+        return stack(*args)
+
+    res = {"stack_layers": n}
+    res["stack_eager_ms"] = timer.eager(call) / n
+    res["stack_eager_loop_ms"] = timer.loop(call) / n
+    res["stack_eager_queued_ms"] = timer.queued(call) / n
+    res["stack_host_us"] = timer.host_us(call) / n
+    if timer.device == "cuda":
+        res["stack_graph_ms"] = timer.graph(call) / n
+    return res
+
+
+def _stack_compile_step(stack: LayerStack, args, state: dict, mode, timer, budget) -> dict:
+    """torch.compile of the stack in ``mode``: _compile_step's figures as ``stack_compile*``;
+    times, launches and device µs per layer, the rest (copies, kernels, flags) per stack call."""
+    got = _compile_step(stack, args, state["stack_out"], mode, timer, budget)
+    per_layer = ("_ms", "_loop_ms", "_host_us", "_launches", "_device_us")
+    return {f"stack_{k}": v / stack.n if k.endswith(per_layer) else v for k, v in got.items()}
 
 
 def ratios(rec: dict) -> dict:
@@ -870,6 +971,11 @@ def ratios(rec: dict) -> dict:
         "raw_over_floor": q("raw_ms", "floor_ms"),
         "compile_over_eager": q("compile_ms", "eager_ms"),
         "compile_ro_over_graph": q("compile_ro_ms", "graph_ms"),
+        "compile_ro_queued_over_graph": q("compile_ro_queued_ms", "graph_ms"),
+        "stack_compile_over_eager": q("stack_compile_ms", "stack_eager_ms"),
+        "stack_compile_host_over_eager": q("stack_compile_host_us", "stack_host_us"),
+        "stack_compile_ro_over_graph": q("stack_compile_ro_ms", "stack_graph_ms"),
+        "host_over_raw_host": q("host_us", "raw_host_us"),
     }
     return {k: v for k, v in out.items() if v is not None}
 
@@ -1034,6 +1140,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-budget-s", type=float, default=COMPILE_BUDGET_S)
     ap.add_argument("--compile-shapes", default=None, help=f"default {','.join(COMPILE_SHAPES)}")
     ap.add_argument("--compile-tokens", default=None, help=f"default {COMPILE_TOKENS}")
+    ap.add_argument(
+        "--stack",
+        type=int,
+        default=STACK_LAYERS,
+        help="layers of the compiled-stack figures on the compile targets (0: none)",
+    )
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per figure (>= 20 on GPU)")
@@ -1169,7 +1281,7 @@ def _run_shape(run: _Run, cases: List[Case]) -> None:
                     )
                     break
                 case = Case(rec["shape"], rec["scheme"], rec["mode"], rec["T"])
-                if not _guarded(run, sr, case, {"compile"}, rec, compile_only=True):
+                if not _guarded(run, sr, case, {"compile", "stack"}, rec, compile_only=True):
                     return
     finally:
         sr.close()
@@ -1180,7 +1292,7 @@ def _run_shape(run: _Run, cases: List[Case]) -> None:
 def _guarded(run: _Run, sr, case: Case, steps, rec: dict, compile_only: bool = False) -> bool:
     """run_case, then progress and the JSON; False when the CUDA context is gone."""
     try:
-        run_case(sr, case, steps, rec, run.budget)
+        run_case(sr, case, steps, rec, run.budget, run.args.stack)
     except Fatal as e:
         rec["status"] = "error"
         rec["errors"]["fatal"] = str(e)

@@ -55,6 +55,7 @@ def test_cpu_smoke_run(tmp_path, capsys):
             continue
         assert c["status"] == "ok" and not c["errors"], (c["id"], c["errors"])
         assert c["eager_ms"] > 0 and c["eager_loop_ms"] > 0 and c["host_us"] > 0
+        assert c["eager_queued_ms"] > 0
         assert c["skips"]["graph"] == c["skips"]["launches"] == "needs CUDA"
         assert c["weight_bytes"] == c["experts_hit"] * bench.expert_weight_bytes(TINY, c["scheme"])
         assert c["floor_ms"] == pytest.approx(c["weight_bytes"] / (on_disk["copy_gbps"] * 1e6))
@@ -226,4 +227,24 @@ def test_weights_are_shared_between_mode_layers():
     assert isinstance(auto, epmoe.EPMoE) and auto.mode == "auto"
     sr.layer("int8", "ht", 8)  # a new scheme frees the previous one's layers
     assert ("auto", None) not in sr.layers
+    sr.close()
+
+
+def test_stack_step_runs_the_layer_n_times_and_reports_per_layer():
+    """The "stack" step: LayerStack is n chained layer calls; its eager figures are per layer and
+    the compiled ones need CUDA (skipped on CPU, nothing else recorded for them)."""
+    sr = bench.ShapeRun(TINY, "cpu", 0, 200, bench.CpuTimer(2, 0))
+    case = bench.Case(TINY.name, "fp8", "ht", 8)
+    rec = bench.run_case(sr, case, {"stack"}, stack=3)
+    assert rec["status"] == "ok", rec["errors"]
+    assert rec["stack_layers"] == 3 and rec["stack_eager_ms"] > 0 and rec["stack_host_us"] > 0
+    assert "stack_graph_ms" not in rec  # (needs CUDA)
+    assert rec["skips"]["stack_compile"] == rec["skips"]["stack_compile_ro"] == "needs CUDA"
+    layer, r = sr.layer("fp8", "ht", 8), sr.routing(8)
+    with torch.no_grad():
+        want = r.x
+        for _ in range(3):
+            want = layer(want, r.ids, r.weights)
+        assert torch.equal(bench.LayerStack(layer, 3)(r.x, r.ids, r.weights), want)
+    assert not torch.equal(want, layer(r.x, r.ids, r.weights))
     sr.close()

@@ -131,6 +131,10 @@ def main():
     p.add_argument("--host", action="store_true", help="host µs and cProfile, no torch.profiler")
     a = p.parse_args()
     if a.host:
+        import torch._inductor.config as ic
+
+        flag = getattr(ic, "static_launch_user_defined_triton_kernels", None)
+        print(f"Inductor static_launch_user_defined_triton_kernels: {flag}")
         _torch_floor()
     for case in a.cases.split(","):
         quant, mode = case.split(":")
