@@ -48,7 +48,10 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   (reduce-overhead: the graph's kernels and the copies of non-static inputs).
 - ``copy_us`` / ``device_us`` (and with the ``compile_`` prefixes): device µs of one call's
   copies and of all its device activities (profiler durations, summed).
-  ``--compile-all`` compiles every case, ``--no-compile`` none.
+  ``compile_sl_*``: the default mode with ``options={"static_launch_user_defined_triton_kernels":
+  True}`` (Inductor launches epmoe's Triton kernels through its static launcher instead of
+  Triton's; off by default in torch). ``--compile-all`` compiles every case, ``--no-compile``
+  none.
 - ``stack_*`` (on the compile targets, ``--stack`` N layers, default STACK_LAYERS): the layer
   called N times in one module (``LayerStack``, each call on the previous output: a model's MoE
   layers as one compiled frame, torch.compile's per-call cost paid once for N layers), eager,
@@ -99,17 +102,19 @@ start and end apart mean something else ran on the host), "budget_s", "elapsed_s
 "compile_launches",
 "compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
 "compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips", "compile_same_bytes"
-and the same with "compile_ro_"; "raw_ms", "raw_impl", "raw_layout" ({"C", "expected_m"} |
-{"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per token vs the
-layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
+and the same with "compile_ro_" and "compile_sl_"; "raw_ms", "raw_impl", "raw_layout" ({"C",
+"expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per
+token vs the layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
 "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
 "raw_host_us"; "stack_layers", "stack_eager_ms", "stack_eager_loop_ms", "stack_host_us",
 "stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" / "stack_compile_ro_*" (the
 compile_ keys, per layer);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
-compile_over_eager, compile_ro_over_graph, compile_ro_queued_over_graph, stack_compile_over_eager,
-stack_compile_host_over_eager, stack_compile_ro_over_graph, host_over_raw_host}. A figure that was
+compile_over_eager, compile_ro_over_graph, compile_ro_queued_over_graph, compile_sl_over_eager,
+compile_host_over_eager, compile_sl_host_over_eager, stack_compile_over_eager,
+stack_compile_host_over_eager, stack_compile_ro_over_graph, stack_compile_sl_over_eager,
+stack_compile_sl_host_over_eager, host_over_raw_host}. A figure that was
 not measured is absent.
 """
 
@@ -152,6 +157,13 @@ COMPILE_SHAPES = ("qwen3-30b-a3b",)
 COMPILE_TOKENS = (32, 4096)  # one LL-sized and one HT-sized call per scheme
 COMPILE_RESERVE_S = 40.0  # a compile step starts only with this much of the run's budget left
 COMPILE_BUDGET_S = 180.0  # what compile steps may spend in all (default --compile-budget-s)
+# torch.compile variants: figure prefix -> torch.compile keywords ("compile_sl": the default mode
+# with Inductor launching user-defined Triton kernels (epmoe's) through its static launcher)
+COMPILE_VARIANTS = {
+    "compile": {},
+    "compile_ro": {"mode": "reduce-overhead"},
+    "compile_sl": {"options": {"static_launch_user_defined_triton_kernels": True}},
+}
 AHEAD_CYCLES = 20_000_000  # ~10 ms of GPU sleep before a queued call (covers a stack's host time)
 STACK_LAYERS = 8  # layers of the "stack" step (a model's MoE layers in one compiled frame)
 W_STD = 0.02  # weight scale: GEMM outputs of O(1) at these sizes
@@ -217,9 +229,10 @@ class CudaTimer:
             raise RuntimeError(f"CUDA graph capture failed: {_capture_error(fn)}")
         return t.ms
 
-    def host_us(self, fn) -> float:
-        """Host µs per eager call with the GPU kept busy (see module docstring)."""
-        return _timing.host_us(fn)
+    def host_us(self, fn, layers: int = 1) -> float:
+        """Host µs per eager call with the GPU kept busy (see module docstring); ``layers``: the
+        call is that many layer calls (fewer calls a pass, so the launch queue never fills)."""
+        return _timing.host_us(fn, calls=max(2, _timing.HOST_CALLS // layers))
 
     def launches(self, fn) -> dict:
         """Device activities of one eager call (torch.profiler, CUDA activity)."""
@@ -267,7 +280,7 @@ class CpuTimer:
             fn()
         return (time.perf_counter() - t0) * 1e3 / self.iters
 
-    def host_us(self, fn) -> float:
+    def host_us(self, fn, layers: int = 1) -> float:
         return self.loop(fn) * 1e3
 
     def graph(self, fn) -> float:
@@ -786,23 +799,21 @@ def run_case(
     if "grouped_mm" in steps:
         _step(rec, "grouped_mm", lambda: _grouped_mm_step(sr, case, state["out"], rec, steps))
     if "compile" in steps:
-        for mode in (None, "reduce-overhead"):
-            name = "compile" if mode is None else "compile_ro"
+        for name in COMPILE_VARIANTS:
             _step(
                 rec,
                 name,
-                lambda m=mode: _compile_step(layer, (x, ids, w), state["out"], m, timer, budget),
+                lambda v=name: _compile_step(layer, (x, ids, w), state["out"], v, timer, budget),
             )
     if "stack" in steps and stack > 1:
         st = LayerStack(layer, stack)
         _step(rec, "stack", lambda: _stack_eager_step(st, (x, ids, w), timer, state))
-        for mode in (None, "reduce-overhead"):
-            name = "stack_compile" if mode is None else "stack_compile_ro"
+        for name in COMPILE_VARIANTS:
             if "stack_out" in state:
                 _step(
                     rec,
-                    name,
-                    lambda m=mode: _stack_compile_step(st, (x, ids, w), state, m, timer, budget),
+                    f"stack_{name}",
+                    lambda v=name: _stack_compile_step(st, (x, ids, w), state, v, timer, budget),
                 )
     rec["floor_ms"] = rec["weight_bytes"] / (sr.copy_gbps * 1e6) if sr.copy_gbps else None
     rec["ratios"] = ratios(rec)
@@ -865,9 +876,10 @@ def _grouped_mm_step(sr: ShapeRun, case: Case, out: torch.Tensor, rec: dict, ste
     return got
 
 
-def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
-    """torch.compile(layer) in ``mode`` (None: default) on ``args``: compile seconds, timing,
-    graph breaks and whether the output has the eager bytes."""
+def _compile_step(layer, args, eager_out, variant, timer, budget, layers: int = 1) -> dict:
+    """torch.compile(layer) as COMPILE_VARIANTS[variant] says on ``args``: compile seconds,
+    timing, graph breaks and whether the output has the eager bytes (figures named
+    ``<variant>_*``; ``layers``: layer calls in one call of ``layer``, for host_us)."""
     if timer.device != "cuda":
         raise Skip("needs CUDA")
     if budget is not None and budget.left() < COMPILE_RESERVE_S:
@@ -878,11 +890,12 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
 
     t_step = time.perf_counter()
 
-    prefix = "compile" if mode is None else "compile_ro"
+    prefix, kw = variant, COMPILE_VARIANTS[variant]
+    mode = kw.get("mode")
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = torch.compile(layer, dynamic=False, **({} if mode is None else {"mode": mode}))
+    compiled = torch.compile(layer, dynamic=False, **kw)
 
     def run():
         if mode == "reduce-overhead":  # each call a new step: earlier outputs are not kept
@@ -897,7 +910,7 @@ def _compile_step(layer, args, eager_out, mode, timer, budget) -> dict:
         res[f"{prefix}_ms"] = timer.eager(run)
         res[f"{prefix}_loop_ms"] = timer.loop(run)
         res[f"{prefix}_queued_ms"] = timer.queued(run)
-        res[f"{prefix}_host_us"] = timer.host_us(run)
+        res[f"{prefix}_host_us"] = timer.host_us(run, layers)
         res.update({f"{prefix}_{k}": v for k, v in timer.launches(run).items()})
         res[f"{prefix}_graph_breaks"] = int(sum(counters["graph_break"].values()))
         if counters["graph_break"]:
@@ -940,16 +953,16 @@ def _stack_eager_step(stack: LayerStack, args, timer, state: dict) -> dict:
     res["stack_eager_ms"] = timer.eager(call) / n
     res["stack_eager_loop_ms"] = timer.loop(call) / n
     res["stack_eager_queued_ms"] = timer.queued(call) / n
-    res["stack_host_us"] = timer.host_us(call) / n
+    res["stack_host_us"] = timer.host_us(call, n) / n
     if timer.device == "cuda":
         res["stack_graph_ms"] = timer.graph(call) / n
     return res
 
 
-def _stack_compile_step(stack: LayerStack, args, state: dict, mode, timer, budget) -> dict:
-    """torch.compile of the stack in ``mode``: _compile_step's figures as ``stack_compile*``;
+def _stack_compile_step(stack: LayerStack, args, state: dict, variant, timer, budget) -> dict:
+    """torch.compile of the stack as ``variant``: _compile_step's figures as ``stack_<variant>*``;
     times, launches and device µs per layer, the rest (copies, kernels, flags) per stack call."""
-    got = _compile_step(stack, args, state["stack_out"], mode, timer, budget)
+    got = _compile_step(stack, args, state["stack_out"], variant, timer, budget, stack.n)
     per_layer = ("_ms", "_loop_ms", "_host_us", "_launches", "_device_us")
     return {f"stack_{k}": v / stack.n if k.endswith(per_layer) else v for k, v in got.items()}
 
@@ -971,10 +984,15 @@ def ratios(rec: dict) -> dict:
         "raw_over_floor": q("raw_ms", "floor_ms"),
         "compile_over_eager": q("compile_ms", "eager_ms"),
         "compile_ro_over_graph": q("compile_ro_ms", "graph_ms"),
+        "compile_sl_over_eager": q("compile_sl_ms", "eager_ms"),
+        "compile_host_over_eager": q("compile_host_us", "host_us"),
+        "compile_sl_host_over_eager": q("compile_sl_host_us", "host_us"),
         "compile_ro_queued_over_graph": q("compile_ro_queued_ms", "graph_ms"),
         "stack_compile_over_eager": q("stack_compile_ms", "stack_eager_ms"),
         "stack_compile_host_over_eager": q("stack_compile_host_us", "stack_host_us"),
         "stack_compile_ro_over_graph": q("stack_compile_ro_ms", "stack_graph_ms"),
+        "stack_compile_sl_over_eager": q("stack_compile_sl_ms", "stack_eager_ms"),
+        "stack_compile_sl_host_over_eager": q("stack_compile_sl_host_us", "stack_host_us"),
         "host_over_raw_host": q("host_us", "raw_host_us"),
     }
     return {k: v for k, v in out.items() if v is not None}

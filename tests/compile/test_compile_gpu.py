@@ -65,6 +65,22 @@ def test_fullgraph_cuda_local(quant, mode, worst):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("mode,T", [("ht", 48), ("ll", 48), ("auto", 2)])
+def test_static_launch_of_epmoe_kernels_gives_the_eager_bytes(quant, mode, T):
+    """Inductor's static launcher for user-defined Triton kernels (the option the docs give for
+    compiled decode without CUDA graphs) launches every epmoe kernel, the eager bytes out."""
+    torch._dynamo.reset()
+    layer = _layer(quant, mode)
+    x, ids, w = (t.cuda() for t in tokens(T, seed=2, **GPU_MOE))
+    opts = {"static_launch_user_defined_triton_kernels": True}
+    compiled = torch.compile(layer, fullgraph=True, options=opts)
+    for _ in range(2):  # (the second call runs the launchers the first one built)
+        assert torch.equal(compiled(x, ids, w), layer(x, ids, w))
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 def test_router_and_residual_fuse_around_moe():
     """Generated code: the softmax/topk-normalization and the residual add appear as Triton kernels
     fused by Inductor next to the epmoe ops (not as separate eager calls)."""
