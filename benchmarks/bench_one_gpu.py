@@ -55,10 +55,11 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
 - ``stack_*`` (on the compile targets, ``--stack`` N layers, default STACK_LAYERS): the layer
   called N times in one module (``LayerStack``, each call on the previous output: a model's MoE
   layers as one compiled frame, torch.compile's per-call cost paid once for N layers), eager,
-  as a plain CUDA graph and compiled in both modes, every time, launch count and host µs divided
-  by N: ``stack_eager_ms``, ``stack_eager_loop_ms``, ``stack_eager_queued_ms``,
+  as a plain CUDA graph and compiled as each of COMPILE_VARIANTS, every time, launch count and
+  host µs divided by N: ``stack_eager_ms``, ``stack_eager_loop_ms``, ``stack_eager_queued_ms``,
   ``stack_host_us``, ``stack_graph_ms``,
-  ``stack_compile_*`` / ``stack_compile_ro_*`` (compile seconds, copies and kernels per stack call).
+  ``stack_compile_*`` / ``stack_compile_ro_*`` / ``stack_compile_sl_*`` (compile seconds, copies
+  and kernels per stack call).
 - ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
   points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
   HT: the contiguous ones at the same M_sum with the same m_indices (reference permute at the
@@ -107,8 +108,8 @@ and the same with "compile_ro_" and "compile_sl_"; "raw_ms", "raw_impl", "raw_la
 token vs the layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
 "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
 "raw_host_us"; "stack_layers", "stack_eager_ms", "stack_eager_loop_ms", "stack_host_us",
-"stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" / "stack_compile_ro_*" (the
-compile_ keys, per layer);
+"stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" / "stack_compile_ro_*" /
+"stack_compile_sl_*" (the compile_ keys, per layer);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
 compile_over_eager, compile_ro_over_graph, compile_ro_queued_over_graph, compile_sl_over_eager,
