@@ -84,6 +84,16 @@ _WARNED = set()  # (experts class, reason, fallback) already warned about
 _LOAD_TAKES_COPY = "copy" in inspect.signature(EPMoE.load_weights).parameters
 # gate attributes of transformers' FP8Experts that change SiLU(gate) * up
 _FP8_GATE_ATTRS = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap")
+# the decorator's options epmoe knows: the value it runs, and the reason to fall back otherwise
+_KNOWN_OPTIONS = {
+    "has_gate": (True, "no gate projection (has_gate=False)"),
+    "has_bias": (False, "expert biases (has_bias=True)"),
+    "is_transposed": (False, "transposed expert weights (is_transposed=True)"),
+    "is_concatenated": (True, "interleaved gate/up rows (is_concatenated=False)"),
+    "has_post_expert_norm": (False, "a post-expert norm (has_post_expert_norm=True)"),
+}
+_NEW_OPTIONS: Dict[str, object] = {}  # options of the installed decorator epmoe does not know
+_CALL = ("hidden_states", "top_k_index", "top_k_weights")  # the experts calling convention
 
 
 def register(fallback: str = "grouped_mm", ll_max_tokens: Optional[int] = None) -> Tuple[str, ...]:
@@ -107,6 +117,10 @@ def register(fallback: str = "grouped_mm", ll_max_tokens: Optional[int] = None) 
 
     _CONFIG.update(fallback=fallback, ll_max_tokens=ll_max_tokens)
     _DEFAULT_GATE = moe._default_apply_gate
+    _NEW_OPTIONS.clear()
+    for p in inspect.signature(moe.use_experts_implementation).parameters.values():
+        if p.kind == p.KEYWORD_ONLY and p.name not in (*_KNOWN_OPTIONS, "experts_interface"):
+            _NEW_OPTIONS[p.name] = p.default  # a newer transformers: its default is what we know
     _SILU_TYPES = (torch.nn.SiLU, activations.SiLUActivation)
     _REGISTRIES[False] = moe.ALL_EXPERTS_FUNCTIONS
     for name, scheme in NAMES.items():
@@ -310,17 +324,17 @@ def _warn_once(cls: type, reason: str) -> None:
 
 def _unsupported(module, scheme: str, fp8: bool) -> Optional[str]:
     """Why ``module`` cannot run as SiLU(x W_gate^T) * (x W_up^T) W_down^T on EPMoE, or None."""
-    flags = (
-        ("has_gate", False, "no gate projection (has_gate=False)"),
-        ("has_bias", True, "expert biases (has_bias=True)"),
-        ("is_transposed", True, "transposed expert weights (is_transposed=True)"),
-        ("is_concatenated", False, "interleaved gate/up rows (is_concatenated=False)"),
-        ("has_post_expert_norm", True, "a post-expert norm (has_post_expert_norm=True)"),
-    )
-    for attr, bad, reason in flags:
-        if bool(getattr(module, attr, not bad)) == bad:
+    for attr, (ok, reason) in _KNOWN_OPTIONS.items():
+        if bool(getattr(module, attr, ok)) != ok:
             return reason
+    for attr, default in _NEW_OPTIONS.items():
+        value = getattr(module, attr, default)
+        if value != default:
+            return f"experts option {attr}={value!r}, which epmoe does not know"
     cls = type(module).__name__
+    why = _calling_convention(type(module))
+    if why:
+        return why
     if fp8:
         custom = [a for a in _FP8_GATE_ATTRS if getattr(module, a, None) is not None]
         if custom:
@@ -352,6 +366,22 @@ def _unsupported(module, scheme: str, fp8: bool) -> Optional[str]:
         return f"expert weights of dtype {w1.dtype} / {w2.dtype}"
     if (scheme == "fp8" or fp8 and scheme == "bf16") and (H % 128 or I % 128):
         return f"fp8 needs hidden and intermediate sizes that are multiples of 128, got {H}, {I}"
+    return None
+
+
+def _calling_convention(cls: type) -> Optional[str]:
+    """Why ``cls``'s own forward is not ``forward(hidden_states, top_k_index, top_k_weights)``,
+    or None."""
+    own = getattr(cls.forward, "__wrapped__", cls.forward)
+    try:
+        params = list(inspect.signature(own).parameters)[1:]
+    except (TypeError, ValueError):
+        return f"{cls.__name__}.forward has no signature to read"
+    if tuple(params[:3]) != _CALL or any(
+        p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in list(inspect.signature(own).parameters.values())[4:]
+    ):
+        return f"{cls.__name__}.forward takes ({', '.join(params)}), not ({', '.join(_CALL)})"
     return None
 
 
