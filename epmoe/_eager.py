@@ -92,6 +92,22 @@ def run(fn, *args):
         state.value = prev
 
 
+class no_wrap:
+    """``with no_wrap():`` Triton kernels launch directly inside the block (wrap_triton off), as
+    inside an op's CUDA kernel: the layer's direct path enters it once per call."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        self.prev = _triton_lib.is_wrap_triton_enabled()
+        _triton_lib.wrap_triton_enabled.value = False
+        return self
+
+    def __exit__(self, *exc):
+        _triton_lib.wrap_triton_enabled.value = self.prev
+        return False
+
+
 def on_device(t: torch.Tensor):
     """torch.cuda.device(t.device), or a no-op context when it already is the current device (the
     usual case; entering the device context costs two device exchanges per call)."""

@@ -37,9 +37,9 @@ from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
-from epmoe.ops.permute import _permute_trusted, permute
+from epmoe.ops.permute import permute
 from epmoe.ops.quantize import _quantize_trusted, quantize
-from epmoe.ops.unpermute import _unpermute_chained, _unpermute_trusted, unpermute
+from epmoe.ops.unpermute import unpermute
 
 OP = "EPMoE"
 DEFAULT_ALIGNMENT = 128  # deep_gemm's contiguous-layout M tile; CPU accepts any positive int
@@ -109,15 +109,15 @@ _PUBLIC = _Stages(
 # off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
 # less the row checks of tensors the chain's own permute / ll_scatter wrote
 _CHAINED = _PUBLIC._replace(
-    unpermute=_unpermute_chained,
+    unpermute=unpermute.chained,
     ll_gather=_ml._ll_gather_chained,
     gemv_down=_gemv._gemv_down_chained,
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
-    _quantize_trusted, _dispatch._ht_dispatch_trusted, _permute_trusted,
+    _quantize_trusted, _dispatch._ht_dispatch_trusted, permute.launch,
     gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
-    _unpermute_trusted, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
+    unpermute.launch, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
     _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
     _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
 )  # fmt: skip
@@ -383,7 +383,12 @@ class EPMoE(nn.Module):
             _checks.check_no_grad(OP, x=x, topk_weights=topk_weights)
         if self._buffers["w1"] is None:  # (buffers read from the dict: no Module.__getattr__)
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
-        st = _TRUSTED if direct else _CHAINED if chained else _PUBLIC
+        if not direct:
+            return self._forward(_CHAINED if chained else _PUBLIC, x, topk_ids, topk_weights)
+        with _eager.no_wrap():  # the stages' kernels launch directly
+            return self._forward(_TRUSTED, x, topk_ids, topk_weights)
+
+    def _forward(self, st, x, topk_ids, topk_weights):
         if self.uses_gemv(x.shape[0]):
             return self._forward_gemv(st, x, topk_ids, topk_weights)
         if self.uses_ll(x.shape[0]):

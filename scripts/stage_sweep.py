@@ -38,6 +38,7 @@ from epmoe import _eager, reference  # noqa: E402
 Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
 P = importlib.import_module("epmoe.ops.permute")
+PK = importlib.import_module("epmoe.ops._permute_kernels")
 U = importlib.import_module("epmoe.ops.unpermute")
 CFG = _configs.CONFIGS["W"]
 
@@ -79,7 +80,7 @@ def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, H, SRC_ROWS, K: tl.constexpr,
     h_live = tl.where(tl.max(rows, axis=0) >= 0, H, 0)
     v = tl.load(x_ptr + (t % SRC_ROWS).to(tl.int64) * H + cols, mask=cols < h_live,
                 eviction_policy=LOAD_POLICY)  # fmt: skip
-    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
+    PK._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def _write_rows_kernel(inv_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr
     rows = tl.load(inv_ptr + t * K + kk, mask=kk < K, other=-1)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     v = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
-    P._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
+    PK._store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
 
 
 def scatter_rows(x, inv, out, write_only=False, src_rows=0):

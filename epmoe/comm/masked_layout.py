@@ -571,7 +571,7 @@ def _ll_scatter_trusted(
 
 def _ll_gather_chained(y, rows, topk_weights=None):
     """ll_gather's entry for the layer's chain off the direct path (see
-    epmoe.ops.unpermute._unpermute_chained): rows come from ll_scatter, no row check."""
+    epmoe.ops.unpermute.unpermute.chained): rows come from ll_scatter, no row check."""
     return _ll_gather_op(y, rows, topk_weights, False)
 
 

@@ -32,17 +32,16 @@ import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Choice, Contract, PositiveInt, Tensor
+from epmoe._stage import stage
 from epmoe.ops._permute_kernels import (
     _count_tokens_kernel,
     _place_copy_kernel,
     _rest_scales_kernel,
     _scan_kernel,
     _small_permute_kernel,
-    _store_rows,  # noqa: F401  (scripts/stage_sweep.py's kernels call P._store_rows)
 )
 from epmoe.ops.quantize import SCALE_LAYOUTS, alloc_scales, as_layout  # host helpers, by name
 
@@ -325,6 +324,21 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
 
 
+def _outputs(x, topk_ids, E: int, A: int, x_scales, scale_layout: str):
+    """The op's 5 outputs, allocated (the CUDA launch fills them; the fake returns them)."""
+    M, K = topk_ids.shape
+    dev = x.device
+    m_sum = reference.permuted_rows(M, K, E, A)
+    S = x_scales.shape[1] if x_scales is not None else 0
+    return (
+        torch.empty((m_sum, x.shape[1]), dtype=x.dtype, device=dev),
+        alloc_scales((m_sum,), S, scale_layout, dev),
+        torch.empty((m_sum,), dtype=torch.int32, device=dev),
+        torch.empty((M, K), dtype=torch.int32, device=dev),
+        torch.empty((E + 1,), dtype=torch.int32, device=dev),
+    )
+
+
 @_eager.on_input_device
 def _permute_triton(
     x: torch.Tensor,
@@ -343,19 +357,11 @@ def _permute_triton(
     """
     cfg = CONFIG if config is None else config
     M, K = topk_ids.shape
-    H = x.shape[1]
     E, A = num_experts, alignment
-    dev = x.device
     m_sum = reference.permuted_rows(M, K, E, A)
     S = x_scales.shape[1] if x_scales is not None else 0
-
-    x_out = torch.empty((m_sum, H), dtype=x.dtype, device=dev)
-    s_out = alloc_scales((m_sum,), S, scale_layout, dev)
-    m_indices = torch.empty((m_sum,), dtype=torch.int32, device=dev)
-    inv_perm = torch.empty((M, K), dtype=torch.int32, device=dev)
-    offsets = torch.empty((E + 1,), dtype=torch.int32, device=dev)
-    ok = torch.empty((1,), dtype=torch.bool, device=dev)  # ([1]: Inductor fills a 0-d empty)
-    outs = (x_out, s_out, m_indices, inv_perm, offsets)
+    outs = _outputs(x, topk_ids, E, A, x_scales, scale_layout)
+    ok = torch.empty((1,), dtype=torch.bool, device=x.device)  # ([1]: Inductor fills a 0-d empty)
     by_row = _by_row(S, scale_layout, M * K, cfg)
     direct = _checks.direct_launch(x)
     if not by_row and _at_most(M * _launch.pow2(K), cfg.small_entries):
@@ -378,37 +384,19 @@ CONTRACT = Contract(
 )
 
 
-def _permute_impl(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
-    CONTRACT.check(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    if x.is_cuda:
-        return _permute_triton(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    return _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-
-
-@triton_op("epmoe::permute", mutates_args=())
-def _permute_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    num_experts: int,
-    alignment: int,
-    x_scales: Optional[torch.Tensor] = None,
-    scale_layout: str = "row",
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _permute_impl(x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-
-
-# CPU kernel: the same function, which takes its reference branch for CPU tensors
-_permute_op.register_kernel("cpu")(_permute_impl)
-_library.cpu_opaque(_permute_op)  # compiled CPU graphs call it: the same bytes as eager
-
-
-def _reference(x, topk_ids, num_experts, alignment, x_scales, scale_layout):
+def _reference(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
     xp, sp, m_indices, inv_perm, offsets = reference.permute(
         x, topk_ids, num_experts, alignment, x_scales
     )
     return xp, as_layout(sp, scale_layout), m_indices, inv_perm, offsets
 
 
+def _result(out, x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> PermuteResult:
+    xp, sp, m_indices, inv_perm, offsets = out
+    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)
+
+
+@stage(contract=CONTRACT, fake=_outputs, reference=_reference, cuda=_permute_triton, result=_result)
 def permute(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -416,7 +404,7 @@ def permute(
     alignment: int = 128,
     x_scales: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
-) -> PermuteResult:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Permute received rows into the contiguous grouped-GEMM layout (see module docstring).
 
     Args:
@@ -429,22 +417,3 @@ def permute(
         PermuteResult(x `[M_sum, H]`, x_scales `[M_sum, S]` | None, m_indices int32 `[M_sum]`,
         inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
     """
-    args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    if _eager.calm() and CONTRACT.direct(*args):  # the usual eager call, checked in one pass
-        xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_triton, *args)
-    elif _eager.direct(x, topk_ids, x_scales):  # (the full checks say what is wrong)
-        xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_impl, *args)
-    else:
-        # the schema would reject a non-int before our message could say what was expected
-        _checks.check_positive_int(OP, "num_experts", num_experts)
-        _checks.check_positive_int(OP, "alignment", alignment)
-        xp, sp, m_indices, inv_perm, offsets = _permute_op(*args)
-    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)
-
-
-def _permute_trusted(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before): the launch without the metadata checks."""
-    args = (x, topk_ids, num_experts, alignment, x_scales, scale_layout)
-    xp, sp, m_indices, inv_perm, offsets = _eager.run(_permute_triton, *args)
-    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)

@@ -17,10 +17,10 @@ debug mode; under torch.compile an async assert after the kernel); they are neve
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Contract, Tensor
+from epmoe._stage import stage
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
 
 OP = "unpermute"
@@ -112,7 +112,7 @@ def _unpermute_triton(
     (inv_perm from permute in the same chain)."""
     M, K = inv_perm.shape
     R, H = y.shape
-    out = torch.empty((M, H), dtype=y.dtype, device=y.device)
+    out = _output(y, inv_perm, topk_weights)
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the rows inside
     # the kernel: one launch, nothing after it; otherwise (torch.compile, the interpreter) the
     # kernel clears the flag on a bad row
@@ -139,48 +139,32 @@ CONTRACT = Contract(
 )
 
 
-def _unpermute_impl(y, inv_perm, topk_weights, check=True):
-    CONTRACT.check(y, inv_perm, topk_weights)
-    if y.is_cuda:
-        return _unpermute_triton(y, inv_perm, topk_weights, check)
-    return reference.unpermute(y, inv_perm, topk_weights)  # (CPU: checks the rows for free)
+def _output(y, inv_perm, topk_weights, check=True):
+    return torch.empty((inv_perm.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
 
 
-@triton_op("epmoe::unpermute", mutates_args=())
-def _unpermute_op(
+def _reference(y, inv_perm, topk_weights, check=True):
+    return reference.unpermute(y, inv_perm, topk_weights)  # (checks the rows for free)
+
+
+@stage(
+    contract=CONTRACT,
+    fake=_output,
+    reference=_reference,
+    cuda=_unpermute_triton,
+    chain=dict(check=False),  # the layer's rows come from its own permute: -1 or in range
+)
+def unpermute(
     y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor, check: bool = True
 ) -> torch.Tensor:
-    return _unpermute_impl(y, inv_perm, topk_weights, check)
-
-
-# CPU kernel: the same function, which takes its reference branch for CPU tensors
-_unpermute_op.register_kernel("cpu")(_unpermute_impl)
-_library.cpu_opaque(_unpermute_op)  # compiled CPU graphs call it: the same bytes as eager
-
-
-def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Weighted top-k gather-sum.
 
     Args:
         y: bf16/fp16/fp32 `[M_sum, H]` expert outputs in the permuted layout.
         inv_perm: int32/int64 `[M, K]` row of each (t, k), or -1.
         topk_weights: float `[M, K]`.
+        check: False skips the CUDA kernel's check of the rows (inv_perm from permute, whose
+            rows are -1 or in range by construction); the CPU reference always checks.
     Returns:
         y.dtype `[M, H]`, float32 accumulation.
     """
-    if _eager.direct(y, inv_perm, topk_weights):
-        return _eager.run(_unpermute_impl, y, inv_perm, topk_weights)
-    return _unpermute_op(y, inv_perm, topk_weights)
-
-
-def _unpermute_chained(y, inv_perm, topk_weights):
-    """The layer's entry off the direct path (torch.compile, ...) when nothing replaces permute's
-    output: the op with its metadata checks but without the row check (permute writes only rows
-    or -1), so a compiled chain has no flag or assert for it."""
-    return _unpermute_op(y, inv_perm, topk_weights, False)
-
-
-def _unpermute_trusted(y, inv_perm, topk_weights):
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before): the launch without the metadata checks."""
-    return _eager.run(_unpermute_triton, y, inv_perm, topk_weights)
