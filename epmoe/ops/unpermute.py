@@ -20,8 +20,8 @@ import triton.language as tl
 
 from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Contract, Tensor
-from epmoe._stage import stage
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
+from epmoe._stage import stage
 
 OP = "unpermute"
 
