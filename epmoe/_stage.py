@@ -20,13 +20,15 @@ The signature (its annotations) is the op's schema; the body is never run. From 
   which Inductor's rewrites of the reference would break).
 - The public function (what this decorator returns, with the declared signature and docstring):
   the usual eager call, plain CUDA tensors and nothing tracing (:func:`epmoe._eager.calm`, the
-  contract's one-pass ``direct``), calls ``cuda`` straight away and skips the dispatcher's 30-50
-  µs; any other call checks the contract (our ``ValueError`` before the schema's) and calls the op.
-- ``fn.launch``: ``cuda`` with the result wrapped, for the layer's direct path (inputs checked at
-  the layer's boundary or made by the stage before, ``wrap_triton`` turned off once per layer call
-  by :func:`epmoe._eager.no_wrap`); ``fn.chained``: the op with the declared ``chain`` arguments
-  (e.g. ``check=False``: rows written by the chain's own permute need no row check), for the
-  layer's chain under torch.compile; ``fn.op``: the OpOverload; ``fn.reference``, ``fn.fake``,
+  contract's one-pass ``direct``), calls ``cuda`` straight away (its first argument's device made
+  current: Triton launches on the current device) and skips the dispatcher's 30-50 µs; any other
+  call checks the contract (our ``ValueError`` before the schema's) and calls the op.
+- ``fn.launch``: ``cuda`` (its result wrapped), the layer's entry on its direct path: inputs
+  checked at the layer's boundary or made by the stage before; ``wrap_triton`` off and the
+  inputs' device current, both set once per layer call (:func:`epmoe._eager.no_wrap`,
+  :func:`epmoe._eager.on_device`). ``fn.chained``: the op with the declared ``chain`` arguments
+  (e.g. ``check=False``: rows written by the chain's own permute need no row check), the layer's
+  entry under torch.compile. ``fn.op``: the OpOverload; ``fn.reference``, ``fn.fake``,
   ``fn.cuda``, ``fn.contract``: the parts.
 """
 
@@ -134,7 +136,8 @@ def _kernel(check: Callable, impl: Callable, off: bool) -> Callable:
         prev = _wrapping()
         _wrap.value = False
         try:
-            return impl(*a)
+            with _eager.on_device(a[0]):
+                return impl(*a)
         finally:
             _wrap.value = prev
 
@@ -182,14 +185,15 @@ def {signature.__name__}({sig}):
         prev = _wrapping()
         _wrap.value = False
         try:
-            out = _cuda({call})
+            with _on_device({params[0].name}):
+                _out = _cuda({call})
         finally:
             _wrap.value = prev
     else:
         if not _compiling():
             _check({picked})
-        out = _op({call})
-    return {wrap("out")}
+        _out = _op({call})
+    return {wrap("_out")}
 
 def launch({sig}):
     return {wrap(f"_cuda({call})")}
@@ -198,6 +202,8 @@ def chained({sig}):
     return {wrap(f"_op({chained_call})")}
 """
     ns = dict(
+        __name__=signature.__module__,  # (generated for the stage's module: its floor, its name)
+        _on_device=_eager.on_device,
         _calm=_eager.calm, _direct=contract.direct, _check=contract.check, _wrap=_wrap,
         _wrapping=_wrapping,
         _cuda=cuda, _op=op, _result=result, _compiling=torch.compiler.is_compiling,
@@ -209,7 +215,8 @@ def chained({sig}):
     fn.__doc__, fn.__module__ = signature.__doc__, signature.__module__
     fn.__qualname__ = signature.__qualname__
     fn.__signature__ = inspect.signature(signature)
-    fn.launch, fn.chained = ns["launch"], ns["chained"]
+    fn.launch = ns["launch"] if result is not None else cuda  # (no frame of its own)
+    fn.chained = ns["chained"]
     return fn
 
 

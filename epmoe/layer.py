@@ -385,7 +385,7 @@ class EPMoE(nn.Module):
             raise RuntimeError("EPMoE: call load_weights(w1, w2) before the forward pass")
         if not direct:
             return self._forward(_CHAINED if chained else _PUBLIC, x, topk_ids, topk_weights)
-        with _eager.no_wrap():  # the stages' kernels launch directly
+        with _eager.no_wrap(), _eager.on_device(x):  # kernels launch directly, on x's device
             return self._forward(_TRUSTED, x, topk_ids, topk_weights)
 
     def _forward(self, st, x, topk_ids, topk_weights):

@@ -5,6 +5,8 @@ and there is no cycle."""
 import ast
 import pathlib
 
+import pytest
+
 import epmoe
 
 ROOT = pathlib.Path(epmoe.__file__).parent
@@ -72,3 +74,70 @@ def test_the_graph_sees_the_floors():
     assert "epmoe._checks" in g["epmoe.ops.permute"]  # a real edge is found
     assert floor("epmoe._launch") < floor("epmoe.comm.local") < floor("epmoe.ops.permute")
     assert floor("epmoe.ops.permute") < floor("epmoe.layer") < floor("epmoe.integrations.x")
+
+
+# --------------------------------------------------------------------------- the layer's call path
+MAX_CLIMBS = 6  # calls back up a floor on the way from EPMoE.forward to the kernels, per call
+
+
+def _route(quant: str, path: str, monkeypatch):
+    """(caller module, callee module) of every call into epmoe code while the layer's direct path
+    (what an eager call on plain CUDA tensors runs) handles its second call, with the launches, library
+    GEMMs and device-side checks stubbed out, so that CPU tensors take the CUDA chain."""
+    import sys
+
+    import torch
+
+    from epmoe import _checks, _eager, _launch
+    from epmoe import layer as L
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: None
+
+    monkeypatch.setattr(_launch, "kernel", lambda k: NoLaunch())
+    monkeypatch.setattr(_launch, "direct", lambda k: NoLaunch())
+    monkeypatch.setattr(_launch.Prepared, "__call__", lambda self, *tensors: None)
+    monkeypatch.setattr(_checks, "direct_launch", lambda t: True)  # (asserts in the kernels)
+    torch.manual_seed(0)
+    E, H, I, K, T = 8, 128, 128, 2, {"gemv": 2, "ll": 16, "ht": 600}[path]
+    layer = L.EPMoE(E, H, I, K, quant=quant, mode="auto", device="cpu", max_tokens_per_rank=16)
+    layer.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    assert layer.path(T) == path
+    x = torch.randn(T, H).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    calls = []
+
+    def module(frame):
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith("epmoe"):
+                return name
+            frame = frame.f_back
+        return None
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("epmoe"):
+            calls.append((module(frame.f_back), frame.f_globals["__name__"]))
+
+    with torch.no_grad(), _eager.no_wrap():
+        layer._forward(L._TRUSTED, x, ids, w)  # (first calls fill the launch caches)
+        sys.setprofile(profile)
+        try:
+            layer._forward(L._TRUSTED, x, ids, w)
+        finally:
+            sys.setprofile(None)
+    return calls[1:]  # (the first call is _forward itself)
+
+
+@pytest.mark.parametrize("path", ["gemv", "ll", "ht"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+def test_the_layer_path_goes_down(quant, path, monkeypatch):
+    """Following x from the layer to its kernels call by call, a call goes up a floor (layer ->
+    ops -> base and back up) at most MAX_CLIMBS times: one declaration per stage, the layer calls
+    each stage's launch, which calls the floors below it."""
+    calls = _route(quant, path, monkeypatch)
+    climbs = [(a, b) for a, b in calls if a is not None and floor(b) > floor(a)]
+    assert calls, "nothing was traced"
+    assert len(climbs) <= MAX_CLIMBS, climbs

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from epmoe import _checks, _config, _eager, _launch, reference
+from epmoe import _checks, _config, _launch, reference
 from epmoe._contract import Choice, Contract, PositiveInt, Tensor
 from epmoe._stage import stage
 from epmoe.ops._permute_kernels import (
@@ -339,7 +339,6 @@ def _outputs(x, topk_ids, E: int, A: int, x_scales, scale_layout: str):
     )
 
 
-@_eager.on_input_device
 def _permute_triton(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

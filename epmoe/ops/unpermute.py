@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _config, _eager, _launch, reference
+from epmoe import _checks, _config, _launch, reference
 from epmoe._contract import Contract, Tensor
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
 from epmoe._stage import stage
@@ -104,7 +104,6 @@ def _unpermute_launch(M, K, R, H, elem, y_strides, inv_strides, w_strides, check
     )  # fmt: skip
 
 
-@_eager.on_input_device
 def _unpermute_triton(
     y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor, check: bool = True
 ) -> torch.Tensor:
