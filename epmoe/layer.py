@@ -38,7 +38,7 @@ from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
 from epmoe.ops.permute import permute
-from epmoe.ops.quantize import _quantize_trusted, quantize
+from epmoe.ops.quantize import quantize
 from epmoe.ops.unpermute import unpermute
 
 OP = "EPMoE"
@@ -115,8 +115,8 @@ _CHAINED = _PUBLIC._replace(
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
-    _quantize_trusted, _dispatch._ht_dispatch_trusted, permute.launch,
-    gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
+    quantize.launch, _dispatch._ht_dispatch_trusted, permute.launch,
+    gemm._grouped_gemm_trusted, _act.silu_and_mul.launch, _act.silu_and_mul_quant.launch,
     unpermute.launch, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
     _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
     _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,

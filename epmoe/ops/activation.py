@@ -23,9 +23,8 @@ unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_qu
 from typing import Optional, Tuple
 
 import torch
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import (
     Case,
     Choice,
@@ -37,6 +36,7 @@ from epmoe._contract import (
     Tensor,
     masked_m_steps,
 )
+from epmoe._stage import stage
 from epmoe.ops import quantize as _quantize
 
 # kernels and jit helpers by name (tests and scripts reach them as attributes of this module)
@@ -164,7 +164,7 @@ def _silu_and_mul_triton(
     expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
-    h = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    h = _output(y, masked_m, m_indices, expert_offsets)
     bound, kind = _bound(y, masked_m, expert_offsets)
     has_rows = m_indices is not None
     launch = _silu_launch(tuple(y.shape), y.stride(), kind, has_rows, CONFIG, _quantize.CONFIG)
@@ -224,12 +224,7 @@ def _silu_and_mul_quant_triton(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     shape = tuple(y.shape)
-    inter = shape[-1] // 2
-    lead = shape[:-1]
-    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
-    groups = inter // group_size if scheme == "fp8" else 1
-    q = torch.empty((*lead, inter), dtype=qdtype, device=y.device)
-    s = alloc_scales(lead, groups, scale_layout, y.device)
+    q, s = _outputs_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
     bound, kind = _bound(y, masked_m, expert_offsets)
     has_rows = m_indices is not None
     launch = _silu_quant_launch(
@@ -295,65 +290,37 @@ CONTRACT_QUANT = Contract(
 )
 
 
-def _reference_quant(y, scheme, group_size, scale_layout):
+def _output(y, masked_m=None, m_indices=None, expert_offsets=None):
+    """silu_and_mul's h, allocated (the CUDA launch fills it; the fake returns it)."""
+    return torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+
+
+def _reference(y, masked_m=None, m_indices=None, expert_offsets=None):
+    return reference.silu_and_mul(y)
+
+
+def _outputs_quant(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
+    expert_offsets=None,
+):  # fmt: skip
+    """silu_and_mul_quant's (q, s), allocated (the CUDA launch fills them; the fake returns
+    them)."""
+    lead = tuple(y.shape[:-1])
+    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
+    groups = y.shape[-1] // 2 // group_size if scheme == "fp8" else 1
+    q = torch.empty((*lead, y.shape[-1] // 2), dtype=qdtype, device=y.device)
+    return q, alloc_scales(lead, groups, scale_layout, y.device)
+
+
+def _reference_quant(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
+    expert_offsets=None,
+):  # fmt: skip
     q, s = reference.silu_and_mul_quant(y, scheme, group_size)
     return q, as_layout(s, scale_layout)
 
 
-def _silu_and_mul_impl(y, masked_m=None, m_indices=None, expert_offsets=None):
-    CONTRACT.check(y, masked_m, m_indices, expert_offsets)
-    if y.is_cuda:
-        return _silu_and_mul_triton(y, masked_m, m_indices, expert_offsets)
-    return reference.silu_and_mul(y)
-
-
-def _silu_and_mul_quant_impl(
-    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
-    expert_offsets=None,
-):  # fmt: skip
-    CONTRACT_QUANT.check(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    if y.is_cuda:
-        return _silu_and_mul_quant_triton(
-            y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets
-        )
-    return _reference_quant(y, scheme, group_size, scale_layout)
-
-
-@triton_op("epmoe::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(
-    y: torch.Tensor,
-    masked_m: Optional[torch.Tensor] = None,
-    m_indices: Optional[torch.Tensor] = None,
-    expert_offsets: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    return _silu_and_mul_impl(y, masked_m, m_indices, expert_offsets)
-
-
-# CPU kernels: the same functions, which take their reference branch for CPU tensors
-_silu_and_mul_op.register_kernel("cpu")(_silu_and_mul_impl)
-# compiled CPU graphs call them (Inductor would recompile the reference's SiLU and rounding)
-_library.cpu_opaque(_silu_and_mul_op)
-
-
-@triton_op("epmoe::silu_and_mul_quant", mutates_args=())
-def _silu_and_mul_quant_op(
-    y: torch.Tensor,
-    scheme: str,
-    masked_m: Optional[torch.Tensor] = None,
-    group_size: int = 128,
-    m_indices: Optional[torch.Tensor] = None,
-    scale_layout: str = "row",
-    expert_offsets: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _silu_and_mul_quant_impl(
-        y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets
-    )
-
-
-_silu_and_mul_quant_op.register_kernel("cpu")(_silu_and_mul_quant_impl)
-_library.cpu_opaque(_silu_and_mul_quant_op)
-
-
+@stage(contract=CONTRACT, fake=_output, reference=_reference, cuda=_silu_and_mul_triton)
 def silu_and_mul(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
@@ -371,13 +338,14 @@ def silu_and_mul(
     Returns:
         y.dtype `[..., I]`.
     """
-    if _eager.calm() and CONTRACT.direct(y, masked_m, m_indices, expert_offsets):
-        return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
-    if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
-        return _eager.run(_silu_and_mul_impl, y, masked_m, m_indices, expert_offsets)
-    return _silu_and_mul_op(y, masked_m, m_indices, expert_offsets)
 
 
+@stage(
+    contract=CONTRACT_QUANT,
+    fake=_outputs_quant,
+    reference=_reference_quant,
+    cuda=_silu_and_mul_quant_triton,
+)
 def silu_and_mul_quant(
     y: torch.Tensor,
     scheme: str,
@@ -401,24 +369,3 @@ def silu_and_mul_quant(
     Returns:
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """
-    args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    if _eager.calm() and CONTRACT_QUANT.direct(*args):  # the usual eager call, in one pass
-        return _eager.run(_silu_and_mul_quant_triton, *args)
-    if _eager.direct(y, masked_m, m_indices, expert_offsets):  # (the full checks say what)
-        return _eager.run(_silu_and_mul_quant_impl, *args)
-    return _silu_and_mul_quant_op(*args)
-
-
-def _silu_and_mul_trusted(y, masked_m=None, m_indices=None, expert_offsets=None):
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before): the launch without the metadata checks."""
-    return _eager.run(_silu_and_mul_triton, y, masked_m, m_indices, expert_offsets)
-
-
-def _silu_and_mul_quant_trusted(
-    y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
-    expert_offsets=None,
-):  # fmt: skip
-    """silu_and_mul_quant's entry for the layer's direct path (see _silu_and_mul_trusted)."""
-    args = (y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
-    return _eager.run(_silu_and_mul_quant_triton, *args)

@@ -25,9 +25,8 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
@@ -41,6 +40,7 @@ from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _quant_int8,
     round_float,
 )
+from epmoe._stage import stage
 
 OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -316,10 +316,7 @@ def _quantize_triton(
     scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Allocate outputs and launch the kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
-    groups = x.shape[-1] // group_size if scheme == "fp8" else 1
-    q = torch.empty(x.shape, dtype=qdtype, device=x.device)
-    s = alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
+    q, s = _outputs(x, scheme, group_size, masked_m, scale_layout)
     launch_quant(x, q, s, scheme, group_size, masked_m)
     return q, s
 
@@ -345,29 +342,15 @@ def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
     return q, as_layout(s, scale_layout)
 
 
-def _quantize_impl(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
-    CONTRACT.check(x, scheme, group_size, masked_m, scale_layout)
-    if x.is_cuda:
-        return _quantize_triton(x, scheme, group_size, masked_m, scale_layout)
-    return _reference(x, scheme, group_size, masked_m, scale_layout)
+def _outputs(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
+    """The op's (q, s), allocated (the CUDA launch fills them; the fake returns them)."""
+    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
+    groups = x.shape[-1] // group_size if scheme == "fp8" else 1
+    q = torch.empty(x.shape, dtype=qdtype, device=x.device)
+    return q, alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
 
 
-@triton_op("epmoe::quantize", mutates_args=())
-def _quantize_op(
-    x: torch.Tensor,
-    scheme: str,
-    group_size: int = 128,
-    masked_m: Optional[torch.Tensor] = None,
-    scale_layout: str = "row",
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_impl(x, scheme, group_size, masked_m, scale_layout)
-
-
-# CPU kernel: the same function, which takes its reference branch for CPU tensors
-_quantize_op.register_kernel("cpu")(_quantize_impl)
-_library.cpu_opaque(_quantize_op)  # compiled CPU graphs call it: the same bytes as eager
-
-
+@stage(contract=CONTRACT, fake=_outputs, reference=_reference, cuda=_quantize_triton)
 def quantize(
     x: torch.Tensor,
     scheme: str,
@@ -387,12 +370,3 @@ def quantize(
         (q float8_e4m3fn/int8 like x (contiguous), s float32 `[..., H // group_size]` (fp8) or
         `[..., 1]` (int8)).
     """
-    if _eager.direct(x, masked_m):
-        return _eager.run(_quantize_impl, x, scheme, group_size, masked_m, scale_layout)
-    return _quantize_op(x, scheme, group_size, masked_m, scale_layout)
-
-
-def _quantize_trusted(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before): the launch without the metadata checks."""
-    return _eager.run(_quantize_triton, x, scheme, group_size, masked_m, scale_layout)
