@@ -115,10 +115,10 @@ _CHAINED = _PUBLIC._replace(
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
-    quantize.launch, _dispatch._ht_dispatch_trusted, permute.launch,
+    quantize.launch, _dispatch.ht_dispatch.launch, permute.launch,
     gemm._grouped_gemm_trusted, _act.silu_and_mul.launch, _act.silu_and_mul_quant.launch,
-    unpermute.launch, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
-    _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
+    unpermute.launch, _combine.ht_combine.launch, _dispatch.ll_dispatch.launch,
+    _combine.ll_combine.launch, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
     _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
 )  # fmt: skip
 

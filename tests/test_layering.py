@@ -82,8 +82,8 @@ MAX_CLIMBS = 6  # calls back up a floor on the way from EPMoE.forward to the ker
 
 def _route(quant: str, path: str, monkeypatch):
     """(caller module, callee module) of every call into epmoe code while the layer's direct path
-    (what an eager call on plain CUDA tensors runs) handles its second call, with the launches, library
-    GEMMs and device-side checks stubbed out, so that CPU tensors take the CUDA chain."""
+    (what an eager call on plain CUDA tensors runs) handles its second call, with the launches,
+    library GEMMs and device-side checks stubbed out, so that CPU tensors take the CUDA chain."""
     import sys
 
     import torch

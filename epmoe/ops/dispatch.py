@@ -17,15 +17,20 @@ Contract (LL): ``d = ll_dispatch(x, topk_ids, comm_key, use_fp8=False)``
 - d.x `[E, C, H]` (C = world * max_tokens_per_rank; float8_e4m3fn when use_fp8), d.x_scales
   `[E, C, H/128]` | None, d.masked_m int32 `[E]`, d.handle. Static shapes: CUDA-graph safe.
 
-The communicator (``epmoe.comm``) is looked up by its int key; it cannot be an op argument.
+Ops: ``epmoe::ht_dispatch`` (worst case, :func:`_ht_worst`), ``epmoe::ht_dispatch_exact``
+(:func:`_ht_exact`; the fake declares N with ``torch.library.get_ctx().new_dynamic_size()``, through
+the communicator's ``ht_dispatch_fake``) and ``epmoe::ll_dispatch``; :func:`ht_dispatch` picks one
+of the two HT ops by ``worst_case``. The communicator (``epmoe.comm``) is looked up by its int key
+(it cannot be an op argument); its backend (local, torch.distributed, deep_ep) is both the CPU
+"reference" and the CUDA implementation of a communication.
 """
 
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from epmoe import _eager
-from epmoe._contract import Case, Contract, Multiple, Rule, Tensor
+from epmoe._contract import Case, Contract, Let, Multiple, Rule, Tensor
+from epmoe._stage import stage
 from epmoe.comm import _registry
 
 _PAYLOAD = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -48,6 +53,7 @@ class LLDispatchResult(NamedTuple):
     handle: Tuple[torch.Tensor, ...]
 
 
+# the checks over the communicator's sizes (``hidden_size``, ...: values the caller supplies) ...
 HT = Contract(
     "dispatch",
     "x topk_ids topk_weights x_scales hidden_size",
@@ -70,67 +76,106 @@ LL = Contract(
     ),
     Case("use_fp8", [Multiple("hidden_size", "x.shape[1]", 128, "(fp8 groups)")]),
 )
-
-
-def _check_ht(comm, x, topk_ids, topk_weights, x_scales) -> None:
-    HT.check(x, topk_ids, topk_weights, x_scales, comm.hidden_size)
-
-
-def _check_ll(comm, x, topk_ids, use_fp8) -> None:
-    LL.check(x, topk_ids, use_fp8, comm.hidden_size, comm.max_tokens_per_rank)
-
-
-def _register_ht_dispatch(name: str, worst_case: bool, tags=()):
-    """The two HT dispatch ops differ only in ``worst_case`` (static N) and their tags."""
-
-    def impl(x, topk_ids, topk_weights, x_scales, comm_key):
-        comm = _registry.get(comm_key)
-        _check_ht(comm, x, topk_ids, topk_weights, x_scales)
-        return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
-
-    @torch.library.custom_op(f"epmoe::{name}", mutates_args=(), tags=tags)
-    def op(
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        comm_key: int,
-    ) -> List[torch.Tensor]:
-        return impl(x, topk_ids, topk_weights, x_scales, comm_key)
-
-    @op.register_fake
-    def _(x, topk_ids, topk_weights, x_scales, comm_key):
-        comm = _registry.get(comm_key)
-        _check_ht(comm, x, topk_ids, topk_weights, x_scales)
-        return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, worst_case)
-
-    return op, impl
-
-
-_ht_dispatch_op, _ht_dispatch_impl = _register_ht_dispatch("ht_dispatch", worst_case=True)
-_ht_dispatch_exact_op, _ht_dispatch_exact_impl = _register_ht_dispatch(
-    "ht_dispatch_exact", worst_case=False, tags=_UNSAFE
+# ... and the ops' contracts: the same checks, the sizes read from the communicator of comm_key
+# (an unknown key: ValueError from the registry)
+HT_OP = Contract(
+    HT.op,
+    "x topk_ids topk_weights comm_key x_scales",
+    Let("hidden_size", "_comm(comm_key).hidden_size"),
+    *HT.steps,
+    consts=dict(_comm=_registry.get),
+)
+LL_OP = Contract(
+    LL.op,
+    "x topk_ids comm_key use_fp8",
+    Let("comm", "_comm(comm_key)"),
+    Let("hidden_size", "comm.hidden_size"),
+    Let("max_tokens_per_rank", "comm.max_tokens_per_rank"),
+    *LL.steps,
+    consts=dict(_comm=_registry.get),
 )
 
 
-def _ll_dispatch_impl(x, topk_ids, comm_key, use_fp8):
-    comm = _registry.get(comm_key)
-    _check_ll(comm, x, topk_ids, use_fp8)
-    return comm.ll_dispatch(x, topk_ids, None, use_fp8)
+# ------------------------------------------------------------------------------------------ HT
+def _ht_worst_run(x, topk_ids, topk_weights, comm_key, x_scales=None):
+    return _registry.get(comm_key).ht_dispatch(x, topk_ids, topk_weights, x_scales, True)
 
 
-@torch.library.custom_op("epmoe::ll_dispatch", mutates_args=())
-def _ll_dispatch_op(
-    x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool
+def _ht_worst_fake(x, topk_ids, topk_weights, comm_key, x_scales=None):
+    return _registry.get(comm_key).ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, True)
+
+
+def _ht_exact_run(x, topk_ids, topk_weights, comm_key, x_scales=None):
+    return _registry.get(comm_key).ht_dispatch(x, topk_ids, topk_weights, x_scales, False)
+
+
+def _ht_exact_fake(x, topk_ids, topk_weights, comm_key, x_scales=None):
+    """N rows from torch.library.get_ctx().new_dynamic_size() (in the communicator's fake)."""
+    return _registry.get(comm_key).ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, False)
+
+
+def _ht_result(out, x, topk_ids, topk_weights, comm_key, x_scales) -> HTDispatchResult:
+    rx, rs, rids, rw, counts = out[:5]
+    return HTDispatchResult(
+        rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:])
+    )
+
+
+@stage(
+    contract=HT_OP,
+    fake=_ht_worst_fake,
+    reference=_ht_worst_run,  # (a communication's reference is its torch backend)
+    cuda=_ht_worst_run,
+    triton=False,
+    result=_ht_result,
+    name="ht_dispatch",
+)
+def _ht_worst(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    comm_key: int,
+    x_scales: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
-    return _ll_dispatch_impl(x, topk_ids, comm_key, use_fp8)
+    """HT dispatch with the static worst-case N (``ht_dispatch(..., worst_case=True)``): no host
+    sync, CUDA-graph safe.
+
+    Args:
+        x: bf16/fp8/int8 `[T, H]`. topk_ids: int64 `[T, K]` global expert ids or -1.
+        topk_weights: float32 `[T, K]`. comm_key: the communicator's registry key.
+        x_scales: float32 `[T, S]` or None.
+    Returns:
+        HTDispatchResult, N = world * (max_tokens_per_rank, or T when unset).
+    """
 
 
-@_ll_dispatch_op.register_fake
-def _(x, topk_ids, comm_key, use_fp8):
-    comm = _registry.get(comm_key)
-    _check_ll(comm, x, topk_ids, use_fp8)
-    return comm.ll_dispatch_fake(x, topk_ids, None, use_fp8)
+@stage(
+    contract=HT_OP,
+    fake=_ht_exact_fake,
+    reference=_ht_exact_run,
+    cuda=_ht_exact_run,
+    triton=False,
+    result=_ht_result,
+    tags=_UNSAFE,
+    name="ht_dispatch_exact",
+)
+def _ht_exact(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    comm_key: int,
+    x_scales: Optional[torch.Tensor] = None,
+) -> List[torch.Tensor]:
+    """HT dispatch with the exact, data-dependent N (``ht_dispatch(..., worst_case=False)``): a
+    host sync; not CUDA-graph safe (tagged ``cudagraph_unsafe``).
+
+    Args:
+        x: bf16/fp8/int8 `[T, H]`. topk_ids: int64 `[T, K]` global expert ids or -1.
+        topk_weights: float32 `[T, K]`. comm_key: the communicator's registry key.
+        x_scales: float32 `[T, S]` or None.
+    Returns:
+        HTDispatchResult, N the rows this rank receives.
+    """
 
 
 def ht_dispatch(
@@ -141,41 +186,62 @@ def ht_dispatch(
     x_scales: Optional[torch.Tensor] = None,
     worst_case: bool = False,
 ) -> HTDispatchResult:
-    """HT dispatch through communicator ``comm_key`` (see module docstring for shapes)."""
-    if _eager.direct(x, topk_ids, topk_weights, x_scales):
-        op = _ht_dispatch_impl if worst_case else _ht_dispatch_exact_impl
-    else:
-        op = _ht_dispatch_op if worst_case else _ht_dispatch_exact_op
-    return _ht_result(op(x, topk_ids, topk_weights, x_scales, comm_key), x_scales)
+    """HT dispatch through communicator ``comm_key`` (see module docstring for shapes).
+
+    Args:
+        x: bf16/fp8/int8 `[T, H]`. topk_ids: int64 `[T, K]` global expert ids or -1.
+        topk_weights: float32 `[T, K]`. comm_key: the communicator's registry key.
+        x_scales: float32 `[T, S]` or None.
+        worst_case: True: ``epmoe::ht_dispatch``, static N = world * (max_tokens_per_rank, or T
+            when unset), CUDA-graph safe; False: ``epmoe::ht_dispatch_exact``, exact N (host sync).
+    Returns:
+        HTDispatchResult(x `[N, H]`, x_scales `[N, S]` | None, topk_ids int64 `[N, K]` local ids or
+        -1, topk_weights float32 `[N, K]`, expert_counts int32 `[E]`, handle).
+    """
+    fn = _ht_worst if worst_case else _ht_exact
+    return fn(x, topk_ids, topk_weights, comm_key, x_scales)
 
 
-def _ht_result(out, x_scales) -> HTDispatchResult:
-    rx, rs, rids, rw, counts = out[:5]
-    return HTDispatchResult(
-        rx, rs if x_scales is not None else None, rids, rw, counts, tuple(out[5:])
-    )
+def _ht_launch(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False):
+    """ht_dispatch.launch: the picked op's launch (the layer's direct path)."""
+    fn = _ht_worst.launch if worst_case else _ht_exact.launch
+    return fn(x, topk_ids, topk_weights, comm_key, x_scales)
 
 
-def ll_dispatch(
-    x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool = False
-) -> LLDispatchResult:
-    """LL dispatch into the masked `[E, C, H]` layout (see module docstring)."""
-    op = _ll_dispatch_impl if _eager.direct(x, topk_ids) else _ll_dispatch_op
-    return _ll_result(op(x, topk_ids, comm_key, use_fp8), use_fp8)
+ht_dispatch.launch = _ht_launch
 
 
-def _ll_result(out, use_fp8: bool) -> LLDispatchResult:
+# ------------------------------------------------------------------------------------------ LL
+def _ll_run(x, topk_ids, comm_key, use_fp8=False):
+    return _registry.get(comm_key).ll_dispatch(x, topk_ids, None, use_fp8)
+
+
+def _ll_fake(x, topk_ids, comm_key, use_fp8=False):
+    return _registry.get(comm_key).ll_dispatch_fake(x, topk_ids, None, use_fp8)
+
+
+def _ll_result(out, x, topk_ids, comm_key, use_fp8) -> LLDispatchResult:
     return LLDispatchResult(out[0], out[1] if use_fp8 else None, out[2], tuple(out[3:]))
 
 
-def _ht_dispatch_trusted(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False):
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before): the communicator without the metadata checks."""
-    comm = _registry.get(comm_key)
-    return _ht_result(comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case), x_scales)
+@stage(
+    contract=LL_OP,
+    fake=_ll_fake,
+    reference=_ll_run,
+    cuda=_ll_run,
+    triton=False,
+    result=_ll_result,
+)
+def ll_dispatch(
+    x: torch.Tensor, topk_ids: torch.Tensor, comm_key: int, use_fp8: bool = False
+) -> List[torch.Tensor]:
+    """LL dispatch into the masked `[E, C, H]` layout (see module docstring). CUDA-graph safe.
 
-
-def _ll_dispatch_trusted(x, topk_ids, comm_key, use_fp8=False):
-    """ll_dispatch's entry for the layer's direct path (see _ht_dispatch_trusted)."""
-    comm = _registry.get(comm_key)
-    return _ll_result(comm.ll_dispatch(x, topk_ids, None, use_fp8), use_fp8)
+    Args:
+        x: bf16 `[T, H]`, T <= max_tokens_per_rank. topk_ids: int64 `[T, K]` global ids or -1.
+        comm_key: the communicator's registry key.
+        use_fp8: quantize the payload to float8_e4m3fn (H a multiple of 128).
+    Returns:
+        LLDispatchResult(x `[E, C, H]`, x_scales float32 `[E, C, H/128]` | None, masked_m int32
+        `[E]`, handle).
+    """

@@ -752,8 +752,8 @@ def _opcheck_rank(rank, world):
     ep = torch.ops.epmoe
     for worst in (True, False):
         dispatch = ep.ht_dispatch.default if worst else ep.ht_dispatch_exact.default
-        check(dispatch, (xq, ids, w, s, c.key))
-        check(dispatch, (x, ids, w, None, c.key))
+        check(dispatch, (xq, ids, w, c.key, s))
+        check(dispatch, (x, ids, w, c.key, None))
     d = ops.ht_dispatch(x, ids, w, c.key, worst_case=True)
     check(ep.ht_combine.default, (d.x, list(d.handle), c.key))
     for use_fp8 in (False, True):

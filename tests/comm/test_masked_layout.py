@@ -259,6 +259,20 @@ def _local(max_tokens=8, E=4, H=256):
     return epmoe.comm.create("local", None, E, H, max_tokens_per_rank=max_tokens)
 
 
+def _same_result(got, want):
+    """Two dispatch results: the same type, None in the same fields, the same bytes elsewhere."""
+    leaves = torch.utils._pytree.tree_leaves
+    assert type(got) is type(want)
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        if a is None or b is None:
+            assert a is b
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.dtype == torch.float8_e4m3fn:  # (compared as bytes)
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_local_ll_dispatch_combine(use_fp8):
     gen = torch.Generator().manual_seed(10)
@@ -280,8 +294,16 @@ def test_local_ll_dispatch_combine(use_fp8):
     out = torch.empty_like(got)
     assert ops.ll_combine(y, topk, w, d.handle, c.key, out=out) is out
     assert torch.equal(out, got)
+    # the layer's direct-path entries (the launches): the same results
+    d2 = ops.ll_dispatch.launch(x, topk, c.key, use_fp8)
+    _same_result(d2, d)
+    assert torch.equal(ops.ll_combine.launch(y, topk, w, d.handle, c.key), got)
+    out2 = torch.empty_like(got)
+    assert ops.ll_combine.launch(y, topk, w, d.handle, c.key, out2) is out2
+    assert torch.equal(out2, got)
     opcheck(torch.ops.epmoe.ll_dispatch.default, (x, topk, c.key, use_fp8))
     opcheck(torch.ops.epmoe.ll_combine.default, (y, topk, w, list(d.handle), c.key))
+    opcheck(torch.ops.epmoe.ll_combine_out.default, (y, topk, w, list(d.handle), c.key, out2))
 
 
 @pytest.mark.parametrize("worst", [False, True])
@@ -300,6 +322,10 @@ def test_local_ht_copies_with_column_major_ids(worst):
     assert len(got) == n and got == sorted(x[(topk >= 0).any(1)].float().tolist())
     back = ops.ht_combine(d.x, d.handle, c.key)
     assert torch.equal(back, torch.where((topk >= 0).any(1, keepdim=True), x, 0))
+    # the layer's direct-path entries (the launches): the same results
+    d2 = ops.ht_dispatch.launch(x, topk, w, c.key, None, worst)
+    _same_result(d2, d)
+    assert torch.equal(ops.ht_combine.launch(d.x, d.handle, c.key), back)
 
 
 @pytest.mark.parametrize("quant", QUANTS)

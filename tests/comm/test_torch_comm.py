@@ -289,7 +289,7 @@ def _same_as_before_rank(rank, world):
     # fakes match (static N worst case; the exact variant declares its dynamic N)
     px, sc = reference.quantize(x, "fp8")
     for name in ("ht_dispatch", "ht_dispatch_exact"):
-        opcheck(getattr(torch.ops.epmoe, name).default, (px, ids, w, sc, comm.key))
+        opcheck(getattr(torch.ops.epmoe, name).default, (px, ids, w, comm.key, sc))
         d = ops.ht_dispatch(px, ids, w, comm.key, x_scales=sc, worst_case=name == "ht_dispatch")
         y = _y_of(d.x, rank)
         opcheck(torch.ops.epmoe.ht_combine.default, (y, list(d.handle), comm.key))
