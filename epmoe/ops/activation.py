@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from epmoe import _checks, _config, _eager, _launch, reference
+from epmoe import _checks, _config, _launch, reference
 from epmoe._contract import (
     Case,
     Choice,
@@ -156,7 +156,6 @@ def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
     )  # fmt: skip
 
 
-@_eager.on_input_device
 def _silu_and_mul_triton(
     y: torch.Tensor,
     masked_m: Optional[torch.Tensor] = None,
@@ -212,7 +211,6 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
     )
 
 
-@_eager.on_input_device
 def _silu_and_mul_quant_triton(
     y: torch.Tensor,
     scheme: str,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _config, _eager, _launch, reference
+from epmoe import _checks, _config, _launch, reference
 from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
@@ -307,7 +307,6 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
     )  # fmt: skip
 
 
-@_eager.on_input_device
 def _quantize_triton(
     x: torch.Tensor,
     scheme: str,
