@@ -9,13 +9,13 @@ test as ``from benchmarks._baselines import ...`` (the repository root is on sys
 
 import torch
 
-from epmoe.ops import gemm
+from epmoe.ops.gemm._select import _dg_functions
 
 
 # ---------------------------------------------------------------------------------- grouped GEMM
 def raw_deep_gemm_contiguous(scheme, a, a_scales, w, w_scales, m_indices, out):
     """deep_gemm's contiguous grouped GEMM called directly into ``out`` (bf16 `[M_sum, N]`)."""
-    fn = gemm._dg_functions()[f"{scheme}_contiguous"]
+    fn = _dg_functions()[f"{scheme}_contiguous"]
     if scheme == "fp8":
         fn((a, a_scales), (w, w_scales), out, m_indices)
     else:
@@ -25,7 +25,7 @@ def raw_deep_gemm_contiguous(scheme, a, a_scales, w, w_scales, m_indices, out):
 
 def raw_deep_gemm_masked(scheme, a, a_scales, w, w_scales, masked_m, expected_m, out):
     """deep_gemm's masked grouped GEMM called directly into ``out`` (bf16 `[E, T, N]`)."""
-    fn = gemm._dg_functions()[f"{scheme}_masked"]
+    fn = _dg_functions()[f"{scheme}_masked"]
     if scheme == "fp8":
         fn((a, a_scales), (w, w_scales), out, masked_m, expected_m)
     else:

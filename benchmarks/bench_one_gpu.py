@@ -147,6 +147,7 @@ import _timing  # noqa: E402
 import epmoe  # noqa: E402
 from epmoe import reference  # noqa: E402
 from epmoe.ops import gemm  # noqa: E402
+from epmoe.ops.gemm._select import _dg_role  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "W", "dsv3-1gpu")
 SCHEMES = ("bf16", "fp8", "int8")
@@ -413,7 +414,7 @@ def _raw_impls(scheme: str, layout: str, device):
                 out.copy_(reference.grouped_gemm_contiguous(a, w, rows, s, ws))
 
         return "reference (CPU)", ref
-    if gemm._dg_role(f"{scheme}_{layout}", device):
+    if _dg_role(f"{scheme}_{layout}", device):
         from _baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked
 
         if layout == "masked":

@@ -21,6 +21,7 @@ from _baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked, raw_group
 
 from epmoe import _deps, reference
 from epmoe.ops import gemm
+from epmoe.ops.gemm._select import _backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -245,7 +246,7 @@ def test_bf16_contiguous_vs_grouped_mm(benchmark, which):
         benchmark,
         ours,
         gemm=which,
-        backend=gemm._backend("bf16", "contiguous", torch.device("cuda"), N, K),
+        backend=_backend("bf16", "contiguous", torch.device("cuda"), N, K),
         tflops=_tflops(rows, N, K, t["ours"]),
         grouped_mm_tflops=_tflops(rows, N, K, t["grouped_mm"]),
         vs_grouped_mm=t["grouped_mm"] / t["ours"],

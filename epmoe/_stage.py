@@ -86,7 +86,7 @@ def stage(
             raise TypeError(f"stage {op_name}: contract parameters {missing} not in the signature")
         schema = torch.library.infer_schema(signature, mutates_args=tuple(mutates))
         LIB.define(op_name + schema, tags=tuple(tags))
-        checked = _checked(op_name, contract, params)
+        checked = _checked(contract.op, contract, params)  # (errors name the contract's op)
         LIB.impl(op_name, _kernel(checked, cuda, off=True), "CUDA")
         LIB.impl(op_name, _kernel(checked, reference, off=False), "CPU")
         LIB.impl(op_name, torch.library.fallthrough_kernel, "Autograd")

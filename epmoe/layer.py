@@ -21,7 +21,6 @@ a second copy of the chain: ``with layer.record_stages() as rec: out = layer(x, 
 """
 
 import contextlib
-import functools
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -36,7 +35,12 @@ from epmoe.ops import combine as _combine
 from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
-from epmoe.ops.gemm import contiguous_row_block, masked_row_block
+from epmoe.ops.gemm import (
+    contiguous_row_block,
+    grouped_gemm_contiguous,
+    grouped_gemm_masked,
+    masked_row_block,
+)
 from epmoe.ops.permute import permute
 from epmoe.ops.quantize import quantize
 from epmoe.ops.unpermute import unpermute
@@ -86,7 +90,8 @@ class _Stages(NamedTuple):
     quantize: Callable
     ht_dispatch: Callable
     permute: Callable
-    grouped_gemm: Callable
+    grouped_gemm_contiguous: Callable
+    grouped_gemm_masked: Callable
     silu_and_mul: Callable
     silu_and_mul_quant: Callable
     unpermute: Callable
@@ -101,14 +106,16 @@ class _Stages(NamedTuple):
 
 # the public ops: each checks its inputs (CPU, torch.compile, tensors needing grad, ...)
 _PUBLIC = _Stages(
-    quantize, _dispatch.ht_dispatch, permute,
-    functools.partial(gemm.grouped_gemm, trusted=True), _act.silu_and_mul,
-    _act.silu_and_mul_quant, unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
-    _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up, _gemv.gemv_down,
+    quantize, _dispatch.ht_dispatch, permute, grouped_gemm_contiguous, grouped_gemm_masked,
+    _act.silu_and_mul, _act.silu_and_mul_quant, unpermute, _combine.ht_combine,
+    _dispatch.ll_dispatch, _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up,
+    _gemv.gemv_down,
 )  # fmt: skip
 # off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
 # less the row checks of tensors the chain's own permute / ll_scatter wrote
 _CHAINED = _PUBLIC._replace(
+    grouped_gemm_contiguous=grouped_gemm_contiguous.chained,
+    grouped_gemm_masked=grouped_gemm_masked.chained,
     unpermute=unpermute.chained,
     ll_gather=_ml._ll_gather_chained,
     gemv_down=_gemv._gemv_down_chained,
@@ -116,7 +123,8 @@ _CHAINED = _PUBLIC._replace(
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
     quantize.launch, _dispatch.ht_dispatch.launch, permute.launch,
-    gemm._grouped_gemm_trusted, _act.silu_and_mul.launch, _act.silu_and_mul_quant.launch,
+    grouped_gemm_contiguous.launch, grouped_gemm_masked.launch, _act.silu_and_mul.launch,
+    _act.silu_and_mul_quant.launch,
     unpermute.launch, _combine.ht_combine.launch, _dispatch.ll_dispatch.launch,
     _combine.ll_combine.launch, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
     _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
@@ -498,10 +506,11 @@ class EPMoE(nn.Module):
         p, b = self._emit("permute", p), self._buffers
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
         kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-        y = st.grouped_gemm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **kw)
+        mm = st.grouped_gemm_contiguous
+        y = mm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], trusted=True, **kw)
         y = self._emit("gemm1", y)
         h, hs = self._emit("act", self._act(st, y, **kw))
-        y = st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
+        y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], trusted=True, **kw)
         y = self._emit("gemm2", y)
         return self._emit("unpermute", st.unpermute(y, p.inv_perm, topk_weights))
 
@@ -588,9 +597,10 @@ class EPMoE(nn.Module):
     def _experts_ll(self, st, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         # (the counts come from a dispatch that clamps them to the capacity)
-        kw, b = dict(masked_m=masked_m, expected_m=self.expected_m()), self._buffers
-        y = st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
+        kw = dict(masked_m=masked_m, expected_m=self.expected_m(), trusted=True)
+        mm, b = st.grouped_gemm_masked, self._buffers
+        y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)
         h, hs = self._emit("act", self._act(st, y, masked_m))
-        y = st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
+        y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
         return self._emit("gemm2", y)

@@ -102,9 +102,7 @@ def _host_case(layer, args, quant, mode, tokens):
         op = torch.ops.epmoe.grouped_gemm_masked.default
         w, ws = b["w1"], b["w1_scale"]
         us_op = host_us(lambda: op(a, w, mm, s, ws, em, True))
-        us_st = host_us(
-            lambda: st.grouped_gemm(a, w, a_scales=s, w_scales=ws, masked_m=mm, expected_m=em)
-        )
+        us_st = host_us(lambda: st.grouped_gemm_masked(a, w, mm, s, ws, em, True))
         print(f"    GEMM1 through the dispatcher (as the compiled graph calls it) {us_op:.1f} µs, "
               f"the eager chain's trusted call {us_st:.1f} µs")  # fmt: skip
     print("--- compiled, cProfile:")

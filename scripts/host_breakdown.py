@@ -23,7 +23,8 @@ from epmoe import _checks, _eager, reference  # noqa: E402
 from epmoe.ops import gemm, permute  # noqa: E402
 
 P = importlib.import_module("epmoe.ops.permute")
-G = importlib.import_module("epmoe.ops.gemm")
+G = importlib.import_module("epmoe.ops.gemm._ops")
+GV = importlib.import_module("epmoe.ops.gemm._validate")
 CFG = _configs.CONFIGS["small"]
 
 
@@ -72,7 +73,7 @@ def main() -> None:
         ),
         "permute _permute_impl": lambda: _eager.run(P._permute_impl, xq, ids, E, A, xs, "deepgemm"),
         "permute public": lambda: permute(xq, ids, E, A, xs, "deepgemm"),
-        "gemm int8 masked direct check": lambda: G.MASKED.direct(a8, w8, mm, a8s, w8s),
+        "gemm int8 masked direct check": lambda: GV.MASKED.direct(a8, w8, mm, a8s, w8s),
         "gemm int8 masked raw": lambda: _eager.run(G._masked_cuda_impl, a8, w8, mm, a8s, w8s, 0),
         "gemm int8 masked public": lambda: gemm.grouped_gemm(
             a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s
@@ -110,7 +111,7 @@ def main() -> None:
         ),
         "gemm int8 masked": dict(
             raw=lambda: _eager.run(G._masked_cuda_impl, *gemm_args),
-            impl=lambda: G._masked_cuda(*gemm_args),
+            impl=lambda: GV.MASKED.check(a8, w8, mm, a8s, w8s) or G._masked_cuda(*gemm_args),
             direct_impl=lambda: _eager.direct(a8, w8, mm, a8s, w8s) and G._masked_cuda(*gemm_args),
             public=pieces["gemm int8 masked public"],
         ),

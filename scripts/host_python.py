@@ -113,17 +113,18 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     xq, xs = st.quantize(x, q) if q != "bf16" else (x, None)
     p = st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay)
     pkw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
+    ckw = dict(pkw, trusted=True)
     yp1 = torch.zeros(p.x.shape[0], I2, dtype=torch.bfloat16, device=dev)
     hp, hps = layer._act(st, yp1, **pkw)
     yp2 = torch.zeros(p.x.shape[0], H, dtype=torch.bfloat16, device=dev)
     out = {
         "permute": lambda: st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay),
-        "ht gemm1": lambda: st.grouped_gemm(
-            p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **pkw
+        "ht gemm1": lambda: st.grouped_gemm_contiguous(
+            p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **ckw
         ),
         "ht act": lambda: layer._act(st, yp1, **pkw),
-        "ht gemm2": lambda: st.grouped_gemm(
-            hp, b["w2"], a_scales=hps, w_scales=b["w2_scale"], **pkw
+        "ht gemm2": lambda: st.grouped_gemm_contiguous(
+            hp, b["w2"], a_scales=hps, w_scales=b["w2_scale"], **ckw
         ),
         "unpermute": lambda: st.unpermute(yp2, p.inv_perm, w),
     }
@@ -133,15 +134,16 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
         return out
     a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
     s = s if q != "bf16" else None
-    kw = dict(masked_m=mm, expected_m=layer.expected_m())
+    kw = dict(masked_m=mm, expected_m=layer.expected_m(), trusted=True)
+    gm = st.grouped_gemm_masked
     y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
     h, hs = layer._act(st, y1, mm)
     y2 = torch.zeros(E, C, H, dtype=torch.bfloat16, device=dev)
     out.update({
         "ll_scatter": lambda: st.ll_scatter(x, ids, E, C, q, scale_layout=lay),
-        "ll gemm1": lambda: st.grouped_gemm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw),
+        "ll gemm1": lambda: gm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw),
         "ll act": lambda: layer._act(st, y1, mm),
-        "ll gemm2": lambda: st.grouped_gemm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
+        "ll gemm2": lambda: gm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
         "ll_gather": lambda: st.ll_gather(y2, rows, w),
     })  # fmt: skip
     return out

@@ -70,6 +70,7 @@ def main() -> int:
 
     from epmoe import reference
     from epmoe.ops import gemm
+    from epmoe.ops.gemm._select import _dg_functions, _dg_role
 
     dev = torch.device("cuda")
     lines = []
@@ -86,8 +87,8 @@ def main() -> int:
     failing = {s: set() for s in SCHEMES}
     passing = {s: set() for s in SCHEMES}
     for scheme in SCHEMES:
-        fn = gemm._dg_functions()[f"{scheme}_masked"]
-        if fn is None or not gemm._dg_role(f"{scheme}_masked", dev):
+        fn = _dg_functions()[f"{scheme}_masked"]
+        if fn is None or not _dg_role(f"{scheme}_masked", dev):
             emit(f"{scheme}: deep_gemm masked not available here, skipped")
             continue
         for T in TS:

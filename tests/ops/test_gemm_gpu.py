@@ -11,7 +11,11 @@ import torch
 from benchmarks._baselines import raw_deep_gemm_contiguous, raw_deep_gemm_masked
 from epmoe import reference
 from epmoe.ops import gemm
-from epmoe.ops.gemm import grouped_gemm
+from epmoe.ops.gemm import _ops, grouped_gemm
+from epmoe.ops.gemm._deepgemm import _deep_gemm_masked
+from epmoe.ops.gemm._ops import _group_ends
+from epmoe.ops.gemm._select import _SCHEME_DTYPE, _dg_role
+from epmoe.ops.gemm._weights import _dummy_acts, _dummy_weights
 from tests._opcheck import opcheck
 from tests._tol import GEMM_VS_QUANT_AWARE, rel_l2
 
@@ -32,7 +36,7 @@ def _operands(scheme, lead, E, N, K, device, gen):
 
 
 def needs_deep_gemm(scheme, layout="contiguous"):
-    if not gemm._dg_role(f"{scheme}_{layout}", torch.device("cuda")):
+    if not _dg_role(f"{scheme}_{layout}", torch.device("cuda")):
         pytest.skip(f"deep_gemm {scheme} {layout} not available on this GPU")
 
 
@@ -107,7 +111,7 @@ def _block_store_model(block, calls=None):
 # ----------------------------------------------------------------------- CPU-side helpers (no GPU)
 def test_group_ends_from_m_indices():
     m = torch.tensor([-1, -1, 1, 1, -1, -1, 3, -1], dtype=torch.int32)
-    assert gemm._group_ends(m, 5).tolist() == [0, 4, 4, 7, 7]
+    assert _group_ends(m, 5).tolist() == [0, 4, 4, 7, 7]
 
 
 def test_cpu_row_block_and_prepare_identity():
@@ -145,7 +149,7 @@ def test_deep_gemm_masked_padding_cpu_model(scheme, T):
     live = _live(mm, T)
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     calls = []
-    y = gemm._deep_gemm_masked(_block_store_model(block, calls), a, w, mm, as_, ws, 1, block)
+    y = _deep_gemm_masked(_block_store_model(block, calls), a, w, mm, as_, ws, 1, block)
     assert y.shape == (E, T, N) and y.is_contiguous()
     assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
     (pa, ps), t_pad = calls[0], -(-T // block) * block
@@ -156,7 +160,7 @@ def test_deep_gemm_masked_padding_cpu_model(scheme, T):
         assert (
             ps.shape == (E, t_pad, K // 128) and ps.stride(1) == 1 and torch.equal(ps[:, :T], as_)
         )
-    raw = gemm._deep_gemm_masked(_block_store_model(block), a, w, mm, as_, ws, 1, 1)
+    raw = _deep_gemm_masked(_block_store_model(block), a, w, mm, as_, ws, 1, 1)
     raw_ok = rel_l2(raw[live], want[live]) < GEMM_VS_QUANT_AWARE
     assert raw_ok == (T % block == 0)
 
@@ -169,10 +173,10 @@ def test_masked_row_block_cpu():
 
 def test_dummy_operands_keep_shapes():
     for scheme in SCHEMES:
-        w, _ = gemm._dummy_weights(scheme, 2, 128, 256, "cpu")
-        a, _ = gemm._dummy_acts(scheme, (3, 5), 256, "cpu", mn_major=True)
+        w, _ = _dummy_weights(scheme, 2, 128, 256, "cpu")
+        a, _ = _dummy_acts(scheme, (3, 5), 256, "cpu", mn_major=True)
         assert w.shape == (2, 128, 256) and a.shape == (3, 5, 256)
-        assert w.dtype == a.dtype == gemm._SCHEME_DTYPE[scheme]
+        assert w.dtype == a.dtype == _SCHEME_DTYPE[scheme]
 
 
 def test_empty_fp8_act_scales_layout():
@@ -273,7 +277,7 @@ def test_masked_row_block_cuda():
     assert gemm.masked_row_block("int8", dev) == 1
     for scheme in ("bf16", "fp8"):
         block = gemm.masked_row_block(scheme, dev)
-        if not gemm._dg_role(f"{scheme}_masked", dev):
+        if not _dg_role(f"{scheme}_masked", dev):
             assert block == 1
         elif torch.cuda.get_device_capability()[0] == 9:
             assert block == 128  # deep_gemm sm90 masked BLOCK_M candidates: 64, 128
@@ -350,7 +354,7 @@ def test_bf16_grouped_mm_fallback(monkeypatch, with_offsets):
     if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm needs sm90+")
     monkeypatch.setattr(
-        gemm._ops,
+        _ops,
         "_backend",
         lambda scheme, layout, *a: {"contiguous": "grouped_mm", "masked": "bmm"}[layout],
     )
@@ -454,7 +458,7 @@ def test_row_block_and_alignment_error(scheme):
     block = gemm.contiguous_row_block(scheme, dev)
     if scheme == "int8":
         assert block == 128
-    elif gemm._dg_role(f"{scheme}_contiguous", dev):
+    elif _dg_role(f"{scheme}_contiguous", dev):
         import deep_gemm
 
         assert block == deep_gemm.get_mk_alignment_for_contiguous_layout()

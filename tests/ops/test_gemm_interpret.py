@@ -16,7 +16,7 @@ pytestmark = [
 ]
 
 from epmoe import reference  # noqa: E402
-from epmoe.ops import gemm  # noqa: E402
+from epmoe.ops.gemm import _int8  # noqa: E402
 from tests._tol import assert_close  # noqa: E402
 
 # Small tiles: the interpreter runs every program in Python.
@@ -55,7 +55,7 @@ def test_int8_contiguous_matches_reference(counts, K):
     m_idx = _contiguous_layout(counts, CONTIG["BLOCK_M"])
     m_idx = torch.cat([m_idx, torch.full((16,), -1, dtype=torch.int32)])  # a whole -1 block
     a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
-    y = gemm._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG)
+    y = _int8._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG)
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     live = m_idx >= 0
     assert y.dtype == torch.bfloat16 and y.shape == want.shape
@@ -70,7 +70,7 @@ def test_int8_contiguous_skips_minus_one_blocks():
     a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
     as_[m_idx < 0] = float("nan")  # a -1 block's rows hold garbage: never used
     sentinel = torch.full((m_idx.numel(), N), 3.0, dtype=torch.bfloat16)
-    y = gemm._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG, out=sentinel.clone())
+    y = _int8._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG, out=sentinel.clone())
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     assert_close(y[16:32], want[16:32])
     assert torch.equal(y[m_idx < 0], sentinel[m_idx < 0])  # -1 blocks: no program wrote them
@@ -87,7 +87,7 @@ def test_int8_masked_matches_reference(expected_m):
     as_poison = torch.where(live.unsqueeze(-1), as_, float("nan"))
     a_poison = torch.where(live.unsqueeze(-1), a, torch.full_like(a, 127))
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
-    y = gemm._int8_masked_triton(
+    y = _int8._int8_masked_triton(
         a_poison, w, masked_m, as_poison, ws, expected_m, config=MASKED, out=sentinel.clone()
     )
     want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
@@ -105,7 +105,7 @@ def test_int8_masked_split_loops_over_blocks():
     a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
     cfg = dict(MASKED, BLOCK_M=16, M_SPLIT=2)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
-    y = gemm._int8_masked_triton(a, w, masked_m, as_, ws, config=cfg, out=sentinel.clone())
+    y = _int8._int8_masked_triton(a, w, masked_m, as_, ws, config=cfg, out=sentinel.clone())
     want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
     live = torch.arange(T)[None, :] < masked_m[:, None]
     assert_close(y[live], want[live])
@@ -113,11 +113,11 @@ def test_int8_masked_split_loops_over_blocks():
 
 
 def test_masked_tiling_static():
-    assert gemm._masked_tiling(256, 8) == (16, 1)
-    assert gemm._masked_tiling(256, 0) == (64, 4)  # expected_m = T
-    assert gemm._masked_tiling(256, 100) == (64, 2)
-    assert gemm._masked_tiling(256, 33) == (64, 1)
-    assert gemm._masked_tiling(8, 1000) == (16, 1)  # clamped to T
+    assert _int8._masked_tiling(256, 8) == (16, 1)
+    assert _int8._masked_tiling(256, 0) == (64, 4)  # expected_m = T
+    assert _int8._masked_tiling(256, 100) == (64, 2)
+    assert _int8._masked_tiling(256, 33) == (64, 1)
+    assert _int8._masked_tiling(8, 1000) == (16, 1)  # clamped to T
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_int8_masked_kernel_checks_counts(counts, want):
     masked_m = torch.tensor(counts, dtype=torch.int32)
     a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
     ok = torch.tensor(not want)  # the kernel must overwrite it either way
-    y = gemm._int8_masked_triton(a, w, masked_m, as_, ws, config=MASKED, ok=ok)
+    y = _int8._int8_masked_triton(a, w, masked_m, as_, ws, config=MASKED, ok=ok)
     assert bool(ok) is want
     # a bad count is clamped to [0, T]: rows inside the slot only, results of the clamped count
     clamped = masked_m.clamp(0, T)

@@ -33,42 +33,29 @@ dims.
 
 Modules: ``_select`` (scheme, backend choice, deep_gemm entry points, row blocks), ``_validate``
 (the input contracts), ``_int8`` (Triton INT8 kernels, configs, launchers),
-``_deepgemm`` (deep_gemm calls, masked row padding), ``_ops`` (torch.library registration, CUDA
-dispatch, :func:`grouped_gemm`), ``_weights`` (:func:`prepare_weights`, :func:`warmup`). Patch a
-private name in the module that defines it (``_ops._backend``, ``_int8._int8_masked_kernel``): the
-names re-exported here are copies of the binding, never the one the code reads.
+``_deepgemm`` (deep_gemm calls, masked row padding), ``_ops`` (the two stages
+:func:`grouped_gemm_contiguous` and :func:`grouped_gemm_masked`, declared once with
+:func:`epmoe._stage.stage`, their CUDA dispatch, and :func:`grouped_gemm`, which picks one),
+``_weights`` (:func:`prepare_weights`, :func:`warmup`). Only the public API is exported here:
+import or patch a private name in the module that defines it (``_ops._backend``,
+``_int8._int8_masked_kernel``).
 """
 
-# The public API (__all__) and, as `x as x`, internals that tests, scripts and benchmarks call.
-from epmoe.ops.gemm._deepgemm import _deep_gemm_masked as _deep_gemm_masked
-from epmoe.ops.gemm._int8 import _int8_contiguous_triton as _int8_contiguous_triton
-from epmoe.ops.gemm._int8 import _int8_masked_triton as _int8_masked_triton
-from epmoe.ops.gemm._int8 import _masked_tiling as _masked_tiling
-from epmoe.ops.gemm._ops import _group_ends as _group_ends
-from epmoe.ops.gemm._ops import _grouped_gemm_trusted as _grouped_gemm_trusted
-from epmoe.ops.gemm._ops import _masked_cuda as _masked_cuda
-from epmoe.ops.gemm._ops import _masked_cuda_impl as _masked_cuda_impl
-from epmoe.ops.gemm._ops import grouped_gemm
-from epmoe.ops.gemm._select import _SCHEME_DTYPE as _SCHEME_DTYPE
-from epmoe.ops.gemm._select import _backend as _backend
-from epmoe.ops.gemm._select import _dg_functions as _dg_functions
-from epmoe.ops.gemm._select import _dg_role as _dg_role
+from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_contiguous, grouped_gemm_masked
 from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
     masked_row_block,
     scheme_of,
 )
-from epmoe.ops.gemm._validate import CONTIGUOUS as CONTIGUOUS
-from epmoe.ops.gemm._validate import MASKED as MASKED
-from epmoe.ops.gemm._weights import _dummy_acts as _dummy_acts
-from epmoe.ops.gemm._weights import _dummy_weights as _dummy_weights
 from epmoe.ops.gemm._weights import prepare_weights, warmup
 
 __all__ = [
     "contiguous_row_block",
     "empty_fp8_act_scales",
     "grouped_gemm",
+    "grouped_gemm_contiguous",
+    "grouped_gemm_masked",
     "masked_row_block",
     "prepare_weights",
     "scheme_of",

@@ -1,11 +1,14 @@
-"""The grouped GEMM ops: torch.library registration (fakes, CPU reference kernels, CUDA kernels
-that dispatch to the backend :func:`_backend` picks) and the public :func:`grouped_gemm`."""
+"""The grouped GEMM stages, each declared once (:func:`epmoe._stage.stage`):
+:func:`grouped_gemm_contiguous` and :func:`grouped_gemm_masked` (fake, CPU reference, CUDA
+kernels that dispatch to the backend :func:`_backend` picks), and the public :func:`grouped_gemm`
+that picks one of them."""
 
 from typing import Optional
 
 import torch
 
 from epmoe import _checks, _eager, reference
+from epmoe._stage import stage
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
 from epmoe.ops.gemm._int8 import _int8_contiguous_triton, _int8_masked_triton
 from epmoe.ops.gemm._select import OP, _backend, _dg_functions, masked_row_block, scheme_of
@@ -68,86 +71,110 @@ def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=Fa
     return _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m, block)
 
 
-# -------------------------------------------------------------------------------------------- ops
-# Defined on a torch.library.Library, not with custom_op: the compiled layer calls both GEMMs
-# through the dispatcher, where custom_op's Python autograd and aliasing wrappers cost several
-# times a plain registration. No autograd kernel (inference only): inputs that would need one
-# are a ValueError in every kernel (_check_no_grad), never a silently missing gradient.
-_LIB = torch.library.Library("epmoe", "FRAGMENT")
-_LIB.define(
-    "grouped_gemm_contiguous(Tensor a, Tensor w, Tensor m_indices, Tensor? a_scales=None, "
-    "Tensor? w_scales=None, Tensor? expert_offsets=None, bool trusted=False) -> Tensor"
-)
-_LIB.define(
-    "grouped_gemm_masked(Tensor a, Tensor w, Tensor masked_m, Tensor? a_scales=None, "
-    "Tensor? w_scales=None, int expected_m=0, bool trusted=False) -> Tensor"
-)
-
-
-def _check_no_grad(a, w, a_scales, w_scales) -> None:
-    _checks.check_no_grad(OP, a=a, w=w, a_scales=a_scales, w_scales=w_scales)
-
-
-def _contiguous_fake(
-    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
-):
-    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    _check_no_grad(a, w, a_scales, w_scales)
-    return a.new_empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
-
-
-def _contiguous_reference(
-    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
-):
-    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    _check_no_grad(a, w, a_scales, w_scales)
-    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-    return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
-
-
-def _contiguous_cuda(
-    a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None, trusted=False
-):
-    CONTIGUOUS.check(a, w, m_indices, a_scales, w_scales, expert_offsets)
-    _check_no_grad(a, w, a_scales, w_scales)
+def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
+                     trusted=False):  # fmt: skip
+    """grouped_gemm_contiguous on CUDA (metadata checked by the caller); trusted: no value check
+    of m_indices (rows from permute)."""
     if not trusted:
         _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
         return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
 
 
-def _masked_fake(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    MASKED.check(a, w, masked_m, a_scales, w_scales)
-    _check_no_grad(a, w, a_scales, w_scales)
-    return a.new_empty((a.shape[0], a.shape[1], w.shape[1]), dtype=torch.bfloat16)
-
-
-def _masked_reference(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    MASKED.check(a, w, masked_m, a_scales, w_scales)
-    _check_no_grad(a, w, a_scales, w_scales)
-    _check_counts(masked_m, a.shape[1])
-    return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
-
-
 def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    MASKED.check(a, w, masked_m, a_scales, w_scales)
-    _check_no_grad(a, w, a_scales, w_scales)
+    """grouped_gemm_masked on CUDA (metadata checked by the caller); trusted: no value check of
+    masked_m (counts from a dispatch that clamps them)."""
     with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
         return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
 
 
-for _name, _fake, _ref, _cuda in (
-    ("grouped_gemm_contiguous", _contiguous_fake, _contiguous_reference, _contiguous_cuda),
-    ("grouped_gemm_masked", _masked_fake, _masked_reference, _masked_cuda),
-):
-    # the reference serves every device but CUDA (CPU: the same bytes compiled or eager)
-    _LIB.impl(_name, _ref, "CompositeExplicitAutograd")
-    _LIB.impl(_name, _cuda, "CUDA")
-    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
-    torch.library.register_fake(f"epmoe::{_name}", _fake, lib=_LIB)
+# -------------------------------------------------------------------------------------------- ops
+# No autograd kernel (inference only): inputs that would need one are a ValueError (the stage's
+# kernels refuse them), never a silently missing gradient. Both ops stay opaque under
+# torch.compile (triton=False): deep_gemm, torch._grouped_mm and the autotuned INT8 kernels.
+def _output(a, w, *_):
+    """bf16 `[M_sum, N]` (contiguous) or `[E, T, N]` (masked): the fake's output."""
+    return a.new_empty((*a.shape[:-1], w.shape[1]), dtype=torch.bfloat16)
 
-_contiguous_op = torch.ops.epmoe.grouped_gemm_contiguous.default
-_masked_op = torch.ops.epmoe.grouped_gemm_masked.default
+
+def _contiguous_reference(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
+                          trusted=False):  # fmt: skip
+    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")  # (always: trusted is CUDA's)
+    return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
+
+
+def _masked_reference(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+    _check_counts(masked_m, a.shape[1])  # (always: trusted is CUDA's)
+    return reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
+
+
+@stage(
+    contract=CONTIGUOUS,
+    fake=_output,
+    reference=_contiguous_reference,
+    cuda=_contiguous_cuda,
+    triton=False,
+    chain=dict(trusted=True),  # the layer's rows come from its own permute: -1 or in range
+)
+def grouped_gemm_contiguous(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expert_offsets: Optional[torch.Tensor] = None,
+    trusted: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM out[r] = a[r] @ w[m_indices[r]].T on the contiguous (HT) layout.
+
+    Args:
+        a: bf16/fp8/int8 `[M_sum, Kd]`.
+        w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
+        m_indices: int32 `[M_sum]` expert per row, -1 to skip; expert blocks start at multiples of
+            :func:`contiguous_row_block`.
+        a_scales, w_scales: float32 scales for fp8/int8 (see the package docstring).
+        expert_offsets: optional int32 `[E + 1]` expert block starts (permute's
+            ``expert_offsets``); only the torch._grouped_mm backend uses it.
+        trusted: m_indices comes from permute, whose values are -1 or in range by construction:
+            the CUDA backends skip their device-side value check. The CPU reference always checks.
+    Returns:
+        bf16 `[M_sum, N]`; rows with m_indices == -1 unspecified. CUDA-graph safe after
+        :func:`warmup`.
+    """
+
+
+@stage(
+    contract=MASKED,
+    fake=_output,
+    reference=_masked_reference,
+    cuda=_masked_cuda,
+    triton=False,
+    chain=dict(trusted=True),  # the layer's counts come from a dispatch that clamps them
+)
+def grouped_gemm_masked(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expected_m: int = 0,
+    trusted: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM out[e, t] = a[e, t] @ w[e].T on the masked (LL) layout, t < masked_m[e].
+
+    Args:
+        a: bf16/fp8/int8 `[E, T, Kd]`.
+        w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
+        masked_m: int32 `[E]` live rows per expert (on the device; rows past it are never read).
+            Any T works; with deep_gemm, T a multiple of :func:`masked_row_block` saves a copy.
+        a_scales, w_scales: float32 scales for fp8/int8 (see the package docstring).
+        expected_m: static hint of rows per expert (0: T); picks tile shapes, never results.
+        trusted: masked_m comes from a dispatch that clamps the counts to T: the CUDA backends
+            skip their value check. The CPU reference always checks.
+    Returns:
+        bf16 `[E, T, N]`; rows t >= masked_m[e] unspecified. CUDA-graph safe after
+        :func:`warmup`.
+    """
 
 
 def grouped_gemm(
@@ -183,26 +210,6 @@ def grouped_gemm(
     if (m_indices is None) == (masked_m is None):
         raise _checks.fail(OP, "m_indices/masked_m", "exactly one of them", "both or neither")
     if m_indices is not None:
-        direct = _eager.direct(a, w, m_indices, a_scales, w_scales, expert_offsets)
-        run = _contiguous_cuda if direct else _contiguous_op
-        return run(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
+        return grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
     em = int(expected_m or 0)
-    if _eager.calm() and MASKED.direct(a, w, masked_m, a_scales, w_scales):
-        with _eager.on_device(a):  # the usual eager call, validated in one pass
-            return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted)
-    run = _masked_cuda if _eager.direct(a, w, masked_m, a_scales, w_scales) else _masked_op
-    return run(a, w, masked_m, a_scales, w_scales, em, trusted)
-
-
-def _grouped_gemm_trusted(
-    a, w, m_indices=None, masked_m=None, a_scales=None, w_scales=None, expected_m=None,
-    expert_offsets=None,
-):  # fmt: skip
-    """The layer's entry on its direct path (eager, plain CUDA tensors checked at the layer's
-    boundary or made by the stage before, rows from permute / a dispatch): the CUDA backend
-    without the metadata or value checks."""
-    with _eager.on_device(a):
-        if m_indices is not None:
-            return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
-        em = int(expected_m or 0)
-        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, em, trusted=True)
+    return grouped_gemm_masked(a, w, masked_m, a_scales, w_scales, em, trusted)
