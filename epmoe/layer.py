@@ -111,7 +111,7 @@ _PUBLIC = _Stages(
 _CHAINED = _PUBLIC._replace(
     unpermute=unpermute.chained,
     ll_gather=_ml._ll_gather_chained,
-    gemv_down=_gemv._gemv_down_chained,
+    gemv_down=_gemv.gemv_down.chained,
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
@@ -119,7 +119,7 @@ _TRUSTED = _Stages(
     gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
     unpermute.launch, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
     _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
-    _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
+    _gemv.gemv_gate_up.launch, functools.partial(_gemv.gemv_down.launch, check=False),
 )  # fmt: skip
 
 

@@ -40,11 +40,11 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
 from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
+from epmoe._stage import stage
 from epmoe.ops._activation_kernels import _silu_h  # by name: Inductor copies @triton.jit callees
 
 OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
@@ -425,13 +425,24 @@ def _scale_strides(s: Optional[torch.Tensor]) -> Tuple[int, int, int]:
     return (0, 0, 0) if s is None else (*s.stride(), 0)[:3]
 
 
+def _up_output(x, topk_ids, w1, w1_scales=None, check=True):
+    """h bf16 `[T, K, I]`, allocated (the CUDA launch fills it; the fake returns it)."""
+    shape = (x.shape[0], topk_ids.shape[1], w1.shape[1] // 2)
+    return torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+
+
+def _down_output(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
+    """out bf16 `[T, H]`, allocated (the CUDA launch fills it; the fake returns it)."""
+    return torch.empty((h.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=h.device)
+
+
 @_eager.on_input_device
 def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = w1.shape[0], w1.shape[1] // 2
-    h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
+    h = _up_output(x, topk_ids, w1)
     in_kernel, ok = _check_setup(x, check)
     launch = _up_launch(
         T, H, I, E, K, _QCODE[w1.dtype], x.stride(), topk_ids.stride(), w1.stride(),
@@ -449,7 +460,7 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     """gemv_down on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, K, I = h.shape
     E, H = w2.shape[0], w2.shape[1]
-    out = torch.empty((T, H), dtype=torch.bfloat16, device=h.device)
+    out = _down_output(h, topk_ids, topk_weights, w2)
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
     launch = _down_launch(
@@ -519,59 +530,25 @@ DOWN = Contract(
 )
 
 
-def _gate_up_impl(x, topk_ids, w1, w1_scales=None, check=True):
-    UP.check(x, topk_ids, w1, w1_scales)
-    if x.is_cuda:
-        return _gemv_gate_up_triton(x, topk_ids, w1, w1_scales, check)
+def _up_reference(x, topk_ids, w1, w1_scales=None, check=True):
     if check:
         _checks.check_ids(topk_ids, w1.shape[0], OP_UP, "topk_ids")
     return reference.gemv_gate_up(x, topk_ids, w1, w1_scales)
 
 
-def _down_impl(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
-    DOWN.check(h, topk_ids, topk_weights, w2, w2_scales)
-    if h.is_cuda:
-        return _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales, check)
+def _down_reference(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
     if check:
         _checks.check_ids(topk_ids, w2.shape[0], OP_DOWN, "topk_ids")
     return reference.gemv_down(h, topk_ids, topk_weights, w2, w2_scales)
 
 
-@triton_op("epmoe::gemv_gate_up", mutates_args=())
-def _gate_up_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scales: Optional[torch.Tensor] = None,
-    check: bool = True,
-) -> torch.Tensor:
-    return _gate_up_impl(x, topk_ids, w1, w1_scales, check)
-
-
-@triton_op("epmoe::gemv_down", mutates_args=())
-def _down_op(
-    h: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scales: Optional[torch.Tensor] = None,
-    check: bool = True,
-) -> torch.Tensor:
-    return _down_impl(h, topk_ids, topk_weights, w2, w2_scales, check)
-
-
-# CPU kernels: the same functions, which take their reference branch for CPU tensors
-_gate_up_op.register_kernel("cpu")(_gate_up_impl)
-_down_op.register_kernel("cpu")(_down_impl)
-_library.cpu_opaque(_gate_up_op)  # compiled CPU graphs call them: the same bytes as eager
-_library.cpu_opaque(_down_op)
-
-
+@stage(contract=UP, fake=_up_output, reference=_up_reference, cuda=_gemv_gate_up_triton)
 def gemv_gate_up(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     w1: torch.Tensor,
     w1_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """SiLU-gated first expert projection of every (token, choice), activations quantized inside.
 
@@ -580,20 +557,27 @@ def gemv_gate_up(
         topk_ids: int32/int64 `[T, K]` local expert or -1.
         w1: bf16 / float8_e4m3fn / int8 `[E, 2I, H]`, gate rows first (prepare_weights' layout).
         w1_scales: None (bf16), float32 `[E, 2I/128, H/128]` (fp8) or `[E, 2I]` (int8).
+        check: False skips the check of the ids (the kernel then reads a bad id as a skipped
+            choice); the CPU reference checks them only when True.
     Returns:
         bf16 `[T, K, I]`; rows of -1 choices are zero. CUDA-graph safe.
     """
-    if _eager.direct(x, topk_ids, w1, w1_scales):
-        return _eager.run(_gate_up_impl, x, topk_ids, w1, w1_scales)
-    return _gate_up_op(x, topk_ids, w1, w1_scales)
 
 
+@stage(
+    contract=DOWN,
+    fake=_down_output,
+    reference=_down_reference,
+    cuda=_gemv_down_triton,
+    chain=dict(check=False),  # the layer's ids: gemv_gate_up checked them
+)
 def gemv_down(
     h: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w2: torch.Tensor,
     w2_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Second expert projection of every (token, choice) and the weighted top-k sum.
 
@@ -603,26 +587,8 @@ def gemv_down(
         topk_weights: float `[T, K]`.
         w2: bf16 / float8_e4m3fn / int8 `[E, H, I]`.
         w2_scales: None (bf16), float32 `[E, H/128, I/128]` (fp8) or `[E, H]` (int8).
+        check: False skips the check of the ids (gemv_gate_up's ids, checked there; the kernel
+            then reads a bad id as a skipped choice); the CPU reference checks them only when True.
     Returns:
         bf16 `[T, H]`, float32 accumulation over k. CUDA-graph safe.
     """
-    if _eager.direct(h, topk_ids, topk_weights, w2, w2_scales):
-        return _eager.run(_down_impl, h, topk_ids, topk_weights, w2, w2_scales)
-    return _down_op(h, topk_ids, topk_weights, w2, w2_scales)
-
-
-def _gemv_down_chained(h, topk_ids, topk_weights, w2, w2_scales=None):
-    """The layer's entry off the direct path: the op without the id check (gemv_gate_up checked
-    the same ids), so a compiled chain has one check, not two."""
-    return _down_op(h, topk_ids, topk_weights, w2, w2_scales, False)
-
-
-def _gemv_gate_up_trusted(x, topk_ids, w1, w1_scales=None):
-    """The layer's entry on its direct path (inputs checked at the layer's boundary): the launch
-    without the metadata checks; the kernel still asserts the ids."""
-    return _eager.run(_gemv_gate_up_triton, x, topk_ids, w1, w1_scales)
-
-
-def _gemv_down_trusted(h, topk_ids, topk_weights, w2, w2_scales=None):
-    """The layer's direct-path entry after _gemv_gate_up_trusted (same ids): no checks."""
-    return _eager.run(_gemv_down_triton, h, topk_ids, topk_weights, w2, w2_scales, False)
