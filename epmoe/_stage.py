@@ -23,7 +23,8 @@ The signature (its annotations) is the op's schema; the body is never run. From 
   contract's one-pass ``direct``), calls ``cuda`` straight away (its first argument's device made
   current: Triton launches on the current device) and skips the dispatcher's 30-50 µs; any other
   call checks the contract (our ``ValueError`` before the schema's) and calls the op.
-- ``fn.launch``: ``cuda`` (its result wrapped), the layer's entry on its direct path: inputs
+- ``fn.launch``: ``cuda`` with the ``chain`` arguments (its result wrapped), the layer's entry on
+  its direct path: inputs
   checked at the layer's boundary or made by the stage before; ``wrap_triton`` off and the
   inputs' device current, both set once per layer call (:func:`epmoe._eager.no_wrap`,
   :func:`epmoe._eager.on_device`). ``fn.chained``: the op with the declared ``chain`` arguments
@@ -196,7 +197,7 @@ def {signature.__name__}({sig}):
     return {wrap("_out")}
 
 def launch({sig}):
-    return {wrap(f"_cuda({call})")}
+    return {wrap(f"_cuda({chained_call})")}
 
 def chained({sig}):
     return {wrap(f"_op({chained_call})")}
@@ -215,7 +216,7 @@ def chained({sig}):
     fn.__doc__, fn.__module__ = signature.__doc__, signature.__module__
     fn.__qualname__ = signature.__qualname__
     fn.__signature__ = inspect.signature(signature)
-    fn.launch = ns["launch"] if result is not None else cuda  # (no frame of its own)
+    fn.launch = ns["launch"] if result is not None or chain else cuda  # (no frame of its own)
     fn.chained = ns["chained"]
     return fn
 

@@ -118,7 +118,7 @@ _CHAINED = _PUBLIC._replace(
     grouped_gemm_masked=grouped_gemm_masked.chained,
     unpermute=unpermute.chained,
     ll_gather=_ml._ll_gather_chained,
-    gemv_down=_gemv._gemv_down_chained,
+    gemv_down=_gemv.gemv_down.chained,
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(
@@ -127,7 +127,7 @@ _TRUSTED = _Stages(
     _act.silu_and_mul_quant.launch,
     unpermute.launch, _combine.ht_combine.launch, _dispatch.ll_dispatch.launch,
     _combine.ll_combine.launch, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
-    _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
+    _gemv.gemv_gate_up.launch, _gemv.gemv_down.launch,
 )  # fmt: skip
 
 

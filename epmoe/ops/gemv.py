@@ -40,11 +40,11 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, reference
 from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
 from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
+from epmoe._stage import stage
 from epmoe.ops._activation_kernels import _silu_h  # by name: Inductor copies @triton.jit callees
 
 OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
@@ -133,6 +133,91 @@ def _dot_groups(q, w):
 
 
 @triton.jit
+def _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K: tl.constexpr, CHECK_IDS: tl.constexpr):
+    """The check program of both kernels: how many ids of topk_ids `[T, K]` lie outside [0, E)
+    other than -1, CHECK_IDS at a step."""
+    n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
+    for b0 in range(0, T * K, CHECK_IDS):
+        pos = b0 + tl.arange(0, CHECK_IDS)
+        inb = pos < T * K
+        v = tl.load(
+            ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
+            mask=inb,
+            other=-1,
+        )
+        n_bad += _bad_ids(v, inb, E)
+    return tl.sum(n_bad, axis=0)
+
+
+@triton.jit
+def _up_fp8(
+    x_row, wg, wu, ws_ptr, e64, nb, hi, n_ok, H, I,
+    stride_xh, stride_wh, stride_se, stride_sn, stride_sh,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp8 gate and up sums, float32 `[BLOCK_N]`: x quantized per 128 channels, weights per
+    128x128 block; a step covers G groups of 128 channels: x `[G, 128]`, weights
+    `[BLOCK_N, G, 128]`."""
+    G: tl.constexpr = BLOCK_K // 128
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    gi = tl.arange(0, G)
+    c2 = gi[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+    sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+    su = sg + (I // 128) * stride_sn
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + c2
+        xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+        q, s = _quant_fp8_groups(xv.to(tl.float32))
+        blk = k0 // 128 + gi
+        g_ok = blk * 128 < hi
+        s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
+        s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
+        m = n_ok[:, None, None] & (kk < hi)[None, :, :]
+        w_off = kk[None, :, :] * stride_wh
+        pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
+        pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
+        acc_g += tl.sum(pg * s_g[None, :], axis=1)
+        acc_u += tl.sum(pu * s_u[None, :], axis=1)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _up_rows(
+    x_row, wg, wu, ws_ptr, e64, offs_n, hi, n_ok, H, I,
+    stride_xh, stride_wh, stride_se, stride_sn,
+    QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """bf16 / int8 gate and up sums `[BLOCK_N]` (float32 after int8's scales): int8 quantizes x
+    per token (its amax over the whole row first, from L2)."""
+    rk = tl.arange(0, BLOCK_K)
+    if QUANT == 2:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + rk
+            xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+        s = _int8_scale(tl.max(amax, axis=0)[None])
+    acc_g = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
+    acc_u = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + rk
+        m = n_ok[:, None] & (kk < hi)[None, :]
+        xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+        if QUANT == 2:
+            xv = _quant_int8(xv.to(tl.float32)[None, :], s)
+        else:
+            xv = xv[None, :]
+        acc_g += _dot_rows(xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), QUANT)
+        acc_u += _dot_rows(xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), QUANT)
+    if QUANT == 2:
+        cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
+        acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
+        acc_u = acc_u.to(tl.float32) * s * tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     # tensors
     x_ptr, ids_ptr, w_ptr, ws_ptr, h_ptr, ok_ptr,
@@ -151,18 +236,9 @@ def _gemv_gate_up_kernel(
     nb = tl.program_id(1)
     if pid >= T * K:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:
-            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
-            for b0 in range(0, T * K, CHECK_IDS):
-                pos = b0 + tl.arange(0, CHECK_IDS)
-                inb = pos < T * K
-                v = tl.load(
-                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
-                    mask=inb,
-                    other=-1,
-                )
-                n_bad += _bad_ids(v, inb, E)
+            bad = _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K, CHECK_IDS)
             msg: tl.constexpr = "gemv_gate_up: topk_ids expected ids in [0, E) or -1"
-            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
+            _report(ok_ptr, bad, ASSERT, msg)
     else:
         t = (pid // K).to(tl.int64)
         e = tl.load(ids_ptr + t * stride_it + (pid % K) * stride_ik)
@@ -171,65 +247,81 @@ def _gemv_gate_up_kernel(
         hi = tl.where(live, H, 0)  # a skipped (or bad) choice reads nothing: h = silu(0) * 0
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
-        rk = tl.arange(0, BLOCK_K)
         x_row = x_ptr + t * stride_xt
         wg = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         wu = wg + I * stride_wn
-        if QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
-            # a step covers G groups of 128 channels: x `[G, 128]`, weights `[BLOCK_N, G, 128]`
-            G: tl.constexpr = BLOCK_K // 128
-            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            gi = tl.arange(0, G)
-            c2 = gi[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-            sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
-            su = sg + (I // 128) * stride_sn
-            for k0 in range(0, H, BLOCK_K):
-                kk = k0 + c2
-                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                q, s = _quant_fp8_groups(xv.to(tl.float32))
-                blk = k0 // 128 + gi
-                g_ok = blk * 128 < hi
-                s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
-                s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
-                m = n_ok[:, None, None] & (kk < hi)[None, :, :]
-                w_off = kk[None, :, :] * stride_wh
-                pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
-                pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
-                acc_g += tl.sum(pg * s_g[None, :], axis=1)
-                acc_u += tl.sum(pu * s_u[None, :], axis=1)
-        else:  # bf16; int8: x quantized per token (its amax over the whole row first, from L2)
-            if QUANT == 2:
-                amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, H, BLOCK_K):
-                    kk = k0 + rk
-                    xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                    amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
-                s = _int8_scale(tl.max(amax, axis=0)[None])
-            acc_g = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
-            acc_u = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
-            for k0 in range(0, H, BLOCK_K):
-                kk = k0 + rk
-                m = n_ok[:, None] & (kk < hi)[None, :]
-                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-                if QUANT == 2:
-                    xv = _quant_int8(xv.to(tl.float32)[None, :], s)
-                else:
-                    xv = xv[None, :]
-                acc_g += _dot_rows(
-                    xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), QUANT
-                )
-                acc_u += _dot_rows(
-                    xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), QUANT
-                )
-            if QUANT == 2:
-                cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
-                acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
-                acc_u = acc_u.to(tl.float32) * s * tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
+        if QUANT == 1:
+            acc_g, acc_u = _up_fp8(
+                x_row, wg, wu, ws_ptr, e64, nb, hi, n_ok, H, I,
+                stride_xh, stride_wh, stride_se, stride_sn, stride_sh, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            acc_g, acc_u = _up_rows(
+                x_row, wg, wu, ws_ptr, e64, offs_n, hi, n_ok, H, I,
+                stride_xh, stride_wh, stride_se, stride_sn, QUANT, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         g = round_float(acc_g, tl.bfloat16)
         u = round_float(acc_u, tl.bfloat16)
         h = _silu_h(g, u, FAST)
         tl.store(h_ptr + pid.to(tl.int64) * I + offs_n, h.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _down_fp8(
+    h_rows, w_rows, ws_ptr, e64, nb, hi, n_ok, I, stride_se, stride_sn, stride_si, stride_wi,
+    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp8 products, float32 `[K_PAD, BLOCK_N]`: h quantized per 128 channels, G groups per
+    step, the weight scales applied to h."""
+    G: tl.constexpr = BLOCK_K // 128
+    ri = tl.arange(0, BLOCK_K)[None, :]
+    s_rows = ws_ptr + e64[:, None] * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+    acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ii = k0 + ri  # [1, BLOCK_K]
+        hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+        q, s = _quant_fp8_groups(tl.reshape(hv.to(tl.float32), (K_PAD * G, 128)))
+        gi = tl.arange(0, G)[None, :]
+        s_w = tl.load(s_rows + (k0 // 128 + gi) * stride_si, mask=k0 + gi * 128 < hi, other=0.0)
+        scale = tl.reshape(s, (K_PAD, G)) * s_w  # [K_PAD, G]
+        hq = tl.reshape(q.to(tl.float32), (K_PAD, G, 128)) * scale[:, :, None]
+        m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+        wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
+    return acc
+
+
+@triton.jit
+def _down_rows(
+    h_rows, w_rows, ws_ptr, e64, offs_n, hi, n_ok, I, stride_se, stride_sn, stride_wi,
+    K_PAD: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """bf16 / int8 products `[K_PAD, BLOCK_N]` (float32 after int8's scales): int8 quantizes h
+    per row (its amax first, from L2), int32 products."""
+    ri = tl.arange(0, BLOCK_K)[None, :]
+    if QUANT == 2:
+        amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
+            amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
+        s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
+    acc = tl.zeros([K_PAD, BLOCK_N], dtype=_ACC[QUANT])
+    for k0 in range(0, I, BLOCK_K):
+        ii = k0 + ri
+        hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+        if QUANT == 2:
+            hv = _quant_int8(hv.to(tl.float32), s)
+        m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+        wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
+        acc += tl.sum(wv.to(_ACC[QUANT]) * hv.to(_ACC[QUANT])[:, None, :], axis=2)
+    if QUANT == 2:
+        s_w = tl.load(
+            ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
+            mask=n_ok[None, :],
+            other=0.0,
+        )
+        acc = acc.to(tl.float32) * s[:, None] * s_w
+    return acc
 
 
 @triton.jit
@@ -253,18 +345,9 @@ def _gemv_down_kernel(
     nb = tl.program_id(1)
     if t >= T:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:
-            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
-            for b0 in range(0, T * K, CHECK_IDS):
-                pos = b0 + tl.arange(0, CHECK_IDS)
-                inb = pos < T * K
-                v = tl.load(
-                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
-                    mask=inb,
-                    other=-1,
-                )
-                n_bad += _bad_ids(v, inb, E)
+            bad = _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K, CHECK_IDS)
             msg: tl.constexpr = "gemv_down: topk_ids expected ids in [0, E) or -1"
-            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
+            _report(ok_ptr, bad, ASSERT, msg)
     else:
         t64 = t.to(tl.int64)
         kk = tl.arange(0, K_PAD)
@@ -279,48 +362,16 @@ def _gemv_down_kernel(
         h_rows = h_ptr + (t64 * K + kk)[:, None] * I  # [K_PAD, 1]
         w_rows = (w_ptr + e64[:, None, None] * stride_we
                   + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # fmt: skip
-        if QUANT == 1:  # h quantized per 128 channels: G groups per step, scales applied to h
-            G: tl.constexpr = BLOCK_K // 128
-            ri = tl.arange(0, BLOCK_K)[None, :]
-            s_rows = ws_ptr + e64[:, None] * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
-            acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                ii = k0 + ri  # [1, BLOCK_K]
-                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-                q, s = _quant_fp8_groups(tl.reshape(hv.to(tl.float32), (K_PAD * G, 128)))
-                gi = tl.arange(0, G)[None, :]
-                s_w = tl.load(
-                    s_rows + (k0 // 128 + gi) * stride_si, mask=k0 + gi * 128 < hi, other=0.0
-                )
-                scale = tl.reshape(s, (K_PAD, G)) * s_w  # [K_PAD, G]
-                hq = tl.reshape(q.to(tl.float32), (K_PAD, G, 128)) * scale[:, :, None]
-                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
-                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
-                acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
-        else:  # bf16; int8: h quantized per row (its amax first, from L2), int32 products
-            ri = tl.arange(0, BLOCK_K)[None, :]
-            if QUANT == 2:
-                amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
-                    amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
-                s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
-            acc = tl.zeros([K_PAD, BLOCK_N], dtype=_ACC[QUANT])
-            for k0 in range(0, I, BLOCK_K):
-                ii = k0 + ri
-                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-                if QUANT == 2:
-                    hv = _quant_int8(hv.to(tl.float32), s)
-                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
-                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
-                acc += tl.sum(wv.to(_ACC[QUANT]) * hv.to(_ACC[QUANT])[:, None, :], axis=2)
-            if QUANT == 2:
-                s_w = tl.load(
-                    ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
-                    mask=n_ok[None, :],
-                    other=0.0,
-                )
-                acc = acc.to(tl.float32) * s[:, None] * s_w
+        if QUANT == 1:
+            acc = _down_fp8(
+                h_rows, w_rows, ws_ptr, e64, nb, hi, n_ok, I, stride_se, stride_sn, stride_si,
+                stride_wi, K_PAD, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            acc = _down_rows(
+                h_rows, w_rows, ws_ptr, e64, offs_n, hi, n_ok, I, stride_se, stride_sn,
+                stride_wi, K_PAD, QUANT, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         y = round_float(acc, tl.bfloat16).to(tl.float32) * wt[:, None]  # [K_PAD, BLOCK_N]
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(K):  # k ascending, as unpermute sums (row k picked exactly)
@@ -374,13 +425,24 @@ def _scale_strides(s: Optional[torch.Tensor]) -> Tuple[int, int, int]:
     return (0, 0, 0) if s is None else (*s.stride(), 0)[:3]
 
 
+def _up_output(x, topk_ids, w1, w1_scales=None, check=True):
+    """h bf16 `[T, K, I]`, allocated (the CUDA launch fills it; the fake returns it)."""
+    shape = (x.shape[0], topk_ids.shape[1], w1.shape[1] // 2)
+    return torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+
+
+def _down_output(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
+    """out bf16 `[T, H]`, allocated (the CUDA launch fills it; the fake returns it)."""
+    return torch.empty((h.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=h.device)
+
+
 @_eager.on_input_device
 def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = w1.shape[0], w1.shape[1] // 2
-    h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
+    h = _up_output(x, topk_ids, w1)
     in_kernel, ok = _check_setup(x, check)
     launch = _up_launch(
         T, H, I, E, K, _QCODE[w1.dtype], x.stride(), topk_ids.stride(), w1.stride(),
@@ -398,7 +460,7 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     """gemv_down on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, K, I = h.shape
     E, H = w2.shape[0], w2.shape[1]
-    out = torch.empty((T, H), dtype=torch.bfloat16, device=h.device)
+    out = _down_output(h, topk_ids, topk_weights, w2)
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
     launch = _down_launch(
@@ -468,59 +530,25 @@ DOWN = Contract(
 )
 
 
-def _gate_up_impl(x, topk_ids, w1, w1_scales=None, check=True):
-    UP.check(x, topk_ids, w1, w1_scales)
-    if x.is_cuda:
-        return _gemv_gate_up_triton(x, topk_ids, w1, w1_scales, check)
+def _up_reference(x, topk_ids, w1, w1_scales=None, check=True):
     if check:
         _checks.check_ids(topk_ids, w1.shape[0], OP_UP, "topk_ids")
     return reference.gemv_gate_up(x, topk_ids, w1, w1_scales)
 
 
-def _down_impl(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
-    DOWN.check(h, topk_ids, topk_weights, w2, w2_scales)
-    if h.is_cuda:
-        return _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales, check)
+def _down_reference(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
     if check:
         _checks.check_ids(topk_ids, w2.shape[0], OP_DOWN, "topk_ids")
     return reference.gemv_down(h, topk_ids, topk_weights, w2, w2_scales)
 
 
-@triton_op("epmoe::gemv_gate_up", mutates_args=())
-def _gate_up_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scales: Optional[torch.Tensor] = None,
-    check: bool = True,
-) -> torch.Tensor:
-    return _gate_up_impl(x, topk_ids, w1, w1_scales, check)
-
-
-@triton_op("epmoe::gemv_down", mutates_args=())
-def _down_op(
-    h: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scales: Optional[torch.Tensor] = None,
-    check: bool = True,
-) -> torch.Tensor:
-    return _down_impl(h, topk_ids, topk_weights, w2, w2_scales, check)
-
-
-# CPU kernels: the same functions, which take their reference branch for CPU tensors
-_gate_up_op.register_kernel("cpu")(_gate_up_impl)
-_down_op.register_kernel("cpu")(_down_impl)
-_library.cpu_opaque(_gate_up_op)  # compiled CPU graphs call them: the same bytes as eager
-_library.cpu_opaque(_down_op)
-
-
+@stage(contract=UP, fake=_up_output, reference=_up_reference, cuda=_gemv_gate_up_triton)
 def gemv_gate_up(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     w1: torch.Tensor,
     w1_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """SiLU-gated first expert projection of every (token, choice), activations quantized inside.
 
@@ -529,20 +557,27 @@ def gemv_gate_up(
         topk_ids: int32/int64 `[T, K]` local expert or -1.
         w1: bf16 / float8_e4m3fn / int8 `[E, 2I, H]`, gate rows first (prepare_weights' layout).
         w1_scales: None (bf16), float32 `[E, 2I/128, H/128]` (fp8) or `[E, 2I]` (int8).
+        check: False skips the check of the ids (the kernel then reads a bad id as a skipped
+            choice); the CPU reference checks them only when True.
     Returns:
         bf16 `[T, K, I]`; rows of -1 choices are zero. CUDA-graph safe.
     """
-    if _eager.direct(x, topk_ids, w1, w1_scales):
-        return _eager.run(_gate_up_impl, x, topk_ids, w1, w1_scales)
-    return _gate_up_op(x, topk_ids, w1, w1_scales)
 
 
+@stage(
+    contract=DOWN,
+    fake=_down_output,
+    reference=_down_reference,
+    cuda=_gemv_down_triton,
+    chain=dict(check=False),  # the layer's ids: gemv_gate_up checked them
+)
 def gemv_down(
     h: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w2: torch.Tensor,
     w2_scales: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Second expert projection of every (token, choice) and the weighted top-k sum.
 
@@ -552,26 +587,8 @@ def gemv_down(
         topk_weights: float `[T, K]`.
         w2: bf16 / float8_e4m3fn / int8 `[E, H, I]`.
         w2_scales: None (bf16), float32 `[E, H/128, I/128]` (fp8) or `[E, H]` (int8).
+        check: False skips the check of the ids (gemv_gate_up's ids, checked there; the kernel
+            then reads a bad id as a skipped choice); the CPU reference checks them only when True.
     Returns:
         bf16 `[T, H]`, float32 accumulation over k. CUDA-graph safe.
     """
-    if _eager.direct(h, topk_ids, topk_weights, w2, w2_scales):
-        return _eager.run(_down_impl, h, topk_ids, topk_weights, w2, w2_scales)
-    return _down_op(h, topk_ids, topk_weights, w2, w2_scales)
-
-
-def _gemv_down_chained(h, topk_ids, topk_weights, w2, w2_scales=None):
-    """The layer's entry off the direct path: the op without the id check (gemv_gate_up checked
-    the same ids), so a compiled chain has one check, not two."""
-    return _down_op(h, topk_ids, topk_weights, w2, w2_scales, False)
-
-
-def _gemv_gate_up_trusted(x, topk_ids, w1, w1_scales=None):
-    """The layer's entry on its direct path (inputs checked at the layer's boundary): the launch
-    without the metadata checks; the kernel still asserts the ids."""
-    return _eager.run(_gemv_gate_up_triton, x, topk_ids, w1, w1_scales)
-
-
-def _gemv_down_trusted(h, topk_ids, topk_weights, w2, w2_scales=None):
-    """The layer's direct-path entry after _gemv_gate_up_trusted (same ids): no checks."""
-    return _eager.run(_gemv_down_triton, h, topk_ids, topk_weights, w2, w2_scales, False)

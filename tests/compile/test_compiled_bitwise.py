@@ -200,7 +200,7 @@ def test_gemv(scheme):
     assert_compiled_equal(lambda x, i: gemv.gemv_gate_up(x, i, w1, s1), x, ids)
     h = gemv.gemv_gate_up(x, ids, w1, s1)
     assert_compiled_equal(lambda h, i, w: gemv.gemv_down(h, i, w, w2, s2), h, ids, w)
-    assert_compiled_equal(lambda h, i, w: gemv._gemv_down_chained(h, i, w, w2, s2), h, ids, w)
+    assert_compiled_equal(lambda h, i, w: gemv.gemv_down.chained(h, i, w, w2, s2), h, ids, w)
     assert_compiled_equal(
         lambda x, i, w: gemv.gemv_down(gemv.gemv_gate_up(x, i, w1, s1), i, w, w2, s2), x, ids, w
     )
