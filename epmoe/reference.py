@@ -11,15 +11,15 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from epmoe import _checks
+from epmoe import _checks, quant
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-INT8_MAX = 127.0  # symmetric range: -128 is never produced
-SCALE_EPS = 1e-10  # floor for scales so all-zero groups give q = 0, not NaN
-FP8_WEIGHT_BLOCK = 128  # weights are quantized per 128x128 block (DeepSeek-V3 recipe)
-QUANT_SCHEMES = ("bf16", "fp8", "int8")
-SCHEME_OF_DTYPE = {torch.bfloat16: "bf16", FP8_DTYPE: "fp8", torch.int8: "int8"}  # GEMM operands
+# one source: the schemes' constants and quantizers live in epmoe.quant (re-exported here)
+FP8_DTYPE, FP8_MAX, INT8_MAX = quant.FP8_DTYPE, quant.FP8_MAX, quant.INT8_MAX
+SCALE_EPS, FP8_WEIGHT_BLOCK = quant.SCALE_EPS, quant.FP8_WEIGHT_BLOCK
+QUANT_SCHEMES = tuple(quant.SCHEMES)
+SCHEME_OF_DTYPE = {s.act_dtype: s.name for s in quant.SCHEMES.values()}  # GEMM operands
+quantize_fp8, quantize_int8 = quant.quantize_fp8, quant.quantize_int8
+dequantize, dequantize_weights = quant.dequantize, quant.dequantize_weights
 
 
 def round_up(x, m: int):
@@ -32,92 +32,30 @@ def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -
 
 
 # ----------------------------------------------------------------------------------------- quantize
-def _div(a: torch.Tensor, c: float) -> torch.Tensor:
-    """a / c with IEEE division on every device: CUDA turns division by a Python scalar into a
-    multiplication by its reciprocal, which differs in the last bit (and so would the scales and,
-    through them, the codes of the CPU and CUDA references)."""
-    return a / torch.full_like(a, c)
+# The quantizers' math is in epmoe.quant (quantize_fp8, quantize_int8, dequantize, the weight
+# quantizers, dequantize_weights): each scheme object carries its own.
+def quantize(x: torch.Tensor, scheme, group_size: int = 128):
+    """x float `[..., H]` -> (codes, float32 scales) of the quantized ``scheme`` ("fp8" groups
+    of ``group_size`` channels, "int8" per row)."""
+    qs = quant.SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
+    if qs not in quant.QUANTIZED:
+        names = " or ".join(repr(q.name) for q in quant.QUANTIZED)
+        raise _checks.fail("quantize", "scheme", names, repr(scheme))
+    return qs.quantize(x, group_size)
 
 
-def _round_half_away(v: torch.Tensor) -> torch.Tensor:
-    return torch.sign(v) * torch.floor(v.abs() + 0.5)
-
-
-def quantize_fp8(x: torch.Tensor, group_size: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: float `[..., H]` -> (float8_e4m3fn `[..., H]`, float32 `[..., H // group_size]`).
-
-    s = max(amax(group) / 448, 1e-10); q = fp8(clamp(x * (1 / s), +-448)), round to nearest even.
-    Multiplying by the float32 reciprocal (one division per group, as DeepGEMM's own activation
-    cast does) instead of dividing every element keeps the GPU kernels memory bound; it differs
-    from x / s by at most one float32 ulp before the 3-bit rounding.
-    """
-    shape = x.shape
-    g = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    s = _div(g.abs().amax(dim=-1), FP8_MAX).clamp_min(SCALE_EPS)
-    q = (g * torch.reciprocal(s).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(shape), s
-
-
-def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: float `[..., H]` -> (int8 `[..., H]`, float32 `[..., 1]`), per-row symmetric scale.
-
-    s = max(amax(row) / 127, 1e-10); q = round-half-away(x * (1 / s)) clamped to +-127.
-    """
-    xf = x.float()
-    s = _div(xf.abs().amax(dim=-1, keepdim=True), INT8_MAX).clamp_min(SCALE_EPS)
-    q = _round_half_away(xf * torch.reciprocal(s)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, s
-
-
-def quantize(x: torch.Tensor, scheme: str, group_size: int = 128):
-    if scheme == "fp8":
-        return quantize_fp8(x, group_size)
-    if scheme == "int8":
-        return quantize_int8(x)
-    raise _checks.fail("quantize", "scheme", "'fp8' or 'int8'", repr(scheme))
-
-
-def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize` in float32; the group size is H // s.shape[-1]."""
-    groups = s.shape[-1]
-    qf = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
-    return (qf * s.unsqueeze(-1)).reshape(q.shape)
-
-
-def quantize_weights(w: torch.Tensor, scheme: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def quantize_weights(w: torch.Tensor, scheme) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Expert weights w: float `[E, N, Kd]` -> quantized weights and scales.
 
     fp8: float8_e4m3fn `[E, N, Kd]`, float32 `[E, N/128, Kd/128]` (128x128 blocks).
     int8: int8 `[E, N, Kd]`, float32 `[E, N]` (per output channel).
     bf16: bf16 copy, None.
     """
-    if scheme == "bf16":
-        return w.to(torch.bfloat16).contiguous(), None
-    E, N, Kd = w.shape
-    wf = w.float()
-    if scheme == "fp8":
-        b = FP8_WEIGHT_BLOCK
-        blocks = wf.reshape(E, N // b, b, Kd // b, b)
-        s = _div(blocks.abs().amax(dim=(2, 4)), FP8_MAX).clamp_min(SCALE_EPS)
-        q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return q.reshape(E, N, Kd), s
-    if scheme == "int8":
-        s = _div(wf.abs().amax(dim=-1), INT8_MAX).clamp_min(SCALE_EPS)
-        q = _round_half_away(wf / s.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return q, s
-    raise _checks.fail("quantize_weights", "scheme", "one of 'bf16', 'fp8', 'int8'", repr(scheme))
-
-
-def dequantize_weights(q: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
-    """Inverse of :func:`quantize_weights` in float32 `[E, N, Kd]`."""
-    if s is None:
-        return q.float()
-    if q.dtype == torch.int8:
-        return q.float() * s.unsqueeze(-1)
-    E, N, Kd = q.shape
-    bn, bk = N // s.shape[1], Kd // s.shape[2]
-    blocks = q.float().reshape(E, s.shape[1], bn, s.shape[2], bk)
-    return (blocks * s[:, :, None, :, None]).reshape(E, N, Kd)
+    qs = quant.SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
+    if qs not in quant.SCHEMES.values():
+        names = "one of " + ", ".join(map(repr, quant.SCHEMES))
+        raise _checks.fail("quantize_weights", "scheme", names, repr(scheme))
+    return qs.quantize_weights(w)
 
 
 # ------------------------------------------------------------------------------------------ permute
