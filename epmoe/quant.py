@@ -146,6 +146,9 @@ class QuantScheme:
     def __str__(self) -> str:
         return self.name
 
+    def __hash__(self) -> int:
+        return hash(self.name)  # (cheaper than the fields' tuple: launch plans are cached on it)
+
     def __reduce__(self):
         return get, (self.name,)  # unpickled (spawned workers): the registered instance itself
 
@@ -160,11 +163,12 @@ class QuantScheme:
         sizes = [self.act_group or 1, *(b for b in self.weight_block or () if b is not None)]
         return max(sizes)
 
-    def act_scale_cols(self, hidden: int) -> int:
-        """Columns of the float32 activation scales of rows of ``hidden`` channels."""
+    def act_scale_cols(self, hidden: int, group_size: Optional[int] = None) -> int:
+        """Columns of the float32 activation scales of rows of ``hidden`` channels
+        (``group_size`` overrides ``act_group``, as in :meth:`quantize`)."""
         if not self.quantized:
             return 0
-        return hidden // self.act_group if self.act_group else 1
+        return hidden // (group_size or self.act_group) if self.act_group else 1
 
     def weight_scale_shape(self, E: int, N: int, K: int) -> Optional[Tuple[int, ...]]:
         """Shape of the float32 scales of weights `[E, N, K]` (None: the scheme has none)."""
@@ -216,13 +220,14 @@ QUANTIZED = tuple(s for s in SCHEMES.values() if s.quantized)
 _OF_DTYPE = {s.act_dtype: s for s in SCHEMES.values()}
 
 
-def get(quant: Union[str, QuantScheme], op: str = "quant") -> QuantScheme:
-    """The scheme named ``quant`` (a scheme is returned as is); ValueError naming ``op`` else."""
+def get(quant: Union[str, QuantScheme], op: str = "quant", arg: str = "quant") -> QuantScheme:
+    """The scheme named ``quant`` (a scheme is returned as is); else ``ValueError("op: arg
+    expected one of 'bf16', 'fp8', 'int8', got 'x'")`` (the wording of the project's choices)."""
     if isinstance(quant, QuantScheme):
         return quant
     scheme = SCHEMES.get(quant) if isinstance(quant, str) else None
     if scheme is None:
-        _checks.check_choice(op, "quant", quant, tuple(SCHEMES))
+        raise _checks.fail(op, arg, "one of " + ", ".join(map(repr, SCHEMES)), repr(quant))
     return scheme
 
 

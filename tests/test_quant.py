@@ -72,7 +72,9 @@ def test_scale_granularity(seed):
 def test_group_size_overrides_fp8_groups(seed):
     x = torch.randn(T, 256)
     q, s = quant.FP8.quantize(x, group_size=64)
-    assert s.shape == (T, 4)
+    assert s.shape == (T, 4) == (T, quant.FP8.act_scale_cols(256, 64))
+    assert quant.INT8.quantize(x, group_size=64)[1].shape == (T, 1)
+    assert quant.INT8.act_scale_cols(256, 64) == 1 and quant.BF16.act_scale_cols(256, 64) == 0
     assert torch.equal(s, reference.quantize_fp8(x, 64)[1])
 
 
@@ -90,6 +92,7 @@ def test_facts():
         None, (2, 2, 4), (2, 256)
     ]  # fmt: skip
     assert [str(s) for s in quant.SCHEMES.values()] == ["bf16", "fp8", "int8"]
+    assert [s.size_multiple for s in quant.SCHEMES.values()] == [1, 128, 1]
     # the reference's constants come from here (one source)
     assert reference.QUANT_SCHEMES == ("bf16", "fp8", "int8")
     assert reference.FP8_WEIGHT_BLOCK == quant.FP8.weight_block[0] == quant.FP8.act_group
@@ -118,6 +121,8 @@ def test_get():
             quant.get(bad, "EPMoE")
     with pytest.raises(ValueError, match=r"^quant: quant expected one of"):
         quant.get("nf4")
+    with pytest.raises(ValueError, match=r"^warmup: scheme expected one of .*, got 'nf4'$"):
+        quant.get("nf4", "warmup", "scheme")
 
 
 def test_of_dtype():

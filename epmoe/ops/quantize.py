@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from epmoe import _checks, _config, _eager, _launch, _library, reference
+from epmoe import _checks, _config, _eager, _launch, _library, quant, reference
 from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
@@ -281,7 +281,7 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
     _, _, (sqe, sqt, _) = dims(shape, q_strides)
     _, _, (sse, sst, ssg) = dims(shape, s_strides)
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
-    if scheme == "fp8":
+    if quant.get(scheme, OP, "scheme") is quant.FP8:
         groups = H // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = num_slots(E, T, masked, block_m)
@@ -316,9 +316,9 @@ def _quantize_triton(
     scale_layout: str = "row",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Allocate outputs and launch the kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
-    groups = x.shape[-1] // group_size if scheme == "fp8" else 1
-    q = torch.empty(x.shape, dtype=qdtype, device=x.device)
+    qs = quant.get(scheme, OP, "scheme")
+    groups = qs.act_scale_cols(x.shape[-1], group_size)
+    q = torch.empty(x.shape, dtype=qs.act_dtype, device=x.device)
     s = alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
     launch_quant(x, q, s, scheme, group_size, masked_m)
     return q, s
