@@ -11,15 +11,15 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from epmoe import _checks
+from epmoe import _checks, quant
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-INT8_MAX = 127.0  # symmetric range: -128 is never produced
-SCALE_EPS = 1e-10  # floor for scales so all-zero groups give q = 0, not NaN
-FP8_WEIGHT_BLOCK = 128  # weights are quantized per 128x128 block (DeepSeek-V3 recipe)
-QUANT_SCHEMES = ("bf16", "fp8", "int8")
-SCHEME_OF_DTYPE = {torch.bfloat16: "bf16", FP8_DTYPE: "fp8", torch.int8: "int8"}  # GEMM operands
+# one source: the schemes' constants and quantizers live in epmoe.quant (re-exported here)
+FP8_DTYPE, FP8_MAX, INT8_MAX = quant.FP8_DTYPE, quant.FP8_MAX, quant.INT8_MAX
+SCALE_EPS, FP8_WEIGHT_BLOCK = quant.SCALE_EPS, quant.FP8_WEIGHT_BLOCK
+QUANT_SCHEMES = tuple(quant.SCHEMES)
+SCHEME_OF_DTYPE = {s.act_dtype: s.name for s in quant.SCHEMES.values()}  # GEMM operands
+quantize_fp8, quantize_int8 = quant.quantize_fp8, quant.quantize_int8
+dequantize, dequantize_weights = quant.dequantize, quant.dequantize_weights
 
 
 def round_up(x, m: int):
@@ -32,92 +32,27 @@ def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -
 
 
 # ----------------------------------------------------------------------------------------- quantize
-def _div(a: torch.Tensor, c: float) -> torch.Tensor:
-    """a / c with IEEE division on every device: CUDA turns division by a Python scalar into a
-    multiplication by its reciprocal, which differs in the last bit (and so would the scales and,
-    through them, the codes of the CPU and CUDA references)."""
-    return a / torch.full_like(a, c)
+# The quantizers' math is in epmoe.quant (quantize_fp8, quantize_int8, dequantize, the weight
+# quantizers, dequantize_weights): each scheme object carries its own.
+def quantize(x: torch.Tensor, scheme, group_size: int = 128):
+    """x float `[..., H]` -> (codes, float32 scales) of the quantized ``scheme`` (a name or a
+    :class:`~epmoe.quant.QuantScheme`): fp8 groups of ``group_size`` channels, int8 per row."""
+    qs = quant.SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
+    if qs not in quant.QUANTIZED:
+        names = " or ".join(repr(q.name) for q in quant.QUANTIZED)
+        raise _checks.fail("quantize", "scheme", names, repr(scheme))
+    return qs.quantize(x, group_size)
 
 
-def _round_half_away(v: torch.Tensor) -> torch.Tensor:
-    return torch.sign(v) * torch.floor(v.abs() + 0.5)
-
-
-def quantize_fp8(x: torch.Tensor, group_size: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: float `[..., H]` -> (float8_e4m3fn `[..., H]`, float32 `[..., H // group_size]`).
-
-    s = max(amax(group) / 448, 1e-10); q = fp8(clamp(x * (1 / s), +-448)), round to nearest even.
-    Multiplying by the float32 reciprocal (one division per group, as DeepGEMM's own activation
-    cast does) instead of dividing every element keeps the GPU kernels memory bound; it differs
-    from x / s by at most one float32 ulp before the 3-bit rounding.
-    """
-    shape = x.shape
-    g = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    s = _div(g.abs().amax(dim=-1), FP8_MAX).clamp_min(SCALE_EPS)
-    q = (g * torch.reciprocal(s).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(shape), s
-
-
-def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: float `[..., H]` -> (int8 `[..., H]`, float32 `[..., 1]`), per-row symmetric scale.
-
-    s = max(amax(row) / 127, 1e-10); q = round-half-away(x * (1 / s)) clamped to +-127.
-    """
-    xf = x.float()
-    s = _div(xf.abs().amax(dim=-1, keepdim=True), INT8_MAX).clamp_min(SCALE_EPS)
-    q = _round_half_away(xf * torch.reciprocal(s)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, s
-
-
-def quantize(x: torch.Tensor, scheme: str, group_size: int = 128):
-    if scheme == "fp8":
-        return quantize_fp8(x, group_size)
-    if scheme == "int8":
-        return quantize_int8(x)
-    raise _checks.fail("quantize", "scheme", "'fp8' or 'int8'", repr(scheme))
-
-
-def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize` in float32; the group size is H // s.shape[-1]."""
-    groups = s.shape[-1]
-    qf = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
-    return (qf * s.unsqueeze(-1)).reshape(q.shape)
-
-
-def quantize_weights(w: torch.Tensor, scheme: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Expert weights w: float `[E, N, Kd]` -> quantized weights and scales.
+def quantize_weights(w: torch.Tensor, scheme) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Expert weights w: float `[E, N, Kd]` -> quantized weights and scales (``scheme``: a name
+    or a :class:`~epmoe.quant.QuantScheme`).
 
     fp8: float8_e4m3fn `[E, N, Kd]`, float32 `[E, N/128, Kd/128]` (128x128 blocks).
     int8: int8 `[E, N, Kd]`, float32 `[E, N]` (per output channel).
     bf16: bf16 copy, None.
     """
-    if scheme == "bf16":
-        return w.to(torch.bfloat16).contiguous(), None
-    E, N, Kd = w.shape
-    wf = w.float()
-    if scheme == "fp8":
-        b = FP8_WEIGHT_BLOCK
-        blocks = wf.reshape(E, N // b, b, Kd // b, b)
-        s = _div(blocks.abs().amax(dim=(2, 4)), FP8_MAX).clamp_min(SCALE_EPS)
-        q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return q.reshape(E, N, Kd), s
-    if scheme == "int8":
-        s = _div(wf.abs().amax(dim=-1), INT8_MAX).clamp_min(SCALE_EPS)
-        q = _round_half_away(wf / s.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return q, s
-    raise _checks.fail("quantize_weights", "scheme", "one of 'bf16', 'fp8', 'int8'", repr(scheme))
-
-
-def dequantize_weights(q: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
-    """Inverse of :func:`quantize_weights` in float32 `[E, N, Kd]`."""
-    if s is None:
-        return q.float()
-    if q.dtype == torch.int8:
-        return q.float() * s.unsqueeze(-1)
-    E, N, Kd = q.shape
-    bn, bk = N // s.shape[1], Kd // s.shape[2]
-    blocks = q.float().reshape(E, s.shape[1], bn, s.shape[2], bk)
-    return (blocks * s[:, :, None, :, None]).reshape(E, N, Kd)
+    return quant.get(scheme, "quantize_weights", "scheme").quantize_weights(w)
 
 
 # ------------------------------------------------------------------------------------------ permute
@@ -231,7 +166,7 @@ def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
     return (F.silu(yf[..., :inter]) * yf[..., inter:]).to(y.dtype)
 
 
-def silu_and_mul_quant(y: torch.Tensor, scheme: str, group_size: int = 128):
+def silu_and_mul_quant(y: torch.Tensor, scheme, group_size: int = 128):
     """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as the
     unfused pair does)."""
     return quantize(silu_and_mul(y), scheme, group_size)
@@ -251,9 +186,9 @@ def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tenso
 
 
 # ---------------------------------------------------------------------------- per-choice GEMVs
-def _quantized_rows(x: torch.Tensor, scheme: str) -> torch.Tensor:
+def _quantized_rows(x: torch.Tensor, scheme: quant.QuantScheme) -> torch.Tensor:
     """x bf16 `[..., D]` as the scheme's GEMM reads it, in float32 (quantized and dequantized)."""
-    return x.float() if scheme == "bf16" else dequantize(*quantize(x, scheme))
+    return scheme.dequantize(*scheme.quantize(x)) if scheme.quantized else x.float()
 
 
 def _choice_weights(w: torch.Tensor, s: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -272,7 +207,7 @@ def gemv_gate_up(
     """x bf16 `[T, H]`, topk_ids `[T, K]` local expert or -1, w1 `[E, 2I, H]` (bf16, or fp8 /
     int8 with their scales) -> bf16 `[T, K, I]`: silu_and_mul of the bf16-rounded product of x,
     quantized per the weights' scheme, with each choice's expert; rows of -1 choices zero."""
-    scheme = SCHEME_OF_DTYPE[w1.dtype]
+    scheme = quant.of_dtype(w1.dtype)
     xf = _quantized_rows(x, scheme)  # [T, H]
     wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, 2I, H]
     y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16)
@@ -290,7 +225,7 @@ def gemv_down(
     """h bf16 `[T, K, I]`, topk_ids `[T, K]` local expert or -1, topk_weights float `[T, K]`, w2
     `[E, H, I]` -> bf16 `[T, H]`: sum_k w[t,k] * bf16(h^[t,k] . W2[e]^T) over live choices in
     float32 (k order), h^ = h quantized per the weights' scheme."""
-    scheme = SCHEME_OF_DTYPE[w2.dtype]
+    scheme = quant.of_dtype(w2.dtype)
     hf = _quantized_rows(h, scheme)  # [T, K, I]
     wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, H, I]
     y = torch.einsum("tki,tkni->tkn", hf, wf).to(torch.bfloat16).float()
@@ -332,30 +267,31 @@ def quantized_moe(
     topk_weights: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
-    scheme: str,
+    scheme,
 ) -> torch.Tensor:
     """Quant-aware reference: what an exact ``scheme`` layer computes, in float32 `[T, H]`.
 
     x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights
     with :func:`quantize_weights`; everything is dequantized and multiplied in float32.
     """
-    if scheme == "bf16":
-        xs = x.to(torch.bfloat16).float()
-        w1d, w2d = w1.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
-    else:
-        xs = dequantize(*quantize(x, scheme))
-        w1d = dequantize_weights(*quantize_weights(w1, scheme))
-        w2d = dequantize_weights(*quantize_weights(w2, scheme))
+    qs = quant.get(scheme, "quantized_moe", "scheme")
+    xs = qs.dequantize(*qs.quantize(x))  # (bf16: x rounded to bf16)
+    w1d = dequantize_weights(*qs.quantize_weights(w1))
+    w2d = dequantize_weights(*qs.quantize_weights(w2))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):
         coef = ((topk_ids == e).float() * topk_weights.float()).sum(dim=1, keepdim=True)
         h = silu_and_mul((xs @ w1d[e].t()).to(torch.bfloat16))
-        h = h.float() if scheme == "bf16" else dequantize(*quantize(h, scheme))
+        h = qs.dequantize(*qs.quantize(h))
         out = out + coef * (h @ w2d[e].t())
     return out
 
 
 # ------------------------------------------------------------------------- LL masked layout (comm)
+def _scheme(name, op: str) -> quant.QuantScheme:
+    return quant.get(name, op)  # (for functions whose ``quant`` argument hides the module)
+
+
 def ll_scatter(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -403,10 +339,11 @@ def ll_scatter(
     kept = (flat < E) & (slot < C)
     dst = torch.where(kept, flat * C + slot, E * C)  # E*C: a dump row
     rows = torch.where(kept, dst, -1).to(torch.int32).reshape(T, K)
-    if quant == "bf16":
+    scheme = _scheme(quant, "ll_scatter")
+    if scheme.quantized:
+        q, s = scheme.quantize(x)
+    else:  # any dtype, copied as is
         q, s = x, torch.empty((T, 0), dtype=torch.float32, device=dev)
-    else:
-        q, s = quantize(x, quant)
     src = torch.arange(T, device=dev).repeat_interleave(K)
     qr = q.view(torch.uint8) if q.element_size() == 1 else q  # fp8 has no index_copy kernel
     xo = qr.new_zeros((E * C + 1, H))

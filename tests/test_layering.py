@@ -1,6 +1,6 @@
-"""The package's import graph: floors (low to high) base modules and reference -> comm -> ops ->
-layer / compile / graphs -> integrations / cli / the package itself; no import goes up a floor
-and there is no cycle."""
+"""The package's import graph: floors (low to high) base modules, quant and reference -> comm ->
+ops -> layer / compile / graphs -> integrations / cli / the package itself; no import goes up a
+floor and there is no cycle."""
 
 import ast
 import pathlib
@@ -37,7 +37,7 @@ def _graph():
 
 def floor(name: str) -> int:
     parts = name.split(".")
-    if name == "epmoe.reference" or (len(parts) == 2 and parts[1].startswith("_")):
+    if name in ("epmoe.reference", "epmoe.quant") or (len(parts) == 2 and parts[1].startswith("_")):
         return 0 if parts[1] != "__main__" else 4
     return {"comm": 1, "ops": 2, "layer": 3, "compile": 3, "graphs": 3}.get(
         parts[1] if len(parts) > 1 else "", 4

@@ -14,12 +14,12 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from epmoe import ops, reference
+from epmoe import ops, quant, reference
 from epmoe.comm.masked_layout import ll_gather
 
 # Tolerances (relative L2 unless exact). The layer bounds are those of the core issue (also in
 # tests/_tol.py, which the installed package cannot import).
-TOL_LAYER_VS_DENSE = {"bf16": 1e-2, "fp8": 8e-2, "int8": 3e-2}
+TOL_LAYER_VS_DENSE = {quant.BF16: 1e-2, quant.FP8: 8e-2, quant.INT8: 3e-2}
 TOL_LAYER_VS_QUANT_AWARE = 2e-2
 TOL_BF16_OUT = 1e-2  # one bf16 rounding of the output (<= 2^-8 relative per element) plus sum order
 TOL_SAME_VALUES = 1e-6  # float64 sums of the same values in another order
@@ -57,6 +57,11 @@ def _deq(q: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
     if s is None:
         return q.float()
     return reference.dequantize(q, s)
+
+
+def _as_sent(x: torch.Tensor, scheme: quant.QuantScheme) -> torch.Tensor:
+    """float32 x as a ``scheme`` payload carries it: quantized and dequantized, or x itself."""
+    return _deq(*scheme.quantize(x)) if scheme.quantized else x.float()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -137,8 +142,9 @@ def _gemm_expected(a, a_scales, w, w_scales, m_indices=None, masked_m=None):
 class Checks:
     """The rows of one (mode, scheme): each check's error against its tolerance."""
 
-    def __init__(self, mode: str, quant: str, corrupt: Optional[str]):
-        self.mode, self.quant, self.corrupt = mode, quant, corrupt
+    def __init__(self, mode: str, scheme, corrupt: Optional[str]):
+        self.scheme = quant.get(scheme)
+        self.mode, self.quant, self.corrupt = mode, self.scheme.name, corrupt
         self.rows: List[Row] = []
 
     def out(self, stage: str, t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +162,7 @@ class Checks:
 # ------------------------------------------------------------------------------------------- stages
 def check_quantize(chk, src, xq, xs, live=None):
     """A quantize stage's codes and scales against ``reference.quantize`` of its input."""
-    got, want = _deq(xq, xs), _deq(*reference.quantize(src, chk.quant))
+    got, want = _deq(xq, xs), _deq(*chk.scheme.quantize(src))
     if live is not None:
         got, want = got[live], want[live]
     chk.add("quantize", xq, "deq == deq(reference.quantize)", _rel(got, want), TOL_QUANT_CODES)
@@ -164,8 +170,7 @@ def check_quantize(chk, src, xq, xs, live=None):
 
 def check_ht_dispatch(chk, d, inp: Inputs, lo: int, E: int):
     # Every rank's sent payload, as the receiver should see it (dequantized).
-    q = chk.quant
-    Xq = inp.X if q == "bf16" else _deq(*reference.quantize(inp.X, q))
+    Xq = _as_sent(inp.X, chk.scheme)
     want = _expert_sums(torch.ones_like(Xq[:, :1]), inp.IDS - lo, None, E).reshape(-1)
     got = _expert_sums(torch.ones_like(d.x[:, :1], dtype=torch.float32), d.topk_ids, None, E)
     bad_ids = ((d.topk_ids < -1) | (d.topk_ids >= E)).sum()
@@ -225,12 +230,12 @@ def check_gemm(chk, stage, y, a, s, w, ws, live, m_indices=None, masked_m=None):
 
 
 def check_act(chk, y, h, hs, live):
-    if chk.quant == "bf16":
+    if not chk.scheme.quantized:
         inter = y.shape[-1] // 2
         ref = torch.nn.functional.silu(y[..., :inter].float()) * y[..., inter:].float()
         chk.add("act", h, "vs fp32 silu(gate) * up", _rel(h[live], ref[live]), TOL_BF16_OUT)
         return
-    ref = _deq(*reference.silu_and_mul_quant(y, chk.quant))
+    ref = _deq(*reference.silu_and_mul_quant(y, chk.scheme))
     err = _rel(_deq(h, hs)[live], ref[live])
     chk.add("act", h, "deq vs reference.silu_and_mul_quant", err, TOL_BF16_OUT)
 
@@ -259,9 +264,9 @@ def check_experts_ht(chk, layer, rec, x, scales, ids, w):
 
 def run_ht(chk, layer, rec, inp: Inputs, rank: int):
     """The HT stages of the record (dispatch and combine only where the layer sends)."""
-    q, E = layer.quant, layer.num_local_experts
-    xq, xs = (inp.x, None) if q == "bf16" else rec["quantize"]
-    if q != "bf16":
+    q, E = quant.get(layer.quant), layer.num_local_experts
+    xq, xs = rec["quantize"] if q.quantized else (inp.x, None)
+    if q.quantized:
         check_quantize(chk, inp.x, xq, xs)
     if "dispatch" not in rec:  # one rank, local backend: permute reads the caller's tensors
         check_experts_ht(chk, layer, rec, xq, xs, inp.ids, inp.w)
@@ -275,7 +280,7 @@ def run_ht(chk, layer, rec, inp: Inputs, rank: int):
     hits_here = (d.topk_ids >= 0).sum(dim=1, keepdim=True)
     probe = torch.where(hits_here > 0, _deq(d.x, d.x_scales) * hits_here, 0.0).to(torch.bfloat16)
     back = chk.out("combine", ops.ht_combine(probe, d.handle, layer.comm_key))
-    xl = inp.x.float() if q == "bf16" else _deq(*reference.quantize(inp.x, q))
+    xl = _as_sent(inp.x, q)
     want = xl * (inp.ids >= 0).sum(dim=1, keepdim=True)
     chk.add("combine", back, "probe: rows*hits come home as x*hits", _rel(back, want), TOL_BF16_OUT)
 
@@ -287,8 +292,8 @@ def _check_ll_received(chk, stage, a, s, masked_m, inp: Inputs, lo, E, payload_t
     chk.add(stage, masked_m, "masked_m == routing", err, 0)
     live = torch.arange(a.shape[1], device=a.device)[None, :] < masked_m[:, None]  # [E, C]
     got = torch.where(live.unsqueeze(-1), _deq(a, s).double(), 0.0).sum(dim=1)
-    q = "bf16" if a.dtype == torch.bfloat16 else chk.quant
-    Xq = inp.X if q == "bf16" else _deq(*reference.quantize(inp.X, q))
+    # (LL dispatch sends int8 calls in bf16)
+    Xq = _as_sent(inp.X, quant.BF16 if a.dtype == torch.bfloat16 else chk.scheme)
     err = _rel(got, _expert_sums(Xq, inp.IDS - lo, None, E))
     chk.add(stage, a, "sum of live rows per expert == all ranks'", err, payload_tol)
     return live
@@ -306,7 +311,7 @@ def check_experts_ll(chk, layer, rec, a, s, masked_m, live):
 def _run_ll_local(chk, layer, rec, inp: Inputs):
     """One rank, local backend: ll_scatter (quantization fused) -> experts -> ll_gather."""
     a, s, masked_m, rows = rec["ll_scatter"]
-    s = None if chk.quant == "bf16" else s
+    s = s if chk.scheme.quantized else None
     E = layer.num_local_experts
     live = _check_ll_received(chk, "ll_scatter", a, s, masked_m, inp, 0, E, TOL_QUANT_CODES)
     check_experts_ll(chk, layer, rec, a, s, masked_m, live)
@@ -321,32 +326,32 @@ def _run_ll_local(chk, layer, rec, inp: Inputs):
 def run_ll(chk, layer, rec, inp: Inputs, rank: int):
     """The LL stages of the record, then the combine probe (its own dispatch: deep_ep's LL kernels
     expect dispatch/combine pairs, and the record is read before that dispatch reuses buffers)."""
-    q, E, key = layer.quant, layer.num_local_experts, layer.comm_key
+    q, E, key = quant.get(layer.quant), layer.num_local_experts, layer.comm_key
     x, ids, w = inp.x, inp.ids, inp.w
     if "ll_scatter" in rec:
         back, stage = _run_ll_local(chk, layer, rec, inp), "ll_gather"
     else:
         d = rec["ll_dispatch"]
-        tol = TOL_FP8_LL_PAYLOAD if q == "fp8" else TOL_SAME_VALUES
+        tol = TOL_FP8_LL_PAYLOAD if q is quant.FP8 else TOL_SAME_VALUES
         live = _check_ll_received(
             chk, "ll_dispatch", d.x, d.x_scales, d.masked_m, inp, rank * E, E, tol
         )
         a, s = d.x, d.x_scales
-        if q == "int8":
+        if q is quant.INT8:
             a, s = rec["quantize"]
             check_quantize(chk, d.x, a, s, live)
         check_experts_ll(chk, layer, rec, a, s, d.masked_m, live)
         out = rec["ll_combine"]
         err = _rel(out, inp.qref)
         chk.add("ll_combine", out, "vs reference.quantized_moe", err, TOL_LAYER_VS_QUANT_AWARE)
-        d2 = ops.ll_dispatch(x, ids, key, use_fp8=q == "fp8")
+        d2 = ops.ll_dispatch(x, ids, key, use_fp8=q is quant.FP8)
         d2 = d2._replace(x=chk.out("ll_dispatch", d2.x))
         live2 = torch.arange(d2.x.shape[1], device=x.device)[None, :] < d2.masked_m[:, None]
         probe = torch.where(live2.unsqueeze(-1), _deq(d2.x, d2.x_scales), 0.0).to(torch.bfloat16)
         back = chk.out("ll_combine", ops.ll_combine(probe, ids, w, d2.handle, key))
         stage = "ll_combine"
-    xl = x.float() if q == "bf16" else _deq(*reference.quantize(x, q))
-    if stage == "ll_combine" and q == "int8":
+    xl = _as_sent(x, q)
+    if stage == "ll_combine" and q is quant.INT8:
         xl = x.float()  # LL dispatch sends int8 calls in bf16 (the layer quantizes after it)
     want = xl * torch.where(ids >= 0, w, 0.0).sum(dim=1, keepdim=True)
     chk.add(stage, back, "probe: rows come home as x*sum_k w", _rel(back, want), TOL_BF16_OUT)
@@ -358,4 +363,4 @@ def check_layer(chk, out, plain, inp: Inputs):
     err = _rel(out, inp.qref)
     chk.add("layer", out, "vs reference.quantized_moe", err, TOL_LAYER_VS_QUANT_AWARE)
     err = _rel(out, inp.dense)
-    chk.add("layer", out, "vs reference.dense_moe", err, TOL_LAYER_VS_DENSE[chk.quant])
+    chk.add("layer", out, "vs reference.dense_moe", err, TOL_LAYER_VS_DENSE[chk.scheme])

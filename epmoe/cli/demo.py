@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from epmoe import _multiproc
+from epmoe import _multiproc, quant
 from epmoe.cli import _demo_checks as checks
 from epmoe.cli import env
 from epmoe.cli._plan import EXPERTS, Plan, default_plan, gpu_count
@@ -40,7 +40,7 @@ HIDDEN, INTERMEDIATE, TOP_K, TOKENS = 256, 128, 2, 32  # and EXPERTS (8, from _p
 # DeepEP's low-latency kernels are compiled for a fixed set of hidden sizes; 2048 is the smallest.
 DEEPEP_HIDDEN, DEEPEP_INTERMEDIATE = 2048, 512
 MODES = ("ht", "ll")
-QUANTS = ("bf16", "fp8", "int8")
+QUANTS = tuple(quant.SCHEMES)
 STAGES = tuple(dict.fromkeys(HT_STAGES + LL_STAGES + ("layer",)))
 # --selftest-corrupt also takes the stages only one rank with the local backend runs
 CORRUPT_STAGES = STAGES + tuple(s for s in LOCAL_LL_STAGES if s not in STAGES)
@@ -337,13 +337,15 @@ def _pick_quants(quants, device: str, hidden: int, intermediate: int) -> Optiona
             if not st.ok:
                 print(f"epmoe demo: {q} cannot run on {device} here: {st.why}", file=sys.stderr)
                 return None
-    if "fp8" in quants and (hidden % 128 or intermediate % 128):
-        print(
-            f"epmoe demo: fp8 needs hidden and intermediate multiples of 128, got {hidden}, "
-            f"{intermediate}",
-            file=sys.stderr,
-        )
-        return None
+    for q in quants:
+        m = quant.get(q).size_multiple
+        if hidden % m or intermediate % m:
+            print(
+                f"epmoe demo: {q} needs hidden and intermediate multiples of {m}, got {hidden}, "
+                f"{intermediate}",
+                file=sys.stderr,
+            )
+            return None
     return list(quants)
 
 

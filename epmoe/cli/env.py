@@ -17,6 +17,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from epmoe import quant
 from epmoe.cli import _plan
 
 # Hopper is the oldest architecture DeepGEMM's grouped GEMMs (bf16 and fp8) support.
@@ -212,19 +213,21 @@ def deepep_status() -> Status:
     )
 
 
-def quant_status(scheme: str, device: str) -> Status:
-    """Whether ``scheme`` ("bf16", "fp8", "int8") runs on ``device`` ("cpu" or "cuda") here.
+def quant_status(scheme, device: str) -> Status:
+    """Whether ``scheme`` ("bf16", "fp8", "int8" or a QuantScheme) runs on ``device`` ("cpu" or
+    "cuda") here.
 
     CPU runs every scheme through the reference kernels. On CUDA, bf16 and fp8 use DeepGEMM's
     grouped GEMMs (compute capability >= 9.0), int8 uses Triton kernels.
     """
+    scheme = quant.get(scheme, "quant_status", "scheme")
     if device == "cpu":
         return Status(True, "reference kernels")
     why = []
     cuda = cuda_status()
     if not cuda.ok:
         why.append(cuda.why)
-    if scheme == "int8":
+    if scheme is quant.INT8:
         pkg = _pkg_reason("triton")
         if pkg:
             why.append(pkg)
@@ -301,10 +304,10 @@ def render() -> str:
     lines += ["", "comm backends"]
     lines += [_line(name, st) for name, st in comm_backends()]
     lines += ["", "quant schemes"]
-    for scheme in ("bf16", "fp8", "int8"):
+    for scheme in quant.SCHEMES.values():
         for i, dev in enumerate(("cpu", "cuda")):
             st = quant_status(scheme, dev)
-            name = scheme if i == 0 else ""
+            name = scheme.name if i == 0 else ""
             lines.append(f"  {name:<6}{dev:<6}{'yes' if st.ok else 'no '}  {st.why}")
     plan = _plan.default_plan()
     lines += [

@@ -67,14 +67,17 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from epmoe import _checks, reference
+from epmoe import _checks, quant, reference
 from epmoe.layer import EPMoE
 from epmoe.ops import gemm
 
-# backend name -> compute scheme
-NAMES: Dict[str, str] = {"epmoe": "bf16", "epmoe_fp8": "fp8", "epmoe_int8": "int8"}
+# backend name -> compute scheme: "epmoe" bf16, "epmoe_<scheme>" each quantized scheme
+NAMES: Dict[str, quant.QuantScheme] = {
+    "epmoe": quant.BF16,
+    **{f"epmoe_{s}": s for s in quant.QUANTIZED},
+}
 FALLBACKS = ("grouped_mm", "batched_mm", "eager")
-FP8_BLOCK = (reference.FP8_WEIGHT_BLOCK, reference.FP8_WEIGHT_BLOCK)
+FP8_BLOCK = quant.FP8.weight_block
 _STATE = "_epmoe_state"  # attribute of the experts module holding its _State
 _CONFIG = {"fallback": "grouped_mm", "ll_max_tokens": None}
 _REGISTRIES: Dict[bool, object] = {}  # fp8 registry? -> transformers' ExpertsInterface instance
@@ -183,21 +186,23 @@ class _State:
         self.__init__(d["name"], d["fp8"])
 
 
-def _make_backend(name: str, scheme: str, fp8: bool) -> Callable:
+def _make_backend(name: str, scheme: quant.QuantScheme, fp8: bool) -> Callable:
+    scheme_name = scheme.name  # (a constant argument of _prepare_by_id under torch.compile)
+
     def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         """transformers experts backend: hidden_states float `[T, H]`, top_k_index int `[T, K]`,
         top_k_weights float `[T, K]` -> `[T, H]` in hidden_states' dtype."""
         needs_grad = torch.is_grad_enabled() and _wants_grad(self, hidden_states, fp8)
         # the module goes in by id: torch.compile (2.11) folds only constant arguments of an
         # assume_constant_result function, and id() of a module is one
-        use = _prepare_by_id(id(self), name, scheme, fp8, top_k_index.shape[-1], needs_grad)
+        use = _prepare_by_id(id(self), name, scheme_name, fp8, top_k_index.shape[-1], needs_grad)
         st = getattr(self, _STATE)
         if not use:
             return st.fallback(self, hidden_states, top_k_index, top_k_weights)
         return _run(st.layer, self, hidden_states, top_k_index, top_k_weights)
 
     experts_forward.__name__ = experts_forward.__qualname__ = f"{name}_experts_forward"
-    experts_forward.__doc__ += f" (epmoe scheme {scheme!r}{', FP8 checkpoint' if fp8 else ''})"
+    experts_forward.__doc__ += f" (epmoe scheme {scheme_name!r}{', FP8 checkpoint' if fp8 else ''})"
     return experts_forward
 
 
@@ -243,9 +248,10 @@ def _prepare_by_id(
     return _prepare(module, name, scheme, fp8, top_k, needs_grad)
 
 
-def _prepare(module, name: str, scheme: str, fp8: bool, top_k: int, needs_grad: bool) -> bool:
-    """Make sure ``module`` has a current _State for backend ``name``; True: run its EPMoE layer,
-    False: run its fallback."""
+def _prepare(module, name: str, scheme, fp8: bool, top_k: int, needs_grad: bool) -> bool:
+    """Make sure ``module`` has a current _State for backend ``name`` (``scheme``: its scheme or
+    the scheme's name); True: run its EPMoE layer, False: run its fallback."""
+    scheme = quant.get(scheme)
     st = module.__dict__.get(_STATE)
     if st is None or st.name != name or st.fp8 != fp8:  # a new name drops the old layer
         st = _State(name, fp8)
@@ -322,8 +328,16 @@ def _warn_once(cls: type, reason: str) -> None:
     )
 
 
-def _unsupported(module, scheme: str, fp8: bool) -> Optional[str]:
-    """Why ``module`` cannot run as SiLU(x W_gate^T) * (x W_up^T) W_down^T on EPMoE, or None."""
+def _runs(scheme: quant.QuantScheme, fp8: bool) -> quant.QuantScheme:
+    """The scheme the layer runs: an FP8 checkpoint runs as fp8 (its own codes and scales) on the
+    bf16 backend, requantized on the other quantized ones."""
+    return quant.FP8 if fp8 and not scheme.quantized else scheme
+
+
+def _unsupported(module, scheme, fp8: bool) -> Optional[str]:
+    """Why ``module`` cannot run as SiLU(x W_gate^T) * (x W_up^T) W_down^T on EPMoE, or None
+    (``scheme``: the backend's scheme or its name)."""
+    scheme = quant.get(scheme)
     for attr, (ok, reason) in _KNOWN_OPTIONS.items():
         if bool(getattr(module, attr, ok)) != ok:
             return reason
@@ -364,8 +378,10 @@ def _unsupported(module, scheme: str, fp8: bool) -> Optional[str]:
             return why
     elif w1.dtype not in _checks.FLOAT_DTYPES or w2.dtype not in _checks.FLOAT_DTYPES:
         return f"expert weights of dtype {w1.dtype} / {w2.dtype}"
-    if (scheme == "fp8" or fp8 and scheme == "bf16") and (H % 128 or I % 128):
-        return f"fp8 needs hidden and intermediate sizes that are multiples of 128, got {H}, {I}"
+    runs = _runs(scheme, fp8)
+    m = runs.size_multiple
+    if H % m or I % m:
+        return f"{runs} needs hidden and intermediate sizes that are multiples of {m}, got {H}, {I}"
     return None
 
 
@@ -392,10 +408,10 @@ def _fp8_unsupported(module, E: int, H: int, I: int) -> Optional[str]:
     if block is None or tuple(block) != FP8_BLOCK:
         return f"FP8 weight blocks {block}, not 128x128"
     w1, w2, s1, s2 = _sources(module, True)
-    if w1.dtype != reference.FP8_DTYPE or w2.dtype != reference.FP8_DTYPE:
+    if w1.dtype != quant.FP8.act_dtype or w2.dtype != quant.FP8.act_dtype:
         return f"FP8 checkpoint weights of dtype {w1.dtype} (epmoe takes float8_e4m3fn)"
-    b = reference.FP8_WEIGHT_BLOCK
-    for s, want in ((s1, (E, 2 * I // b, H // b)), (s2, (E, H // b, I // b))):
+    for s, (n, k) in ((s1, (2 * I, H)), (s2, (H, I))):
+        want = quant.FP8.weight_scale_shape(E, n, k)
         if not isinstance(s, torch.Tensor) or tuple(s.shape) != want or s.device != w1.device:
             got = None if not isinstance(s, torch.Tensor) else tuple(s.shape)
             return f"weight scales {got}, not {want} on {w1.device}"
@@ -404,34 +420,34 @@ def _fp8_unsupported(module, E: int, H: int, I: int) -> Optional[str]:
     return None
 
 
-def _build(st: _State, module, scheme: str, fp8: bool, top_k: int) -> None:
+def _build(st: _State, module, scheme: quant.QuantScheme, fp8: bool, top_k: int) -> None:
     """(Re)build st.layer from the module's current weights; reuse the layer and its buffers when
     the configuration is unchanged."""
     w1, w2 = module.gate_up_proj, module.down_proj
     E, H, I = w1.shape[0], w1.shape[2], w1.shape[1] // 2
-    quant = ("int8" if scheme == "int8" else "fp8") if fp8 else scheme
+    runs = _runs(scheme, fp8)
     k = max(top_k, st.layer.top_k if st.layer is not None else 0)
-    key = (E, H, I, k, quant, w1.device, _CONFIG["ll_max_tokens"])
+    key = (E, H, I, k, runs, w1.device, _CONFIG["ll_max_tokens"])
     if st.layer is None or st.key != key:
         st.layer, st.key = None, None  # free the old weights first
-        st.layer, st.key = _new_layer(E, H, I, k, quant, w1.device), key
+        st.layer, st.key = _new_layer(E, H, I, k, runs, w1.device), key
     layer = st.layer
-    if fp8 and quant == "fp8":  # the checkpoint's own codes and scales, as they are
+    if fp8 and runs is quant.FP8:  # the checkpoint's own codes and scales, as they are
         s1 = module.gate_up_proj_scale_inv.detach()
         s2 = module.down_proj_scale_inv.detach()
         for n, q, s in (("w1", w1, s1), ("w2", w2, s2)):
-            q, s = gemm.prepare_weights(q.detach(), s, "fp8", layer.device)
+            q, s = gemm.prepare_weights(q.detach(), s, runs, layer.device)
             setattr(layer, n, q)
             setattr(layer, n + "_scale", s)
         return
     old = {n: getattr(layer, n) for n in ("w1", "w1_scale", "w2", "w2_scale")}
-    if fp8:  # int8 from the checkpoint's fp8: dequantize one expert at a time
-        _load_int8_from_fp8(layer, module)
+    if fp8:  # another scheme from the checkpoint's fp8: dequantize one expert at a time
+        _requantize_fp8(layer, module, runs)
     elif _LOAD_TAKES_COPY:
         layer.load_weights(w1, w2, copy=False)  # bf16 and contiguous: HF's tensors, in place
     else:
         layer.load_weights(w1, w2)
-    if quant == "bf16":
+    if not runs.quantized:
         return
     for n, t in old.items():  # same shapes: write into the old buffers (graphs keep pointers)
         new = getattr(layer, n)
@@ -441,33 +457,34 @@ def _build(st: _State, module, scheme: str, fp8: bool, top_k: int) -> None:
 
 
 @torch.no_grad()
-def _load_int8_from_fp8(layer: EPMoE, module) -> None:
+def _requantize_fp8(layer: EPMoE, module, scheme: quant.QuantScheme) -> None:
     for n, q, s in (
         ("w1", module.gate_up_proj, module.gate_up_proj_scale_inv),
         ("w2", module.down_proj, module.down_proj_scale_inv),
     ):
         E, N, K = q.shape
-        wq = torch.empty((E, N, K), dtype=torch.int8, device=layer.device)
-        ws = torch.empty((E, N), dtype=torch.float32, device=layer.device)
+        wq = torch.empty((E, N, K), dtype=scheme.act_dtype, device=layer.device)
+        ws_shape = scheme.weight_scale_shape(E, N, K)
+        ws = torch.empty(ws_shape, dtype=torch.float32, device=layer.device)
         for e in range(E):
             w = reference.dequantize_weights(q[e : e + 1].detach(), s[e : e + 1].detach().float())
-            wq[e : e + 1], ws[e : e + 1] = reference.quantize_weights(w.to(layer.device), "int8")
-        wq, ws = gemm.prepare_weights(wq, ws, "int8", layer.device)
+            wq[e : e + 1], ws[e : e + 1] = scheme.quantize_weights(w.to(layer.device))
+        wq, ws = gemm.prepare_weights(wq, ws, scheme, layer.device)
         setattr(layer, n, wq)
         setattr(layer, n + "_scale", ws)
 
 
-def _new_layer(E: int, H: int, I: int, top_k: int, quant: str, device) -> EPMoE:
+def _new_layer(E: int, H: int, I: int, top_k: int, scheme: quant.QuantScheme, device) -> EPMoE:
     kw = dict(
         num_experts=E,
         hidden_size=H,
         intermediate_size=I,
         top_k=top_k,
-        quant=quant,
+        quant=scheme.name,
         backend="local",
         device=device,
         # the smallest row alignment the grouped GEMM takes: padding rows are computed
-        alignment=gemm.contiguous_row_block(quant, device),
+        alignment=gemm.contiguous_row_block(scheme, device),
     )
     try:
         return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)

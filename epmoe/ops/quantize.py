@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _config, _launch, reference
+from epmoe import _checks, _config, _launch, quant, reference
 from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
@@ -281,7 +281,7 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
     _, _, (sqe, sqt, _) = dims(shape, q_strides)
     _, _, (sse, sst, ssg) = dims(shape, s_strides)
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
-    if scheme == "fp8":
+    if quant.get(scheme, OP, "scheme") is quant.FP8:
         groups = H // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = num_slots(E, T, masked, block_m)
@@ -343,9 +343,9 @@ def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
 
 def _outputs(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
     """The op's (q, s), allocated (the CUDA launch fills them; the fake returns them)."""
-    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
-    groups = x.shape[-1] // group_size if scheme == "fp8" else 1
-    q = torch.empty(x.shape, dtype=qdtype, device=x.device)
+    qs = quant.get(scheme, OP, "scheme")
+    q = torch.empty(x.shape, dtype=qs.act_dtype, device=x.device)
+    groups = qs.act_scale_cols(x.shape[-1], group_size)
     return q, alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
 
 

@@ -9,17 +9,17 @@ from typing import Sequence, Tuple
 
 import torch
 
-from epmoe import _checks, _deps, reference
+from epmoe import _checks, _deps, quant
 
 OP = "grouped_gemm"
-A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+A_DTYPES = tuple(s.act_dtype for s in quant.SCHEMES.values())
 
 # The INT8 contiguous kernel maps each BLOCK_M row block to one expert; every tuned BLOCK_M divides
 # this, so alignment % _INT8_ROW_BLOCK == 0 keeps every block inside one expert's rows.
 _INT8_ROW_BLOCK = 128
-# deep_gemm's float32-scale (1x128 / 128x128) kernels are sm90-only; sm100 casts scales to ue8m0.
-_DG_FP8_ARCH = (9,)
-_DG_BF16_ARCH = (9, 10)
+# GPU majors deep_gemm runs each scheme on for us (none: int8). Its float32-scale (1x128 / 128x128)
+# fp8 kernels are sm90-only; sm100 casts scales to ue8m0.
+_DG_ARCH = {quant.FP8: (9,), quant.BF16: (9, 10)}
 _TMA_ALIGN_BYTES = 16  # TMA wants 16-byte aligned strides: fp8 scale columns are padded to 4 floats
 # deep_gemm's masked kernels address a/out as 2-D `[E * T, *]` tensors: the row block of expert e
 # starts at row e * T + i * BLOCK_M and the TMA store writes all BLOCK_M rows, so when BLOCK_M does
@@ -52,11 +52,12 @@ _DG_NAMES = {
 }
 
 
-_SCHEME_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_SCHEME_DTYPE = {name: s.act_dtype for name, s in quant.SCHEMES.items()}
 
 
 def scheme_of(dtype: torch.dtype) -> str:
-    return reference.SCHEME_OF_DTYPE[dtype]
+    """The name of the scheme whose GEMM operands have ``dtype``."""
+    return quant.of_dtype(dtype).name
 
 
 # ------------------------------------------------------------------------------- backend selection
@@ -81,10 +82,11 @@ def _cap(device: torch.device) -> Tuple[int, int]:
 
 
 def _dg_role(role: str, device: torch.device) -> bool:
-    """True when deep_gemm's entry point ``role`` exists and runs our scale format on ``device``."""
+    """True when deep_gemm's entry point ``role`` ("<scheme>_<layout>") exists and runs our scale
+    format on ``device``."""
     if not _deps.available("deep_gemm"):
         return False
-    arch = _DG_FP8_ARCH if role.startswith("fp8") else _DG_BF16_ARCH
+    arch = _DG_ARCH.get(quant.SCHEMES.get(role.split("_")[0]), ())
     return _cap(device)[0] in arch and _dg_functions()[role] is not None
 
 
@@ -94,15 +96,17 @@ def _grouped_mm_ok(device: torch.device, n: int, k: int) -> bool:
 
 
 @functools.cache  # (a function of the process's packages and GPUs: the same on every call)
-def _backend(scheme: str, layout: str, device: torch.device, n: int, k: int) -> str:
-    """The implementation of ``scheme`` x ``layout`` ("contiguous"/"masked") on a CUDA device."""
-    if scheme == "int8":
+def _backend(scheme, layout: str, device: torch.device, n: int, k: int) -> str:
+    """The implementation of ``scheme`` (a name or a scheme) x ``layout`` ("contiguous"/"masked")
+    on a CUDA device."""
+    scheme = quant.get(scheme, OP, "scheme")
+    if scheme is quant.INT8:
         return "triton"
     # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles only
-    dg_shape_ok = scheme == "fp8" or (n % 64 == 0 and k % 64 == 0)
+    dg_shape_ok = scheme is quant.FP8 or (n % 64 == 0 and k % 64 == 0)
     if dg_shape_ok and _dg_role(f"{scheme}_{layout}", device):
         return "deep_gemm"
-    if scheme == "bf16":
+    if scheme is quant.BF16:
         if layout == "masked":
             return "bmm"
         if _grouped_mm_ok(device, n, k):
@@ -110,7 +114,7 @@ def _backend(scheme: str, layout: str, device: torch.device, n: int, k: int) -> 
     return "reference"
 
 
-def contiguous_row_block(scheme: str, device: torch.device) -> int:
+def contiguous_row_block(scheme, device: torch.device) -> int:
     """Rows each expert block of the contiguous layout must be aligned to on ``device``.
 
     CPU (the reference) has no constraint: 1. CUDA: deep_gemm's
@@ -121,8 +125,8 @@ def contiguous_row_block(scheme: str, device: torch.device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return 1
-    _checks.check_choice(OP, "scheme", scheme, reference.QUANT_SCHEMES)
-    if scheme == "int8":
+    scheme = quant.get(scheme, OP, "scheme")
+    if scheme is quant.INT8:
         return _INT8_ROW_BLOCK
     if _dg_role(f"{scheme}_contiguous", device):
         get = _dg_functions()["alignment"]
@@ -131,7 +135,7 @@ def contiguous_row_block(scheme: str, device: torch.device) -> int:
 
 
 @functools.cache  # (as _backend)
-def masked_row_block(scheme: str, device: torch.device) -> int:
+def masked_row_block(scheme, device: torch.device) -> int:
     """Rows T (per expert slot) of the masked layout must be a multiple of to avoid a padding copy.
 
     1 on CPU and wherever deep_gemm does not run ``scheme``'s masked GEMM (INT8 Triton, bmm, the
@@ -142,8 +146,8 @@ def masked_row_block(scheme: str, device: torch.device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return 1
-    _checks.check_choice(OP, "scheme", scheme, reference.QUANT_SCHEMES)
-    if scheme == "int8" or not _dg_role(f"{scheme}_masked", device):
+    scheme = quant.get(scheme, OP, "scheme")
+    if scheme is quant.INT8 or not _dg_role(f"{scheme}_masked", device):
         return 1
     if _cap(device)[0] == 9:
         return _DG_SM90_MASKED_BLOCK_M

@@ -6,13 +6,13 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from epmoe import _checks, reference
+from epmoe import _checks, quant
 from epmoe.ops.gemm._ops import grouped_gemm
-from epmoe.ops.gemm._select import _SCHEME_DTYPE, contiguous_row_block, empty_fp8_act_scales
+from epmoe.ops.gemm._select import contiguous_row_block, empty_fp8_act_scales
 
 
 def prepare_weights(
-    w_q: torch.Tensor, w_s: Optional[torch.Tensor], scheme: str, device
+    w_q: torch.Tensor, w_s: Optional[torch.Tensor], scheme, device
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Expert weights in the layout the ``device`` backend reads without any per-call transform.
 
@@ -25,12 +25,11 @@ def prepare_weights(
 
     Args:
         w_q: bf16/fp8/int8 `[E, N, Kd]`. w_s: float32 scales or None (bf16). scheme: "bf16", "fp8",
-            "int8". device: where the layer runs.
+            "int8" or a QuantScheme. device: where the layer runs.
     Returns:
         (weights, scales) accepted by :func:`grouped_gemm`.
     """
-    _checks.check_choice("prepare_weights", "scheme", scheme, reference.QUANT_SCHEMES)
-    want = _SCHEME_DTYPE[scheme]
+    want = quant.get(scheme, "prepare_weights", "scheme").act_dtype
     _checks.check_dtype("prepare_weights", "w_q", w_q, (want,))
     _checks.check_ndim("prepare_weights", "w_q", w_q, (3,))
     w_q = w_q.to(device).contiguous()
@@ -40,24 +39,24 @@ def prepare_weights(
 
 
 def _dummy_weights(scheme, E, N, K, device):
-    w = torch.zeros((E, N, K), dtype=_SCHEME_DTYPE[scheme], device=device)
-    if scheme == "fp8":
-        return w, torch.ones((E, N // 128, K // 128), dtype=torch.float32, device=device)
-    if scheme == "int8":
-        return w, torch.ones((E, N), dtype=torch.float32, device=device)
-    return w, None
+    scheme = quant.get(scheme, "warmup", "scheme")
+    w = torch.zeros((E, N, K), dtype=scheme.act_dtype, device=device)
+    shape = scheme.weight_scale_shape(E, N, K)
+    if shape is None:
+        return w, None
+    return w, torch.ones(shape, dtype=torch.float32, device=device)
 
 
 def _dummy_acts(scheme, lead, K, device, mn_major):
-    a = torch.zeros((*lead, K), dtype=_SCHEME_DTYPE[scheme], device=device)
-    if scheme == "bf16":
+    scheme = quant.get(scheme, "warmup", "scheme")
+    a = torch.zeros((*lead, K), dtype=scheme.act_dtype, device=device)
+    if not scheme.quantized:
         return a, None
-    if scheme == "int8":
-        return a, torch.ones((*lead, 1), dtype=torch.float32, device=device)
+    cols = scheme.act_scale_cols(K)
     s = (
-        empty_fp8_act_scales(lead, K // 128, device)
-        if mn_major
-        else torch.empty((*lead, K // 128), dtype=torch.float32, device=device)
+        empty_fp8_act_scales(lead, cols, device)  # (deep_gemm's layout of fp8 scales)
+        if mn_major and scheme is quant.FP8
+        else torch.empty((*lead, cols), dtype=torch.float32, device=device)
     )
     return a, s.fill_(1.0)
 
@@ -70,7 +69,7 @@ def _balanced_m_indices(m: int, E: int, row_block: int, device) -> torch.Tensor:
 
 
 def warmup(
-    scheme: str,
+    scheme,
     num_experts: int,
     n: int,
     k: int,
@@ -88,8 +87,8 @@ def warmup(
     Call once per weight of the layer before capturing CUDA graphs or serving.
 
     Args:
-        scheme: "bf16", "fp8" or "int8". num_experts: E (local). n, k: the GEMM's logical N and Kd
-            from the layer's configured sizes (GEMM1: 2I, H; GEMM2: H, I).
+        scheme: "bf16", "fp8", "int8" or a QuantScheme. num_experts: E (local). n, k: the
+            GEMM's logical N and Kd from the layer's configured sizes (GEMM1: 2I, H; GEMM2: H, I).
         device: the CUDA device (CPU: nothing to do).
         contiguous_m: M_sum sizes of the contiguous layout to compile for (HT: the worst-case M_sum
             of graph capture, plus typical prefill sizes; the first one drives INT8 autotuning, so
@@ -102,14 +101,16 @@ def warmup(
     device = torch.device(device)
     if device.type != "cuda":
         return
-    _checks.check_choice("warmup", "scheme", scheme, reference.QUANT_SCHEMES)
+    scheme = quant.get(scheme, "warmup", "scheme")
     E, N, K = num_experts, n, k
     if w is None:
         w, w_scales = _dummy_weights(scheme, E, N, K, device)
     else:
         _checks.check_shape("warmup", "w", w, (E, N, K))
     row_block = contiguous_row_block(scheme, device)
-    layouts = (True, False) if scheme == "fp8" else (True,)  # fp8: also deep_gemm's scale transpose
+    layouts = (
+        (True, False) if scheme is quant.FP8 else (True,)
+    )  # fp8: also deep_gemm's scale transpose
     for m in contiguous_m:
         m = int(m)
         if m <= 0:
