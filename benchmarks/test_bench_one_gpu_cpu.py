@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import epmoe
+import epmoe.quant
 from epmoe import reference
 
 TINY = _configs.CONFIGS[bench.CPU_SMOKE["shape"]]
@@ -46,7 +47,7 @@ def test_cpu_smoke_run(tmp_path, capsys):
     }
     for c in on_disk["cases"]:
         auto = c["mode"] == "auto"
-        auto_gemv = auto and c["T"] <= epmoe.layer.AUTO_GEMV_MAX_TOKENS[c["scheme"]]  # (1 rank)
+        auto_gemv = auto and c["T"] <= epmoe.quant.get(c["scheme"]).gemv_max_tokens  # (1 rank)
         auto_ll = auto and c["T"] <= epmoe.layer.AUTO_LL_MAX_TOKENS
         want = "gemv" if auto_gemv else "ll" if c["mode"] == "ll" or auto_ll else "ht"
         assert c["path"] == want, c["id"]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from epmoe import _checks, _eager, comm, reference
+from epmoe import quant as _quant
 from epmoe._contract import Contract, Rule, Tensor
 from epmoe.comm import masked_layout as _ml
 from epmoe.ops import activation as _act
@@ -51,13 +52,9 @@ MODES = ("ht", "ll", "auto")
 # mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
 # crossover: benchmarks/results/h200/RESULTS.md)
 AUTO_LL_MAX_TOKENS = 512
-# mode="auto" on one rank (local backend): calls of at most this many tokens per scheme run the
-# per-choice GEMVs (epmoe.ops.gemv: two kernels, weight-stream bound; crossover: same page)
-AUTO_GEMV_MAX_TOKENS = {"bf16": 8, "fp8": 8, "int8": 4}
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
-_QDTYPE = {"fp8": reference.FP8_DTYPE, "int8": torch.int8}
 _WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
 # the stages each path records, in order ("quantize" only where it runs: HT fp8 / int8, LL int8)
 HT_STAGES = ("quantize", "dispatch", "permute", "gemm1", "act", "gemm2", "unpermute", "combine")
@@ -104,31 +101,20 @@ class _Stages(NamedTuple):
     gemv_down: Callable
 
 
-# the public ops: each checks its inputs (CPU, torch.compile, tensors needing grad, ...)
-_PUBLIC = _Stages(
+# every stage the forward pass chains, each declared once (epmoe._stage.stage): the public function
+# checks its inputs, .chained is its op with the chain's arguments, .launch its CUDA launch
+STAGE_TABLE = _Stages(
     quantize, _dispatch.ht_dispatch, permute, grouped_gemm_contiguous, grouped_gemm_masked,
     _act.silu_and_mul, _act.silu_and_mul_quant, unpermute, _combine.ht_combine,
     _dispatch.ll_dispatch, _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up,
     _gemv.gemv_down,
 )  # fmt: skip
-# off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
-# less the row checks of tensors the chain's own permute / ll_scatter wrote
-_CHAINED = _PUBLIC._replace(
-    grouped_gemm_contiguous=grouped_gemm_contiguous.chained,
-    grouped_gemm_masked=grouped_gemm_masked.chained,
-    unpermute=unpermute.chained,
-    ll_gather=_ml._ll_gather_chained,
-    gemv_down=_gemv.gemv_down.chained,
-)
+# the table's three views: record_stages(replace=...) hooks stand between stages: each checks
+_PUBLIC = STAGE_TABLE
+# torch.compile, CPU, ...: the ops (a stage choosing between two ops is its public function)
+_CHAINED = _Stages(*(getattr(f, "chained", f) for f in STAGE_TABLE))
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
-_TRUSTED = _Stages(
-    quantize.launch, _dispatch.ht_dispatch.launch, permute.launch,
-    grouped_gemm_contiguous.launch, grouped_gemm_masked.launch, _act.silu_and_mul.launch,
-    _act.silu_and_mul_quant.launch,
-    unpermute.launch, _combine.ht_combine.launch, _dispatch.ll_dispatch.launch,
-    _combine.ll_combine.launch, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
-    _gemv.gemv_gate_up.launch, _gemv.gemv_down.launch,
-)  # fmt: skip
+_TRUSTED = _Stages(*(f.launch for f in STAGE_TABLE))
 
 
 def _check_config(
@@ -144,13 +130,9 @@ def _check_config(
         ("top_k", top_k),
     ):
         _checks.check_positive_int(OP, name, v)
-    _checks.check_choice(OP, "quant", quant, reference.QUANT_SCHEMES)
+    scheme = _quant.get(quant, OP)
     _checks.check_choice(OP, "mode", mode, MODES)
-    if quant == "fp8":
-        _checks.check_multiple(OP, "hidden_size", hidden_size, 128, "for fp8 (128-channel groups)")
-        _checks.check_multiple(
-            OP, "intermediate_size", intermediate_size, 128, "for fp8 (128-channel groups)"
-        )
+    scheme.check_sizes(OP, hidden_size=hidden_size, intermediate_size=intermediate_size)
     if mode == "ll":
         _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
     if mode == "auto":
@@ -214,8 +196,8 @@ class EPMoE(nn.Module):
         quant: "bf16", "fp8" (e4m3, activations 1x128, weights 128x128) or "int8" (per token / per
             output channel).
         mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
-            GEMVs up to AUTO_GEMV_MAX_TOKENS; LL up to ``ll_max_tokens`` tokens, HT above; chosen
-            from the shape, so a graph captured at one size stays valid).
+            GEMVs up to the scheme's ``gemv_max_tokens`` tokens; LL up to ``ll_max_tokens`` tokens, HT
+            above; chosen from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
         alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
@@ -269,6 +251,7 @@ class EPMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
         self.quant, self.mode, self.alignment = quant, mode, alignment
+        self.scheme = _quant.get(quant)  # (self.quant: its name)
         self.worst_case = bool(worst_case)
         self.max_tokens_per_rank = max_tokens_per_rank
         # the LL capacity per rank: the largest call LL takes
@@ -354,21 +337,19 @@ class EPMoE(nn.Module):
     def _convert(self, w: torch.Tensor, copy: bool):
         """This rank's experts w float `[E, N, Kd]` -> (weights, scales) on the layer's device."""
         E, N, Kd = w.shape
-        if self.quant == "bf16":
+        if not self.scheme.quantized:
             in_place = w.dtype == torch.bfloat16 and w.device == self.device and w.is_contiguous()
             if not copy and in_place:
                 return w, None
             out = torch.empty((E, N, Kd), dtype=torch.bfloat16, device=self.device)
             out.copy_(w)  # (a fresh tensor even when w is one already: never an alias)
             return out, None
-        if self.quant == "fp8":  # N and Kd are multiples of the 128x128 block (checked in init)
-            blk = reference.FP8_WEIGHT_BLOCK
-            rows = math.gcd(N, LOAD_ROWS)
-            s = torch.empty((E, N // blk, Kd // blk), dtype=torch.float32, device=self.device)
-        else:
-            blk, rows = 1, LOAD_ROWS
-            s = torch.empty((E, N), dtype=torch.float32, device=self.device)
-        q = torch.empty((E, N, Kd), dtype=_QDTYPE[self.quant], device=self.device)
+        # N and Kd are multiples of the weight block (checked in init); whole row blocks at a time
+        blk = self.scheme.weight_block[0]
+        rows = math.gcd(N, LOAD_ROWS) if blk > 1 else LOAD_ROWS
+        shape = self.scheme.weight_scale_shape(E, N, Kd)
+        s = torch.empty(shape, dtype=torch.float32, device=self.device)
+        q = torch.empty((E, N, Kd), dtype=self.scheme.act_dtype, device=self.device)
         for e in range(E):
             for r in range(0, N, rows):
                 qc, sc = reference.quantize_weights(
@@ -418,8 +399,8 @@ class EPMoE(nn.Module):
 
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
-        rank (local backend) with at most AUTO_GEMV_MAX_TOKENS[quant] tokens (from the shape)."""
-        return self.mode == "auto" and self.local and num_tokens <= AUTO_GEMV_MAX_TOKENS[self.quant]
+        rank (local backend) with at most ``scheme.gemv_max_tokens`` tokens (from the shape)."""
+        return self.mode == "auto" and self.local and num_tokens <= self.scheme.gemv_max_tokens
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""
@@ -464,7 +445,7 @@ class EPMoE(nn.Module):
 
     def _act(self, st, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
-        if self.quant == "bf16":
+        if not self.scheme.quantized:
             return st.silu_and_mul(y, masked_m, m_indices, expert_offsets), None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
         return st.silu_and_mul_quant(
@@ -477,12 +458,12 @@ class EPMoE(nn.Module):
         )
 
     def _scale_layout(self) -> str:
-        return "deepgemm" if self.quant == "fp8" and self.device.type == "cuda" else "row"
+        return self.scheme.cuda_scale_layout if self.device.type == "cuda" else "row"
 
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
-        if self.quant != "bf16":
+        if self.scheme.quantized:
             x, scales = self._emit("quantize", st.quantize(x, self.quant))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(st, x, scales, topk_ids, topk_weights)
@@ -576,13 +557,14 @@ class EPMoE(nn.Module):
                 scale_layout=self._scale_layout(),
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(st, a, s if self.quant != "bf16" else None, masked_m)
+            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m)
             return self._emit("ll_gather", st.ll_gather(y, rows, topk_weights))
-        d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=self.quant == "fp8")
+        codes = self.scheme.dispatch_codes  # (fp8: DeepEP sends the codes and their scales)
+        d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=codes)
         d = self._emit("ll_dispatch", d)
         a, s = d.x, d.x_scales
-        if self.quant == "int8":
-            a, s = self._emit("quantize", st.quantize(a, "int8", masked_m=d.masked_m))
+        if self.scheme.quantized and not codes:
+            a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
         y = self._experts_ll(st, a, s, d.masked_m)
         out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
         return self._emit("ll_combine", out)

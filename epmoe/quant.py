@@ -129,6 +129,10 @@ class QuantScheme:
         act_group: channels per activation scale; None: one scale per row (int8), or none (bf16).
         weight_block: rows x cols per weight scale (a None col: the whole row); None: no scales.
         gemv_max_tokens: mode="auto" runs the per-choice GEMVs up to this many tokens on one rank.
+        cuda_scale_layout: the activation-scale layout the CUDA GEMMs read ("deepgemm": MN-major,
+            TMA-aligned, fp8's for deep_gemm; "row": contiguous rows).
+        dispatch_codes: DeepEP's LL dispatch sends the codes itself (fp8); otherwise it sends bf16
+            and the layer quantizes after it.
     """
 
     name: str
@@ -136,6 +140,8 @@ class QuantScheme:
     act_group: Optional[int]
     weight_block: Optional[Tuple[int, Optional[int]]]
     gemv_max_tokens: int
+    cuda_scale_layout: str = "row"
+    dispatch_codes: bool = False
     # the reference quantizers (activations: x, group_size -> codes, scales; weights: w -> codes,
     # scales or None); not part of the scheme's identity
     act_quantizer: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
@@ -208,7 +214,8 @@ BF16 = QuantScheme(
 )  # fmt: skip
 FP8 = QuantScheme(
     "fp8", FP8_DTYPE, FP8_GROUP, (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK), gemv_max_tokens=8,
-    act_quantizer=quantize_fp8, weight_quantizer=_quantize_weights_fp8,
+    cuda_scale_layout="deepgemm", dispatch_codes=True, act_quantizer=quantize_fp8,
+    weight_quantizer=_quantize_weights_fp8,
 )  # fmt: skip
 INT8 = QuantScheme(
     "int8", torch.int8, None, (1, None), gemv_max_tokens=4,

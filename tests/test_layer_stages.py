@@ -126,13 +126,13 @@ def test_local_ll_stages_are_the_ops(quant):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_local_auto_gemv_stages_are_the_ops(quant):
-    """mode="auto" on one rank: up to AUTO_GEMV_MAX_TOKENS[quant] tokens the two per-choice GEMVs
+    """mode="auto" on one rank: up to scheme.gemv_max_tokens tokens the two per-choice GEMVs
     (their outputs the public ops' bytes, the layer's output within the quant-aware bound), one
     token more the LL chain."""
     torch.manual_seed(0)
     layer = small_layer(quant, "auto")
     w1, w2 = global_weights(**SMALL)
-    n = layer_mod.AUTO_GEMV_MAX_TOKENS[quant]
+    n = layer.scheme.gemv_max_tokens
     for T in (1, n):
         x, ids, w = tokens(T, seed=6 + T, **SMALL)
         assert layer.path(T) == "gemv"
