@@ -196,8 +196,8 @@ class EPMoE(nn.Module):
         quant: "bf16", "fp8" (e4m3, activations 1x128, weights 128x128) or "int8" (per token / per
             output channel).
         mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
-            GEMVs up to the scheme's ``gemv_max_tokens`` tokens; LL up to ``ll_max_tokens`` tokens, HT
-            above; chosen from the shape, so a graph captured at one size stays valid).
+            GEMVs up to the scheme's ``gemv_max_tokens`` tokens; LL up to ``ll_max_tokens`` tokens,
+            HT above; chosen from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
         alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
