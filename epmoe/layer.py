@@ -9,7 +9,8 @@ HT above (chosen from the shape, not the data).
 
 On one rank with the local backend nothing is sent: HT permutes the caller's x, ids and weights
 directly and unpermute's output is the result; LL scatters tokens into the masked layout with one
-kernel (quantization fused) and gathers them back, weighted, with another (comm.masked_layout).
+kernel (quantization fused, ops.ll_scatter) and gathers them back, weighted, with another
+(ops.ll_gather).
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
 K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
@@ -30,13 +31,14 @@ from torch import nn
 
 from epmoe import _checks, _eager, comm, reference
 from epmoe._contract import Contract, Rule, Tensor
-from epmoe.comm import masked_layout as _ml
 from epmoe.ops import activation as _act
 from epmoe.ops import combine as _combine
 from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import contiguous_row_block, masked_row_block
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 from epmoe.ops.permute import permute
 from epmoe.ops.quantize import _quantize_trusted, quantize
 from epmoe.ops.unpermute import unpermute
@@ -104,13 +106,13 @@ _PUBLIC = _Stages(
     quantize, _dispatch.ht_dispatch, permute,
     functools.partial(gemm.grouped_gemm, trusted=True), _act.silu_and_mul,
     _act.silu_and_mul_quant, unpermute, _combine.ht_combine, _dispatch.ll_dispatch,
-    _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up, _gemv.gemv_down,
+    _combine.ll_combine, ll_scatter, ll_gather, _gemv.gemv_gate_up, _gemv.gemv_down,
 )  # fmt: skip
 # off the direct path (torch.compile, ...) with nothing replacing a stage's output: the public ops,
 # less the row checks of tensors the chain's own permute / ll_scatter wrote
 _CHAINED = _PUBLIC._replace(
     unpermute=unpermute.chained,
-    ll_gather=_ml._ll_gather_chained,
+    ll_gather=ll_gather.chained,
     gemv_down=_gemv._gemv_down_chained,
 )
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
@@ -118,7 +120,7 @@ _TRUSTED = _Stages(
     _quantize_trusted, _dispatch._ht_dispatch_trusted, permute.launch,
     gemm._grouped_gemm_trusted, _act._silu_and_mul_trusted, _act._silu_and_mul_quant_trusted,
     unpermute.launch, _combine._ht_combine_trusted, _dispatch._ll_dispatch_trusted,
-    _combine._ll_combine_trusted, _ml._ll_scatter_trusted, _ml._ll_gather_trusted,
+    _combine._ll_combine_trusted, ll_scatter.launch, ll_gather.launch,
     _gemv._gemv_gate_up_trusted, _gemv._gemv_down_trusted,
 )  # fmt: skip
 
