@@ -1,6 +1,7 @@
 """The topk_ids addressing the permute and scatter kernels share (a @triton.jit helper)."""
 
 import triton
+import triton.language as tl  # noqa: F401 (Triton wants the language visible to jit functions)
 
 
 # The kernels load topk_ids themselves (torch.compile reads a pointer passed to a jit helper whose
