@@ -18,13 +18,13 @@ from epmoe.ops import activation as A
 from epmoe.ops import combine as CB
 from epmoe.ops import dispatch as D
 from epmoe.ops import gemv as GV
-from epmoe.ops import ll_gather as LG
-from epmoe.ops import ll_scatter as LS
 from epmoe.ops.gemm import _validate as G
 
 Q = importlib.import_module("epmoe.ops.quantize")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
+LS = importlib.import_module("epmoe.ops.ll_scatter")
+LG = importlib.import_module("epmoe.ops.ll_gather")
 
 bf, f32, i32, i64, i8 = torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.int8
 FP8 = torch.float8_e4m3fn
