@@ -16,8 +16,8 @@ With --resources it also prints each kernel's registers per thread, spills and s
 it prints each kernel's SASS instruction count and its most frequent opcodes (``nvdisasm``): the
 fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
 
-  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR]
-(do not set TRITON_INTERPRET)
+  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR] [--only SUBSTRING]
+(do not set TRITON_INTERPRET; --only: the cases whose name contains SUBSTRING, e.g. "ll_")
 
 Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
 newer one accepts code that 3.6 rejects (a module-level string passed from one jit function to
@@ -368,8 +368,11 @@ def main() -> int:
     show = "--resources" in argv
     sass = "--sass" in argv
     ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     failed = 0
     for name, launch in cases().items():
+        if only not in name:
+            continue
         # the small permute cases compile the row-block scale kernel too
         with P.override(scales_by_row_min_entries=0):
             calls = record(launch)

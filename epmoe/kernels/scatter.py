@@ -104,13 +104,13 @@ def _ll_scatter_kernel(
     writes rows[t]. The last program writes masked_m and checks the ids and capacities
     (_finish_counts)."""
     pid = tl.program_id(0)
-    stride_it = tl.cast(stride_it, tl.int64)  # int64 row offsets into topk_ids
     if pid >= T * CHUNKS:
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
         n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
         for b0 in range(0, T * K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik)
+            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
             tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
             n_bad += bad.to(tl.int32)
@@ -119,7 +119,7 @@ def _ll_scatter_kernel(
         t = pid // CHUNKS
         c = pid % CHUNKS
         kk = tl.arange(0, K_PAD)
-        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, stride_it, stride_ik)
+        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, tl.cast(stride_it, tl.int64), stride_ik)
         v_t = tl.load(ids_ptr + ro_t + co_t, mask=in_t, other=-1)
         e, bad_own = _local_ids(v_t, in_t, LO, E, NG)
         any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
@@ -136,7 +136,8 @@ def _ll_scatter_kernel(
         cnt = tl.zeros([K_PAD], dtype=tl.int32)
         for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, stride_it, stride_ik)
+            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             eb, bad_b = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
             same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
             cnt += tl.sum(same.to(tl.int32), axis=1)
