@@ -20,12 +20,12 @@ from epmoe import reference
 
 TINY = _configs.CONFIGS[bench.CPU_SMOKE["shape"]]
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-# the one-rank LL chain imports epmoe.comm.masked_layout (being written alongside this benchmark)
-HAS_LOCAL_LL = importlib.util.find_spec("epmoe.comm.masked_layout") is not None
+# the one-rank LL chain imports epmoe.ops.ll_scatter
+HAS_LOCAL_LL = importlib.util.find_spec("epmoe.ops.ll_scatter") is not None
 
 
 def _usable(case: dict) -> bool:
-    """Whether the case can run in this checkout (LL on one rank needs masked_layout)."""
+    """Whether the case can run in this checkout (LL on one rank needs ll_scatter)."""
     return HAS_LOCAL_LL or case["path"] != "ll"
 
 

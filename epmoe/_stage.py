@@ -176,7 +176,7 @@ def _device_type(args, kwargs) -> str:
 def _public(signature, params, contract, cuda, op, result, chain) -> Callable:
     """The public function, ``fn.launch`` and ``fn.chained``, generated with the declared signature
     (one frame per call, arguments by name: no binding at run time)."""
-    sig, call = _signature_source(params)
+    sig, call = _signature_source(params)  # (locals start with _: parameters may be named out)
     picked = ", ".join(contract.params)
     wrap = (lambda expr: f"_result({expr}, {call})") if result is not None else (lambda e: e)
     chained_call = ", ".join(f"_c_{p.name}" if p.name in chain else p.name for p in params)

@@ -9,7 +9,8 @@ HT above (chosen from the shape, not the data).
 
 On one rank with the local backend nothing is sent: HT permutes the caller's x, ids and weights
 directly and unpermute's output is the result; LL scatters tokens into the masked layout with one
-kernel (quantization fused) and gathers them back, weighted, with another (comm.masked_layout).
+kernel (quantization fused, ops.ll_scatter) and gathers them back, weighted, with another
+(ops.ll_gather).
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
 K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
@@ -30,7 +31,6 @@ from torch import nn
 from epmoe import _checks, _eager, comm, reference
 from epmoe import quant as _quant
 from epmoe._contract import Contract, Rule, Tensor
-from epmoe.comm import masked_layout as _ml
 from epmoe.ops import activation as _act
 from epmoe.ops import combine as _combine
 from epmoe.ops import dispatch as _dispatch
@@ -42,6 +42,8 @@ from epmoe.ops.gemm import (
     grouped_gemm_masked,
     masked_row_block,
 )
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 from epmoe.ops.permute import permute
 from epmoe.ops.quantize import quantize
 from epmoe.ops.unpermute import unpermute
@@ -106,7 +108,7 @@ class _Stages(NamedTuple):
 STAGE_TABLE = _Stages(
     quantize, _dispatch.ht_dispatch, permute, grouped_gemm_contiguous, grouped_gemm_masked,
     _act.silu_and_mul, _act.silu_and_mul_quant, unpermute, _combine.ht_combine,
-    _dispatch.ll_dispatch, _combine.ll_combine, _ml.ll_scatter, _ml.ll_gather, _gemv.gemv_gate_up,
+    _dispatch.ll_dispatch, _combine.ll_combine, ll_scatter, ll_gather, _gemv.gemv_gate_up,
     _gemv.gemv_down,
 )  # fmt: skip
 # the table's three views: record_stages(replace=...) hooks stand between stages: each checks

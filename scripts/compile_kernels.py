@@ -16,8 +16,8 @@ With --resources it also prints each kernel's registers per thread, spills and s
 it prints each kernel's SASS instruction count and its most frequent opcodes (``nvdisasm``): the
 fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
 
-  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR]
-(do not set TRITON_INTERPRET)
+  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR] [--only SUBSTRING]
+(do not set TRITON_INTERPRET; --only: the cases whose name contains SUBSTRING, e.g. "ll_")
 
 Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
 newer one accepts code that 3.6 rejects (a module-level string passed from one jit function to
@@ -46,7 +46,8 @@ P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
 G = importlib.import_module("epmoe.ops.gemm._int8")
 R = importlib.import_module("epmoe._range")
-ML = importlib.import_module("epmoe.comm.masked_layout")
+KS = importlib.import_module("epmoe.kernels.scatter")
+KG = importlib.import_module("epmoe.kernels.gather")
 GV = importlib.import_module("epmoe.ops.gemv")
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -177,18 +178,18 @@ def cases() -> Dict[str, Callable[[], object]]:
     return {
         "ll_scatter bf16/fp8/int8 (row, deepgemm, two-pass int8), ll_gather": lambda: (
             [
-                ML._ll_scatter_triton(xx, ids, 8, 128, q, 0, None, lay)
+                KS._ll_scatter_triton(xx, ids, 8, 128, q, 0, None, lay)
                 for xx in (bf, torch.randn((64, 20000)).to(torch.bfloat16)[:, :16384])
                 for q in ("bf16", "fp8", "int8")
                 for lay in ("row", "deepgemm")
             ]
-            + [ML._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :512].clone()) for ww in (w, None)]
-            + [ML._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone(), False)]
+            + [KG._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :512].clone()) for ww in (w, None)]
+            + [KG._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone(), False)]
         ),
         "ll_scatter / ll_gather, asserting": lambda: [
             (
-                ML._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
-                ML._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone()),
+                KS._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
+                KG._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone()),
             )
             for _ in _within(_asserting())
         ],
@@ -367,8 +368,11 @@ def main() -> int:
     show = "--resources" in argv
     sass = "--sass" in argv
     ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     failed = 0
     for name, launch in cases().items():
+        if only not in name:
+            continue
         # the small permute cases compile the row-block scale kernel too
         with P.override(scales_by_row_min_entries=0):
             calls = record(launch)

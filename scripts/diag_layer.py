@@ -70,7 +70,8 @@ def stage_costs(T=32, H=2048, I=768, E=128, K=8):
     """Host µs of each stage call of the fp8 chains, one by one, and of the bare launches."""
     from epmoe import _launch, ops
     from epmoe._range import _range_kernel
-    from epmoe.comm.masked_layout import ll_gather, ll_scatter
+    from epmoe.ops.ll_gather import ll_gather
+    from epmoe.ops.ll_scatter import ll_scatter
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn((T, H), device="cuda", generator=g).bfloat16()

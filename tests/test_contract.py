@@ -14,7 +14,6 @@ import torch
 
 from epmoe import _contract as C
 from epmoe import layer
-from epmoe.comm import masked_layout as ML
 from epmoe.ops import activation as A
 from epmoe.ops import combine as CB
 from epmoe.ops import dispatch as D
@@ -24,6 +23,8 @@ from epmoe.ops.gemm import _validate as G
 Q = importlib.import_module("epmoe.ops.quantize")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
+LS = importlib.import_module("epmoe.ops.ll_scatter")
+LG = importlib.import_module("epmoe.ops.ll_gather")
 
 bf, f32, i32, i64, i8 = torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.int8
 FP8 = torch.float8_e4m3fn
@@ -259,7 +260,7 @@ def _cases():
         ),
         Case(
             "ll_scatter",
-            ML.SCATTER,
+            LS.CONTRACT,
             (x, ids, 2, 4, "fp8", 2, 4, "row"),
             [
                 ("x", x.float(), r"ll_scatter: x expected dtype torch.bfloat16, got torch.float32"),
@@ -286,7 +287,7 @@ def _cases():
         ),
         Case(
             "ll_scatter raw",
-            ML.SCATTER,
+            LS.CONTRACT,
             (x.float(), ids, 2, 4, "bf16", 0, None, "row"),
             [
                 ("x", x.double(), r"ll_scatter: x expected dtype torch.bfloat16 or torch.int8 or"),
@@ -294,7 +295,7 @@ def _cases():
         ),
         Case(
             "ll_gather",
-            ML.GATHER_OUT,
+            LG.CONTRACT_OUT,
             (yl, rows, w, z(4, 256, dtype=bf)),
             [
                 ("y", yl.float(), r"ll_gather: y expected dtype torch.bfloat16"),

@@ -12,7 +12,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from epmoe import layer as layer_mod
 from epmoe import ops, reference
 from epmoe._multiproc import run_ranks
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 from tests._moe import SMALL, global_weights, small_layer, tokens
 from tests._tol import LAYER_VS_QUANT_AWARE, rel_l2
 

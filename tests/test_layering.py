@@ -1,6 +1,6 @@
-"""The package's import graph: floors (low to high) base modules, quant and reference -> comm ->
-ops -> layer / compile / graphs -> integrations / cli / the package itself; no import goes up a
-floor and there is no cycle."""
+"""The package's import graph: floors (low to high) base modules, quant and reference -> kernels
+(shared by stages and backends) -> comm -> ops -> layer / compile / graphs -> integrations / cli /
+the package itself; no import goes up a floor and there is no cycle."""
 
 import ast
 import pathlib
@@ -38,9 +38,9 @@ def _graph():
 def floor(name: str) -> int:
     parts = name.split(".")
     if name in ("epmoe.reference", "epmoe.quant") or (len(parts) == 2 and parts[1].startswith("_")):
-        return 0 if parts[1] != "__main__" else 4
-    return {"comm": 1, "ops": 2, "layer": 3, "compile": 3, "graphs": 3}.get(
-        parts[1] if len(parts) > 1 else "", 4
+        return 0 if parts[1] != "__main__" else 5
+    return {"kernels": 1, "comm": 2, "ops": 3, "layer": 4, "compile": 4, "graphs": 4}.get(
+        parts[1] if len(parts) > 1 else "", 5
     )
 
 
@@ -72,7 +72,9 @@ def test_no_import_cycle():
 def test_the_graph_sees_the_floors():
     g = _graph()
     assert "epmoe._checks" in g["epmoe.ops.permute"]  # a real edge is found
-    assert floor("epmoe._launch") < floor("epmoe.comm.local") < floor("epmoe.ops.permute")
+    assert "epmoe.kernels.gather" in g["epmoe.ops.unpermute"]
+    assert floor("epmoe._launch") < floor("epmoe.kernels.gather") < floor("epmoe.comm.local")
+    assert floor("epmoe.comm.local") < floor("epmoe.ops.permute")
     assert floor("epmoe.ops.permute") < floor("epmoe.layer") < floor("epmoe.integrations.x")
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from epmoe import ops, quant, reference
-from epmoe.comm.masked_layout import ll_gather
+from epmoe.ops.ll_gather import ll_gather
 
 # Tolerances (relative L2 unless exact). The layer bounds are those of the core issue (also in
 # tests/_tol.py, which the installed package cannot import).

@@ -1,18 +1,18 @@
 """The one-rank backend ("local"): no collective at all.
 
-LL dispatch is :func:`epmoe.comm.masked_layout.ll_scatter` on the caller's tokens (one kernel, fp8
-quantization fused; handle = [rows int32 `[T, K]`, e*C + slot of each (t, k) or -1]) and LL
-combine is :func:`epmoe.comm.masked_layout.ll_gather` with the weights (one kernel), so the layout
-is the one ``base`` documents with C = max_tokens_per_rank. HT dispatch / combine are
-:class:`epmoe.comm.torch_dist.TorchComm`'s for a group of one (copies of the inputs, N = T, or the
-static worst-case N; the layer itself skips them on one rank).
+LL dispatch is the ll_scatter kernel on the caller's tokens (one kernel, fp8 quantization fused;
+handle = [rows int32 `[T, K]`, e*C + slot of each (t, k) or -1]) and LL combine is the ll_gather
+kernel with the weights (one kernel), so the layout is the one ``base`` documents with C =
+max_tokens_per_rank. HT dispatch / combine are :class:`epmoe.comm.torch_dist.TorchComm`'s for a
+group of one (copies of the inputs, N = T, or the static worst-case N; the layer itself skips them
+on one rank).
 """
 
 import torch
 
 from epmoe import _checks
+from epmoe.comm._masked import gather, scatter
 from epmoe.comm.base import Communicator
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
 from epmoe.comm.torch_dist import TorchComm
 
 
@@ -38,7 +38,7 @@ class LocalComm(Communicator):
         if x_scales is not None:
             raise _checks.fail("ll_dispatch", "x_scales", "None (LL quantizes itself)", "a tensor")
         quant = "fp8" if use_fp8 else "bf16"
-        return list(ll_scatter(x, topk_ids, self.num_local_experts, self.ll_capacity, quant))
+        return list(scatter(x, topk_ids, self.num_local_experts, self.ll_capacity, quant))
 
     def ll_dispatch_fake(self, x, topk_ids, x_scales, use_fp8):
         E, C, H = self.num_local_experts, self.ll_capacity, x.shape[1]
@@ -50,7 +50,7 @@ class LocalComm(Communicator):
         ]
 
     def ll_combine(self, y, topk_ids, topk_weights, handle):
-        return ll_gather(y, handle[0], topk_weights)
+        return gather(y, handle[0], topk_weights)
 
     def ll_combine_out(self, out, y, topk_ids, topk_weights, handle):
-        ll_gather(y, handle[0], topk_weights, out=out)
+        gather(y, handle[0], topk_weights, out=out)

@@ -5,7 +5,7 @@ With no process group (or a group of one) no collective runs (the ``"local"`` ba
 bytes, so any payload dtype (bf16, fp8, int8) works on any backend.
 
 HT dispatch treats each destination rank as an "expert" of the masked layout:
-:func:`epmoe.comm.masked_layout.ll_scatter` (a raw copy, one kernel each) puts token t into slot
+the ll_scatter kernel (a raw copy, one kernel each) puts token t into slot
 `[p, c]` of every rank p holding one of its experts (slots in t order), once for the payload
 (`[P, cap, H]`) and once for an int32 metadata row (scales | weights | bitwise-NOT global ids, so
 all-zero padding reads as ids -1). Worst case: cap = ht_capacity(T) (static N = P*cap, padding
@@ -15,10 +15,10 @@ Exact: cap = T, then only each peer's first count rows are sent (one host sync f
 handle = [is_token_in_rank, rows int32 `[T, P]` into the compacted send order or -1, splits int64
 `[2, P]` (CPU)]. The receiver turns global ids into local ids and counts them (a few torch ops on
 `[N, K]`). HT combine returns the rows with one all-to-all and sums each token's rows in rank order
-with :func:`epmoe.comm.masked_layout.ll_gather` (unweighted, float32, rounded once).
+with the ll_gather kernel (unweighted, float32, rounded once).
 
 LL dispatch all-gathers the (padded) tokens and ids and scatters them into the `[E, C, H]`
-layout locally (:func:`epmoe.comm.masked_layout.ll_scatter`, one kernel, fp8 quantization fused;
+layout locally (the ll_scatter kernel, one kernel, fp8 quantization fused;
 handle = [slots int32 `[P*maxT, K]` of every gathered entry, or -1]); LL combine gathers each
 gathered (token, k) row into a send buffer (one kernel), returns them to their sources with one
 all-to-all and takes the weighted sum there (one kernel).
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from epmoe import _checks
+from epmoe.comm._masked import gather, scatter
 from epmoe.comm.base import Communicator
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
 
 _U8 = torch.uint8
 
@@ -104,8 +104,8 @@ class TorchComm(Communicator):
         meta[:, S + K :] = topk_ids
         meta[:, S + K :].bitwise_not_()
         c = max(cap, 1)  # ll_scatter wants a positive capacity (cap = 0 only when T = 0)
-        xo, _, counts, rows = ll_scatter(x, peer_ids, P, c)
-        mo = ll_scatter(meta, peer_ids, P, c)[0]
+        xo, _, counts, rows = scatter(x, peer_ids, P, c)
+        mo = scatter(meta, peer_ids, P, c)[0]
         return xo[:, :cap], mo[:, :cap], rows, counts, in_rank
 
     def _unpack(self, rx, rmeta, S, K):
@@ -187,7 +187,7 @@ class TorchComm(Communicator):
             in_s, out_s = handle[2][0].tolist(), handle[2][1].tolist()
             back = y.new_empty((sum(in_s), H))
             self._all_to_all(back.view(_U8), y.view(_U8), in_s, out_s)
-        return ll_gather(back.view(1, back.shape[0], H), rows)
+        return gather(back.view(1, back.shape[0], H), rows)
 
     # ------------------------------------------------------------------------------------------ LL
     def ll_dispatch(self, x, topk_ids, x_scales, use_fp8):
@@ -205,7 +205,7 @@ class TorchComm(Communicator):
         rows[T:, :ib] = 255
         rows[:T, ib : ib + xb] = _as_bytes(x)
         allrows = self._all_gather(rows).reshape(P * maxT, width)  # [C, width]
-        xo, s, masked_m, slots = ll_scatter(
+        xo, s, masked_m, slots = scatter(
             allrows[:, ib : ib + xb].view(torch.bfloat16),
             allrows[:, :ib].view(torch.int32),
             E,
@@ -234,7 +234,7 @@ class TorchComm(Communicator):
         T, K = topk_ids.shape
         H = y.shape[2]
         # each gathered (token, k) entry's row, unweighted (0 where its expert is elsewhere)
-        send = ll_gather(y, handle[0].reshape(-1, 1))  # [P * maxT * K, H]
+        send = gather(y, handle[0].reshape(-1, 1))  # [P * maxT * K, H]
         recv = torch.empty((P * maxT * K, 2 * H), dtype=_U8, device=y.device)
         self._all_to_all(recv, send.view(_U8))
         base = torch.arange(T * K, device=y.device).view(T, K)
@@ -244,8 +244,8 @@ class TorchComm(Communicator):
 
     def ll_combine(self, y, topk_ids, topk_weights, handle):
         back, rows = self._ll_send_back(y, topk_ids, handle)
-        return ll_gather(back, rows, topk_weights)
+        return gather(back, rows, topk_weights)
 
     def ll_combine_out(self, out, y, topk_ids, topk_weights, handle):
         back, rows = self._ll_send_back(y, topk_ids, handle)
-        ll_gather(back, rows, topk_weights, out=out)
+        gather(back, rows, topk_weights, out=out)

@@ -8,6 +8,8 @@ from epmoe.ops.combine import ht_combine, ll_combine
 from epmoe.ops.dispatch import HTDispatchResult, LLDispatchResult, ht_dispatch, ll_dispatch
 from epmoe.ops.gemm import grouped_gemm
 from epmoe.ops.gemv import gemv_down, gemv_gate_up
+from epmoe.ops.ll_gather import ll_gather, ll_gather_out
+from epmoe.ops.ll_scatter import ll_scatter
 from epmoe.ops.permute import PermuteResult, permute
 from epmoe.ops.quantize import quantize
 from epmoe.ops.unpermute import unpermute
@@ -23,6 +25,9 @@ __all__ = [
     "ht_dispatch",
     "ll_combine",
     "ll_dispatch",
+    "ll_gather",
+    "ll_gather_out",
+    "ll_scatter",
     "permute",
     "quantize",
     "silu_and_mul",

@@ -5,6 +5,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from epmoe.kernels.ids import _id_offsets  # by name: Inductor copies @triton.jit callees
+
 # Deterministic placement: the tokens are cut into blocks of TB whole tokens (TB * K entries);
 # row(t, k) = start[e] + (entries of e in earlier blocks) + (entries of e earlier in this block).
 # Kernel 1 counts per (expert, block), and the invalid ids per block. Kernel 2 turns each
@@ -20,13 +22,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # Every load of a pointer argument sits in a kernel body: torch.compile reads a pointer passed to
 # a jit helper whose result feeds a store as written (and clones it). The helpers take offsets,
 # masks and loaded values.
-
-
-@triton.jit
-def _id_offsets(t, k, M, K, stride_it, stride_ik):
-    """(row and column offsets of entries (t, k) in topk_ids, valid mask: t < M and k < K)."""
-    valid = (t + k * 0 < M) & (k < K)  # (t may be a scalar: the mask is k's shape or larger)
-    return t * stride_it, k * stride_ik, valid
 
 
 @triton.jit

@@ -115,7 +115,7 @@ def test_dispatch_routing_two_ranks():
 def _ll_and_col_major_rank(rank, world):
     """LL dispatch == reference.ll_scatter of every rank's padded tokens (this rank's experts),
     combine returns each token's weighted sum; HT and LL take column-major ids (any strides)."""
-    from epmoe.comm.masked_layout import ll_scatter
+    from epmoe.ops.ll_scatter import ll_scatter
 
     E, H, K, maxT = SMALL["num_experts"], SMALL["hidden_size"], SMALL["top_k"], 8
     comm = epmoe.comm.create("torch", dist.group.WORLD, E, H, max_tokens_per_rank=maxT)

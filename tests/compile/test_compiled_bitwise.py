@@ -14,8 +14,9 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 
 from epmoe import ops, reference
-from epmoe.comm import masked_layout
 from epmoe.ops import gemv
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 from tests._moe import SMALL, small_layer, tokens
 from tests._routing import random_ids, random_weights
 
@@ -178,14 +179,14 @@ def test_grouped_gemm(scheme, layout):
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
 def test_ll_scatter_and_gather(quant):
-    """The masked-layout ops of the one-rank LL chain (epmoe.comm.masked_layout)."""
+    """The masked-layout ops of the one-rank LL chain (ll_scatter, ll_gather)."""
     x = _act(11, H, seed=15)
     ids = random_ids(11, K, E, 0.2, _gen(15))
     w = random_weights(11, K, _gen(15))
-    assert_compiled_equal(lambda x, i: masked_layout.ll_scatter(x, i, E, 16, quant), x, ids)
-    _, _, _, rows = masked_layout.ll_scatter(x, ids, E, 16, quant)
+    assert_compiled_equal(lambda x, i: ll_scatter(x, i, E, 16, quant), x, ids)
+    _, _, _, rows = ll_scatter(x, ids, E, 16, quant)
     y = _act(E, 16, H, seed=16)
-    assert_compiled_equal(masked_layout.ll_gather, y, rows, w)
+    assert_compiled_equal(ll_gather, y, rows, w)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])

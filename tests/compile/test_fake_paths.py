@@ -34,7 +34,8 @@ _q = importlib.import_module("epmoe.ops.quantize")
 _p = importlib.import_module("epmoe.ops.permute")
 _a = importlib.import_module("epmoe.ops.activation")
 _u = importlib.import_module("epmoe.ops.unpermute")
-_ml = importlib.import_module("epmoe.comm.masked_layout")
+_ks = importlib.import_module("epmoe.kernels.scatter")
+_kg = importlib.import_module("epmoe.kernels.gather")
 _gv = importlib.import_module("epmoe.ops.gemv")
 
 KINDS = ("static", "dyn", "unbacked")  # row counts: int, backed symbol, unbacked symbol
@@ -171,37 +172,37 @@ for H in (512, _u.CONFIG.block_bytes, 7168):
             case(f"unpermute-{dt}-H{H}-M{M}", "unpermute",
                  [_t((4 * 128 + 9 * M, H), dt), _t((_rows(M), 8), "int32"),
                   _t((_rows(M), 8), "float32")],
-                 [("_unpermute_kernel", {"CHECK": True})],
+                 [("_topk_gather_kernel", {"SLOTS": False, "CHECK": True})],
                  kinds=ALL if M == 300 and dt == "bfloat16" else STATIC)  # fmt: skip
 # the layer's chain: no row check (inv_perm from its own permute)
 case("unpermute-unchecked", "unpermute",
      [_t((4 * 128 + 9 * 300, 512), "bfloat16"), _t((_rows(300), 8), "int32"),
       _t((_rows(300), 8), "float32"), False],
-     [("_unpermute_kernel", {"CHECK": False})])  # fmt: skip
+     [("_topk_gather_kernel", {"SLOTS": False, "CHECK": False})])  # fmt: skip
 
-# ll_scatter / ll_gather (epmoe.comm.masked_layout, the one-rank LL chain): scatter rows in column
-# chunks past TILE (bf16), 32 groups (fp8), INT8_SINGLE_MAX (int8, else one program a row), both
-# scale layouts; gather chunks of GATHER_BYTES, weighted or not
-for quant, H in (("bf16", 512), ("bf16", _ml.TILE + 128), ("fp8", 4096), ("fp8", 7168),
-                 ("int8", _ml.INT8_SINGLE_MAX), ("int8", _ml.INT8_SINGLE_MAX + 128)):  # fmt: skip
-    chunks = _ml.scatter_tiling(H, quant)[2]
-    want = [("_ll_scatter_kernel", {"QUANT": _ml._QCODE[quant], "SINGLE": chunks == 1})]
-    for layout in ("row",) if quant == "bf16" else _ml.SCALE_LAYOUTS:
+# ll_scatter / ll_gather (the one-rank LL chain): scatter rows in column chunks past TILE (bf16),
+# 32 groups (fp8), INT8_SINGLE_MAX (int8, else one program a row), both scale layouts; gather
+# chunks of GATHER_BYTES, weighted or not
+for quant, H in (("bf16", 512), ("bf16", _ks.TILE + 128), ("fp8", 4096), ("fp8", 7168),
+                 ("int8", _ks.INT8_SINGLE_MAX), ("int8", _ks.INT8_SINGLE_MAX + 128)):  # fmt: skip
+    chunks = _ks.scatter_tiling(H, quant)[2]
+    want = [("_ll_scatter_kernel", {"QUANT": _ks.QCODE[quant], "SINGLE": chunks == 1})]
+    for layout in ("row",) if quant == "bf16" else ("row", "deepgemm"):
         for T in (1, 300):
             args = [_t((_rows(T), H), "bfloat16"), _t((_rows(T), 8), "int64"), 16, 512, quant, 16,
                     64, layout]  # fmt: skip
             kinds = ALL if T == 300 and layout == "row" else STATIC
             case(f"ll_scatter-{quant}-H{H}-{layout}-T{T}", "ll_scatter", args, want, kinds=kinds)
-for H in (512, _ml.GATHER_BYTES // 2 + 128):
+for H in (512, _kg.GATHER_BYTES // 2 + 128):
     for weighted in (True, False):
         w = _t((_rows(300), 8), "float32") if weighted else None
         case(f"ll_gather-H{H}-w{weighted}", "ll_gather",
              [_t((16, 512, H), "bfloat16"), _t((_rows(300), 8), "int32"), w],
-             [("_ll_gather_kernel", {"HAS_W": weighted, "CHECK": True})])  # fmt: skip
+             [("_topk_gather_kernel", dict(SLOTS=True, HAS_W=weighted, CHECK=True))])  # fmt: skip
 case("ll_gather-unchecked", "ll_gather",
      [_t((16, 512, 512), "bfloat16"), _t((_rows(300), 8), "int32"), _t((_rows(300), 8), "float32"),
       False],
-     [("_ll_gather_kernel", {"HAS_W": True, "CHECK": False})])  # fmt: skip
+     [("_topk_gather_kernel", {"SLOTS": True, "HAS_W": True, "CHECK": False})])  # fmt: skip
 
 # grouped GEMMs: custom ops, opaque to the compiler (their fakes run; the CUDA kernels, deep_gemm
 # or the int8 Triton GEMMs, never see a fake tensor): both layouts, every scheme, trusted or not
@@ -253,7 +254,6 @@ def _run_all() -> dict:  # pragma: no cover - runs in the subprocess
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    import epmoe.comm.masked_layout  # noqa: F401 (registers the ops)
     import epmoe.ops  # noqa: F401
 
     # Without a GPU there is no CUDA device index to ask for (the fake tensors say cuda:0)

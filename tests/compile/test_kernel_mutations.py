@@ -42,10 +42,9 @@ OUTPUTS = {
         "inv_ptr", "src_ptr", "out_ptr", "outs_ptr", "m_idx_ptr", "offsets_ptr",
     },
     "_rest_scales_kernel": {"out_ptr", "outs_ptr"},
-    "_unpermute_kernel": {"out_ptr", "ok_ptr"},
+    "_topk_gather_kernel": {"out_ptr", "ok_ptr"},
     "_range_kernel": {"ok_ptr"},
     "_ll_scatter_kernel": {"xo_ptr", "s_ptr", "mm_ptr", "rows_ptr", "ok_ptr"},
-    "_ll_gather_kernel": {"out_ptr", "ok_ptr"},
     "_gemv_gate_up_kernel": {"h_ptr", "ok_ptr"},
     "_gemv_down_kernel": {"out_ptr", "ok_ptr"},
 }  # fmt: skip

@@ -11,9 +11,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from epmoe import reference  # noqa: E402
-from epmoe.comm import masked_layout as M  # noqa: E402
+from epmoe.kernels import gather as KG  # noqa: E402
+from epmoe.kernels import scatter as KS  # noqa: E402
 from tests._routing import random_weights  # noqa: E402
-from tests.comm import _ll_cases as L  # noqa: E402
+from tests.ops import _ll_cases as L  # noqa: E402
 from tests.ops._stage_cases import POISON_BYTES, poisoned_empty  # noqa: E402
 
 pytestmark = pytest.mark.interpret
@@ -25,10 +26,10 @@ def blocks(request, monkeypatch):
     """Default tiling, and tiny blocks: the slot count loops over several id blocks, rows span
     several chunks (fp8: 2 groups a program; int8: the two-read path for the token's scale)."""
     if request.param == "small_blocks":
-        monkeypatch.setattr(M, "BLOCK_N", 8)
-        monkeypatch.setattr(M, "TILE", 256)
-        monkeypatch.setattr(M, "INT8_SINGLE_MAX", 128)
-        monkeypatch.setattr(M, "GATHER_BYTES", 128)
+        monkeypatch.setattr(KS, "BLOCK_N", 8)
+        monkeypatch.setattr(KS, "TILE", 256)
+        monkeypatch.setattr(KS, "INT8_SINGLE_MAX", 128)
+        monkeypatch.setattr(KG, "GATHER_BYTES", 128)  # (test_roundtrip's gather)
     return request.param
 
 
@@ -36,7 +37,7 @@ def _scatter(x, topk, E, C, quant, lo=0, NG=None, layout="row"):
     out = None
     for byte in POISON_BYTES:
         with poisoned_empty(byte):
-            out = M._ll_scatter_triton(x, topk, E, C, quant, lo, NG, layout)
+            out = KS._ll_scatter_triton(x, topk, E, C, quant, lo, NG, layout)
         L.check_scatter(out, x, topk, E, C, quant, lo, NG)
     return out
 
@@ -59,7 +60,7 @@ def test_scatter_raw_copies(dtype, blocks):
     topk = L.ids(T, K, E, gen, col_major=True)
     for byte in POISON_BYTES:
         with poisoned_empty(byte):
-            out = M._ll_scatter_triton(x, topk, E, C, "bf16")
+            out = KS._ll_scatter_triton(x, topk, E, C, "bf16")
         L.check_raw_scatter(out, x, topk, E, C)
 
 
@@ -73,7 +74,7 @@ def test_scatter_one_rank_of_several_deepgemm(quant, blocks):
         xo, s, mm, rows = _scatter(x, topk, E, T, quant, rank * E, E * P, "deepgemm")
         _, s_ref, _, _ = reference.ll_scatter(x, topk, E, T, quant, rank * E, E * P)
         if s.shape[2]:
-            want = M.alloc_scales((E, T), s.shape[2], "deepgemm", "cpu")
+            want = KS.alloc_scales((E, T), s.shape[2], "deepgemm", "cpu")
             assert s.stride() == want.stride()
         live = torch.arange(T)[None, :] < mm[:, None]
         assert torch.equal(s[live], s_ref[live])
@@ -98,47 +99,19 @@ def test_overflow_and_bad_ids_raise_and_stay_in_bounds(blocks, monkeypatch):
     x = L.tokens(5, 128, torch.Generator().manual_seed(3))
     topk = torch.tensor([[0, 1], [0, -1], [0, 1], [1, -1], [0, -1]])
     with pytest.raises(ValueError, match="ll_scatter: topk_ids expected at most capacity=3"):
-        M._ll_scatter_triton(x, topk, 2, 3)
+        KS._ll_scatter_triton(x, topk, 2, 3)
     # the kernel itself: masked_m clamped to C, entries past capacity get no row and write
     # nothing (token 4's program runs last: a write to expert 0's slot 3, expert 1's slot 0,
     # would replace token 0 there)
     with monkeypatch.context() as mp:
-        mp.setattr(M._checks, "check_codes", lambda *a, **k: None)
+        mp.setattr(KS._checks, "check_codes", lambda *a, **k: None)
         out = _scatter(x, topk, 2, 3, "bf16")
     assert out[2].tolist() == [3, 3]
     assert out[3].tolist() == [[0, 3], [1, -1], [2, 4], [5, -1], [-1, -1]]
     for bad in (6, -2):  # an id == num_global_experts, one below -1
         topk = torch.tensor([[0, -1], [5, bad]])
         with pytest.raises(ValueError, match=r"ll_scatter: topk_ids expected ids in \[0, 6\)"):
-            M._ll_scatter_triton(x[:2], topk, 3, 4, "bf16", 3, 6)
-
-
-@pytest.mark.parametrize("weighted", [True, False])
-def test_gather(weighted, blocks):
-    gen = torch.Generator().manual_seed(4)
-    E, C, H, T, K = 3, 4, 200, 7, 3  # H = 200: a partial chunk
-    y = torch.randn((E, C + 1, H), generator=gen).bfloat16()[:, 1:]  # strided slots
-    rows = torch.randint(-1, E * C, (T, K), generator=gen, dtype=torch.int32)
-    rows = rows.t().contiguous().t()
-    w = random_weights(T, K, gen) if weighted else None
-    out = torch.empty((T, H), dtype=torch.bfloat16)
-    M._ll_gather_launch(y, rows, w, out)
-    assert torch.equal(out, L.gather_oracle(y, rows, w))
-    assert torch.equal(out, reference.ll_gather(y, rows, w))
-    M._ll_gather_launch(y, rows.long(), w, out)
-    assert torch.equal(out, L.gather_oracle(y, rows, w))
-    M._ll_gather_launch(y, rows, w, out, False)  # the chain's unchecked launch: same bytes
-    assert torch.equal(out, L.gather_oracle(y, rows, w))
-
-
-def test_gather_bad_row_raises():
-    y = torch.zeros((2, 3, 16), dtype=torch.bfloat16)
-    out = torch.empty((2, 16), dtype=torch.bfloat16)
-    for bad in (6, -2):
-        rows = torch.tensor([[0, 5], [-1, bad]], dtype=torch.int32)
-        with pytest.raises(ValueError, match=r"ll_gather: rows expected rows in \[0, 6\) or -1"):
-            M._ll_gather_launch(y, rows, None, out)
-        M._ll_gather_launch(y, rows, None, out, False)  # unchecked: no error, the row never read
+            KS._ll_scatter_triton(x[:2], topk, 3, 4, "bf16", 3, 6)
 
 
 def test_roundtrip(blocks):
@@ -146,9 +119,9 @@ def test_roundtrip(blocks):
     x = L.tokens(6, 256, gen)
     topk = L.ids(6, 4, 8, gen)
     w = random_weights(6, 4, gen)
-    xo, _, _, rows = M._ll_scatter_triton(x, topk, 8, 6)
+    xo, _, _, rows = KS._ll_scatter_triton(x, topk, 8, 6)
     out = torch.empty((6, 256), dtype=torch.bfloat16)
-    M._ll_gather_launch(xo, rows, w, out)
+    KG._ll_gather_launch(xo, rows, w, out)
     keep = torch.where(topk >= 0, w, 0.0)
     want = torch.zeros((6, 256))
     for k in range(4):

@@ -1,17 +1,17 @@
-"""ll_scatter / ll_gather on CPU (their references): the contract, edge cases, errors, opcheck; and
-the local backend's LL dispatch / combine through them."""
+"""ll_scatter on CPU (its reference): the contract, edge cases, errors, opcheck; the round trip
+through ll_gather and compiled == eager for both."""
 
 import importlib
 
 import pytest
 import torch
 
-import epmoe
 from epmoe import ops, reference
-from epmoe.comm.masked_layout import alloc_scales, ll_gather, ll_scatter
+from epmoe.ops.ll_gather import ll_gather, ll_gather_out
+from epmoe.ops.ll_scatter import ll_scatter
 from tests._opcheck import opcheck
 from tests._routing import random_weights
-from tests.comm import _ll_cases as L
+from tests.ops import _ll_cases as L
 
 QUANTS = ("bf16", "fp8", "int8")
 _q = importlib.import_module("epmoe.ops.quantize")
@@ -135,14 +135,13 @@ def test_bad_ids_raise(bad):
 
 @pytest.mark.parametrize("quant,groups", [("fp8", 2), ("int8", 1)])
 def test_deepgemm_scale_layout(quant, groups):
-    """The layout of epmoe.ops.quantize.alloc_scales for [E, C, G], the same values."""
+    """The layout of epmoe.kernels.scales.alloc_scales for [E, C, G], the same values."""
     gen = torch.Generator().manual_seed(5)
     x = L.tokens(6, 256, gen)
     topk = L.ids(6, 2, 3, gen)
     xo, s, mm, rows = ll_scatter(x, topk, 3, 7, quant, scale_layout="deepgemm")
     want = _q.alloc_scales((3, 7), groups, "deepgemm", "cpu")
     assert s.shape == want.shape and s.stride() == want.stride()
-    assert alloc_scales((3, 7), groups, "deepgemm", "cpu").stride() == want.stride()
     _, s_row, _, _ = ll_scatter(x, topk, 3, 7, quant)
     assert torch.equal(s, s_row)
 
@@ -190,60 +189,6 @@ def test_opcheck_scatter(quant):
         opcheck(torch.ops.epmoe.ll_scatter.default, args)
 
 
-def test_gather_matches_contract():
-    gen = torch.Generator().manual_seed(7)
-    E, C, H, T, K = 3, 5, 96, 6, 3
-    y = torch.randn((E, C + 2, H), generator=gen).bfloat16()[:, :C]  # strided slots
-    rows = torch.randint(-1, E * C, (T, K), generator=gen, dtype=torch.int32)
-    w = random_weights(T, K, gen).t().contiguous().t()  # column-major weights
-    assert torch.equal(ll_gather(y, rows, w), L.gather_oracle(y, rows, w))
-    assert torch.equal(ll_gather(y, rows), L.gather_oracle(y, rows))
-    assert torch.equal(ll_gather(y, rows.long(), w), L.gather_oracle(y, rows, w))
-    out = torch.empty((T, H), dtype=torch.bfloat16)
-    assert ll_gather(y, rows, w, out=out) is out
-    assert torch.equal(out, L.gather_oracle(y, rows, w))
-    # slots past masked_m may hold anything: never read
-    y2 = y.clone()
-    y2.view(E * C, H)[torch.tensor([r for r in range(E * C) if r not in rows])] = float("nan")
-    assert torch.equal(ll_gather(y2, rows, w), L.gather_oracle(y, rows, w))
-    assert ll_gather(y, rows[:0], w[:0]).shape == (0, H)
-
-
-def test_gather_errors():
-    y = torch.zeros((2, 3, 16), dtype=torch.bfloat16)
-    rows = torch.tensor([[0, 5], [-1, 6]], dtype=torch.int32)
-    w = torch.ones((2, 2))
-    with pytest.raises(ValueError, match=r"ll_gather: rows expected rows in \[0, 6\) or -1"):
-        ll_gather(y, rows, w)
-    rows[1, 1] = -2
-    with pytest.raises(ValueError, match=r"ll_gather: rows expected rows in \[0, 6\) or -1"):
-        ll_gather(y, rows, w)
-    rows[1, 1] = 1
-    for bad, msg in [
-        (torch.empty((2, 16)), "ll_gather: out expected dtype torch.bfloat16"),
-        (torch.empty((3, 16), dtype=torch.bfloat16), r"ll_gather: out expected shape \[2, 16\]"),
-        (torch.empty((16, 2), dtype=torch.bfloat16).t(), "ll_gather: out expected a contiguous"),
-    ]:
-        with pytest.raises(ValueError, match=msg):
-            ll_gather(y, rows, w, out=bad)
-    with pytest.raises(ValueError, match="ll_gather: y expected dtype torch.bfloat16"):
-        ll_gather(y.float(), rows, w)
-    with pytest.raises(ValueError, match="ll_gather: topk_weights expected shape"):
-        ll_gather(y, rows, w[:1])
-
-
-def test_opcheck_gather():
-    gen = torch.Generator().manual_seed(8)
-    y = torch.randn((3, 4, 64), generator=gen).bfloat16()
-    rows = torch.randint(-1, 12, (5, 2), generator=gen, dtype=torch.int32)
-    w = random_weights(5, 2, gen)
-    opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, w))
-    opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, None))
-    opcheck(torch.ops.epmoe.ll_gather.default, (y, rows, w, False))
-    out = torch.empty((5, 64), dtype=torch.bfloat16)
-    opcheck(torch.ops.epmoe.ll_gather_out.default, (y, rows, w, out))
-
-
 def test_roundtrip_unit_weights():
     """ll_gather(ll_scatter(x)) with weights 1 per kept entry restores (#entries) * x."""
     gen = torch.Generator().manual_seed(9)
@@ -252,80 +197,6 @@ def test_roundtrip_unit_weights():
     xo, _, _, rows = ll_scatter(x, topk, 4, 7)
     n = (topk >= 0).sum(1, keepdim=True).float()
     assert torch.equal(ll_gather(xo, rows), (x.float() * n).bfloat16())
-
-
-# ------------------------------------------------------------------------------ the local backend
-def _local(max_tokens=8, E=4, H=256):
-    return epmoe.comm.create("local", None, E, H, max_tokens_per_rank=max_tokens)
-
-
-def _same_result(got, want):
-    """Two dispatch results: the same type, None in the same fields, the same bytes elsewhere."""
-    leaves = torch.utils._pytree.tree_leaves
-    assert type(got) is type(want)
-    for a, b in zip(leaves(got), leaves(want), strict=True):
-        if a is None or b is None:
-            assert a is b
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if a.dtype == torch.float8_e4m3fn:  # (compared as bytes)
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("use_fp8", [False, True])
-def test_local_ll_dispatch_combine(use_fp8):
-    gen = torch.Generator().manual_seed(10)
-    c = _local()
-    assert isinstance(c, epmoe.comm.LocalComm) and c.name == "local" and c.world_size == 1
-    x = L.tokens(6, 256, gen)
-    topk = L.ids(6, 2, 4, gen, col_major=True)
-    w = random_weights(6, 2, gen)
-    d = ops.ll_dispatch(x, topk, c.key, use_fp8=use_fp8)
-    assert len(d.handle) == 1 and d.handle[0].dtype == torch.int32 and d.handle[0].shape == (6, 2)
-    quant = "fp8" if use_fp8 else "bf16"
-    want = ll_scatter(x, topk, 4, 8, quant)
-    L.check_scatter((d.x, want[1], d.masked_m, d.handle[0]), x, topk, 4, 8, quant)
-    if use_fp8:
-        assert d.x_scales.shape == (4, 8, 2) and torch.equal(d.x_scales, want[1])
-    y = torch.randn((4, 8, 256), generator=gen).bfloat16()
-    got = ops.ll_combine(y, topk, w, d.handle, c.key)
-    assert torch.equal(got, L.gather_oracle(y, d.handle[0], w))
-    out = torch.empty_like(got)
-    assert ops.ll_combine(y, topk, w, d.handle, c.key, out=out) is out
-    assert torch.equal(out, got)
-    # the layer's direct-path entries (the launches): the same results
-    d2 = ops.ll_dispatch.launch(x, topk, c.key, use_fp8)
-    _same_result(d2, d)
-    assert torch.equal(ops.ll_combine.launch(y, topk, w, d.handle, c.key), got)
-    out2 = torch.empty_like(got)
-    assert ops.ll_combine.launch(y, topk, w, d.handle, c.key, out2) is out2
-    assert torch.equal(out2, got)
-    opcheck(torch.ops.epmoe.ll_dispatch.default, (x, topk, c.key, use_fp8))
-    opcheck(torch.ops.epmoe.ll_combine.default, (y, topk, w, list(d.handle), c.key))
-    opcheck(torch.ops.epmoe.ll_combine_out.default, (y, topk, w, list(d.handle), c.key, out2))
-
-
-@pytest.mark.parametrize("worst", [False, True])
-def test_local_ht_copies_with_column_major_ids(worst):
-    """HT on one rank: copies (never aliases), column-major ids accepted (point 6)."""
-    gen = torch.Generator().manual_seed(11)
-    c = _local()
-    x = L.tokens(5, 256, gen)
-    topk = L.ids(5, 2, 4, gen, col_major=True)
-    w = random_weights(5, 2, gen).t().contiguous().t()
-    d = ops.ht_dispatch(x, topk, w, c.key, worst_case=worst)
-    assert d.x.data_ptr() != x.data_ptr()
-    n = (topk >= 0).any(1).sum()
-    assert torch.equal(d.expert_counts, torch.bincount(topk[topk >= 0], minlength=4).int())
-    got = sorted(d.x[i].float().tolist() for i in range(d.x.shape[0]) if (d.topk_ids[i] >= 0).any())
-    assert len(got) == n and got == sorted(x[(topk >= 0).any(1)].float().tolist())
-    back = ops.ht_combine(d.x, d.handle, c.key)
-    assert torch.equal(back, torch.where((topk >= 0).any(1, keepdim=True), x, 0))
-    # the layer's direct-path entries (the launches): the same results
-    d2 = ops.ht_dispatch.launch(x, topk, w, c.key, None, worst)
-    _same_result(d2, d)
-    assert torch.equal(ops.ht_combine.launch(d.x, d.handle, c.key), back)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -341,7 +212,7 @@ def test_compiled_equals_eager(quant):
         y = xo.float() if quant == "bf16" else reference.dequantize(xo, s)
         y = y.bfloat16()
         out = torch.empty((6, 256), dtype=torch.bfloat16)
-        ll_gather(y, rows, w, out=out)
+        ll_gather_out(y, rows, w, out)
         return out, ll_gather(y, rows), mm, rows
 
     torch._dynamo.reset()

@@ -9,11 +9,12 @@ import torch
 
 import epmoe
 from epmoe import reference
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 from tests._opcheck import ALL, NO_VALUE_COMPARE, opcheck
 from tests._routing import random_weights
 from tests._tol import assert_close
-from tests.comm import _ll_cases as L
+from tests.ops import _ll_cases as L
 
 pytestmark = pytest.mark.gpu
 QUANTS = ("bf16", "fp8", "int8")
@@ -70,24 +71,6 @@ def test_dispatcher_and_compiled_give_the_same_bytes(quant):
         live = torch.arange(64, device="cuda")[None, :] < eager[2][:, None]
         assert torch.equal(L.as_bytes(other[0])[live], L.as_bytes(eager[0])[live])
         assert torch.equal(other[1][live], eager[1][live])
-
-
-@pytest.mark.parametrize("K,H", [(8, 7168), (6, 2176), (1, 512)])
-def test_gather_matches_reference(K, H):
-    gen = torch.Generator().manual_seed(2)
-    E, C, T = 16, 64, 100
-    y = torch.randn((E, C + 3, H), generator=gen).bfloat16().cuda()[:, 3:]  # strided slots
-    rows = torch.randint(-1, E * C, (T, K), generator=gen, dtype=torch.int32).cuda()
-    w = random_weights(T, K, gen).cuda()
-    # unweighted: sums of bf16 values in k order, no products: exact
-    assert torch.equal(ll_gather(y, rows), reference.ll_gather(y, rows))
-    # weighted: the GPU may fuse the multiply-adds (one rounding fewer)
-    assert_close(ll_gather(y, rows, w), reference.ll_gather(y, rows, w))
-    out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
-    assert ll_gather(y, rows.long(), w, out=out) is out
-    assert torch.equal(out, ll_gather(y, rows, w))
-    disp = torch.ops.epmoe.ll_gather.default(y, rows, w)
-    assert torch.equal(disp, out)
 
 
 def test_roundtrip_at_w_decode():
@@ -148,7 +131,7 @@ def test_debug_mode_raises():
 
 def test_overflow_without_checks_stays_in_bounds(monkeypatch):
     """The kernel itself (its check disabled): masked_m clamped to C, nothing past capacity."""
-    import epmoe.comm.masked_layout as M
+    import epmoe.kernels.scatter as M
 
     monkeypatch.setattr(M._checks, "assert_in_kernel", lambda direct: False)
     monkeypatch.setattr(M._checks, "check_codes", lambda *a, **k: None)
@@ -173,7 +156,8 @@ def test_opcheck_cuda():
 
 _BAD = """
 import torch
-from epmoe.comm.masked_layout import ll_gather, ll_scatter
+from epmoe.ops.ll_gather import ll_gather
+from epmoe.ops.ll_scatter import ll_scatter
 case = {case!r}
 x = torch.randn(64, 256, device="cuda").bfloat16()
 ids = torch.randint(0, 4, (64, 1), device="cuda")

@@ -1,0 +1,258 @@
+"""The masked-layout (LL) scatter: tokens into `[E, C, H]` slots per local expert, quantized on
+the way (ll_scatter's kernel; the torch backend buckets rows per peer with it).
+
+Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``E`` local experts, ``C`` slots per expert
+(capacity), ``G`` scale groups per row. The contract: :mod:`epmoe.ops.ll_scatter`.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from epmoe import _checks, _eager, _launch, reference
+from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
+    _int8_scale,
+    _quant_fp8_groups,
+    _quant_int8,
+)
+from epmoe.kernels.ids import _id_offsets
+from epmoe.kernels.scales import alloc_scales
+
+QCODE = {"bf16": 0, "fp8": 1, "int8": 2}
+_QDTYPE = {"bf16": torch.bfloat16, "fp8": reference.FP8_DTYPE, "int8": torch.int8}
+# quant="bf16" copies these as they are: the kernel moves same-width integers (no float semantics)
+RAW = {
+    torch.bfloat16: torch.int16,
+    torch.int8: torch.uint8,
+    torch.uint8: torch.uint8,
+    reference.FP8_DTYPE: torch.uint8,
+    torch.int32: torch.int32,
+    torch.float32: torch.int32,
+}
+
+# ------------------------------------------------------------------------------ launch heuristics
+GROUP = 128  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
+TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
+INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
+BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
+
+
+# -------------------------------------------------------------------------------------- kernels
+# The kernels load topk_ids themselves (torch.compile reads a pointer passed to a jit helper whose
+# result feeds a store as written, and clones it): the helpers take offsets and loaded ids, and
+# pointers only of the tensors they write.
+@triton.jit
+def _local_ids(v, inb, LO, E, NG):
+    """(local expert of loaded ids v as int32, -1 when skipped: id -1, another rank's expert, a bad
+    id, out of bounds (inb False); bad-id mask)."""
+    bad = inb & ((v < -1) | (v >= NG))
+    loc = v - LO
+    live = inb & (v >= 0) & (v < NG) & (loc >= 0) & (loc < E)
+    return tl.where(live, loc, -1).to(tl.int32), bad
+
+
+@triton.jit
+def _finish_counts(tot, n_bad, mm_ptr, ok_ptr, E, C, NUM_BINS: tl.constexpr, ASSERT: tl.constexpr):
+    """The masked_m program's end: writes masked_m = min(tot, C) (tot: entries per bin, bin E and
+    above skipped) and checks the ids and capacities: with ASSERT (a debug=True build) asserts
+    them, else writes their int32 code to ok (bit 0: a bad id, bit 1: an expert over capacity)."""
+    bins = tl.arange(0, NUM_BINS)
+    tot = tl.where(bins < E, tot, 0)
+    tl.store(mm_ptr + bins, tl.minimum(tot, C), mask=bins < E)
+    bad_ids = tl.sum(n_bad, axis=0)
+    over = tl.sum((tot > C).to(tl.int32), axis=0)
+    if ASSERT:
+        tl.device_assert(bad_ids == 0, "ll_scatter: topk_ids expected ids in [0, Et) or -1")
+        tl.device_assert(over == 0, "ll_scatter: topk_ids expected at most C per expert")
+    else:  # (one code: one assert after the kernel under torch.compile)
+        tl.store(ok_ptr, (bad_ids > 0).to(tl.int32) + 2 * (over > 0).to(tl.int32))
+
+
+@triton.jit
+def _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se, stride_sc,
+                 stride_sg, K: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """Stores a token's tile q (and its scales s) to each of its slots rows (-1: none)."""
+    for k in tl.static_range(K):
+        r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+        live = r >= 0
+        r64 = r.to(tl.int64)
+        tl.store(xo_ptr + r64 * H + cols, q, mask=cols < tl.where(live, H, 0))
+        if QUANT != 0:  # int8: G = 1, so only chunk 0 (groups == 0) stores its scale
+            s_off = (r64 // C) * stride_se + (r64 % C) * stride_sc + groups * stride_sg
+            tl.store(s_ptr + s_off, s, mask=groups < tl.where(live, G, 0))
+
+
+@triton.jit
+def _ll_scatter_kernel(
+    # tensors
+    x_ptr, ids_ptr, xo_ptr, s_ptr, mm_ptr, rows_ptr, ok_ptr,
+    # sizes
+    T, H, C, E, LO, NG, G, CHUNKS,
+    # strides (elements)
+    stride_xt, stride_xh, stride_it, stride_ik, stride_se, stride_sc, stride_sg,
+    # meta
+    K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
+    W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
+    ASSERT: tl.constexpr,
+):  # fmt: skip
+    """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
+    W = 128 channels; bf16 / int8: one row piece of W), to each of its slots; a slot is the
+    number of entries of the same expert before it in flat (t, k) order, counted by the program
+    itself from the ids (a few KiB, read from L2), so no program waits on another. Chunk 0 also
+    writes rows[t]. The last program writes masked_m and checks the ids and capacities
+    (_finish_counts)."""
+    pid = tl.program_id(0)
+    if pid >= T * CHUNKS:
+        tot = tl.zeros([NUM_BINS], dtype=tl.int32)
+        n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for b0 in range(0, T * K_PAD, BLOCK_N):
+            pos = b0 + tl.arange(0, BLOCK_N)
+            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
+            e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
+            tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
+            n_bad += bad.to(tl.int32)
+        _finish_counts(tot, n_bad, mm_ptr, ok_ptr, E, C, NUM_BINS, ASSERT)
+    else:
+        t = pid // CHUNKS
+        c = pid % CHUNKS
+        kk = tl.arange(0, K_PAD)
+        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, tl.cast(stride_it, tl.int64), stride_ik)
+        v_t = tl.load(ids_ptr + ro_t + co_t, mask=in_t, other=-1)
+        e, bad_own = _local_ids(v_t, in_t, LO, E, NG)
+        any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
+        # the row's load goes first (it needs the token's own ids only); tokens without a local
+        # expert read nothing
+        ri = tl.arange(0, R)
+        groups = c * R + ri  # fp8: scale groups of the tile; bf16 / int8: the chunk (R = 1)
+        cols = groups[:, None] * W + tl.arange(0, W)[None, :]
+        hi = tl.where(any_live, H, 0)
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
+        # slot of each own entry: entries of its expert earlier in flat (t, k) order
+        own = t * K_PAD + kk
+        cnt = tl.zeros([K_PAD], dtype=tl.int32)
+        for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
+            pos = b0 + tl.arange(0, BLOCK_N)
+            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
+            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
+            eb, bad_b = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
+            same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+            cnt += tl.sum(same.to(tl.int32), axis=1)
+        kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
+        rows = tl.where(kept, e * C + cnt, -1)
+        if c == 0:
+            tl.store(rows_ptr + t.to(tl.int64) * K + kk, rows, mask=kk < K)
+        if QUANT == 0:
+            q, s = v, 0.0  # (s unused: no scales)
+        elif QUANT == 1:
+            q, s = _quant_fp8_groups(v.to(tl.float32))
+        else:
+            xf = v.to(tl.float32)
+            if SINGLE:
+                amax = tl.max(tl.abs(xf), axis=1)
+            else:  # the rest of the row too (a second read, from L2): one scale per token
+                m = tl.zeros([R, W], dtype=tl.float32)
+                for h0 in range(0, H, W):
+                    cc = h0 + cols - c * W
+                    xc = tl.load(x_row + cc * stride_xh, mask=cc < hi, other=0.0)
+                    m = tl.maximum(m, tl.abs(xc.to(tl.float32)))
+                amax = tl.max(m, axis=1)
+            s = _int8_scale(amax)
+            q = _quant_int8(xf, s)
+        _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se, stride_sc,
+                     stride_sg, K, QUANT)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- host-side launch
+def scatter_tiling(H: int, quant: str) -> Tuple[int, int, int]:
+    """(R, W, chunks) of the scatter: each program copies an [R, W] tile of a row."""
+    if quant == "fp8":
+        groups = H // GROUP
+        r = min(_launch.pow2(max(groups, 1)), TILE // GROUP)
+        return r, GROUP, max(_launch.cdiv(groups, r), 1)
+    limit = INT8_SINGLE_MAX if quant == "int8" else TILE
+    w = min(_launch.pow2(max(H, 1)), limit)
+    return 1, w, max(_launch.cdiv(H, w), 1)  # (H = 0: one chunk still writes rows)
+
+
+def _warps(elements: int) -> int:
+    return 8 if elements > 4096 else 4
+
+
+@_launch.memo
+def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
+                    in_kernel):  # fmt: skip
+    """The scatter kernel's launch for these sizes, strides and options."""
+    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    R, W, chunks = scatter_tiling(H, quant)
+    k_pad = _launch.pow2(max(K, 1))
+    # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
+    # masked_m program
+    return _launch.Prepared(
+        _ll_scatter_kernel,
+        (T * chunks + 1,),
+        (T, H, C, E, expert_lo, NG, G, chunks, *x_strides, *id_strides, *s_strides),
+        dict(
+            K=K, K_PAD=k_pad, QUANT=QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
+            BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
+            num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
+        ),
+    )  # fmt: skip
+
+
+def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
+            num_global_experts=None, scale_layout="row"):  # fmt: skip
+    """ll_scatter's 4 outputs (xo, scales, masked_m, rows), allocated: the launch fills them, the
+    op's fake returns them."""
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    E, C, dev = num_experts, capacity, x.device
+    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    return (
+        torch.empty((E, C, H), dtype=_QDTYPE[quant] if quant != "bf16" else x.dtype, device=dev),
+        alloc_scales((E, C), G, scale_layout if G else "row", dev),
+        torch.empty((E,), dtype=torch.int32, device=dev),
+        torch.empty((T, K), dtype=torch.int32, device=dev),
+    )
+
+
+@_eager.on_input_device
+def _ll_scatter_triton(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    quant: str = "bf16",
+    expert_lo: int = 0,
+    num_global_experts: Optional[int] = None,
+    scale_layout: str = "row",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ll_scatter on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
+    T, K = topk_ids.shape
+    E, C = num_experts, capacity
+    NG = num_experts if num_global_experts is None else num_global_experts
+    xo, s, masked_m, rows = outputs(x, topk_ids, E, C, quant, expert_lo, NG, scale_layout)
+    xk, xok = x, xo
+    if quant == "bf16" and x.dtype is not torch.bfloat16:  # raw copy: integer views
+        xk, xok = x.view(RAW[x.dtype]), xo.view(RAW[x.dtype])
+    # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
+    # capacities inside the kernel (ok unused); otherwise (torch.compile, the interpreter) it
+    # writes a code to ok
+    in_kernel = _checks.assert_in_kernel(_checks.direct_launch(x))
+    ok = (
+        topk_ids if in_kernel else torch.empty((1,), dtype=torch.int32, device=x.device)
+    )  # (unused)
+    launch = _scatter_launch(
+        T, K, x.shape[1], C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
+        in_kernel,
+    )  # fmt: skip
+    launch(xk, topk_ids, xok, s, masked_m, rows, ok)
+    if not in_kernel:
+        _checks.check_codes(ok, "ll_scatter", "topk_ids", (
+            (f"ids in [0, {NG}) or -1", "values outside it"),
+            (f"at most capacity={C} entries per expert", "an expert over capacity"),
+        ))  # fmt: skip
+    return xo, s, masked_m, rows
