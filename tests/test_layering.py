@@ -86,6 +86,7 @@ def _route(quant: str, path: str, monkeypatch):
     """(caller module, callee module) of every call into epmoe code while the layer's direct path
     (what an eager call on plain CUDA tensors runs) handles its second call, with the launches,
     library GEMMs and device-side checks stubbed out, so that CPU tensors take the CUDA chain."""
+    import importlib
     import sys
 
     import torch
@@ -101,6 +102,8 @@ def _route(quant: str, path: str, monkeypatch):
     monkeypatch.setattr(_launch, "direct", lambda k: NoLaunch())
     monkeypatch.setattr(_launch.Prepared, "__call__", lambda self, *tensors: None)
     monkeypatch.setattr(_checks, "direct_launch", lambda t: True)  # (asserts in the kernels)
+    gemm_ops = importlib.import_module("epmoe.ops.gemm._ops")
+    monkeypatch.setattr(gemm_ops, "_backend", lambda *args: "reference")  # (a library GEMM)
     torch.manual_seed(0)
     E, H, I, K, T = 8, 128, 128, 2, {"gemv": 2, "ll": 16, "ht": 600}[path]
     layer = L.EPMoE(E, H, I, K, quant=quant, mode="auto", device="cpu", max_tokens_per_rank=16)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _eager, _launch
+from epmoe import _checks, _launch
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
 
 GATHER_BYTES = 4096  # ll_gather's output bytes per program: 2048 bf16 columns, 16 a thread
@@ -111,7 +111,6 @@ def _ll_gather_plan(T, K, E, C, H, y_strides, row_strides, w_strides, has_w, che
     )  # fmt: skip
 
 
-@_eager.on_input_device
 def _ll_gather_launch(
     y: torch.Tensor,
     rows: torch.Tensor,

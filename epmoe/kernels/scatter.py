@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _eager, _launch, reference
+from epmoe import _checks, _launch, reference
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _int8_scale,
     _quant_fp8_groups,
@@ -219,7 +219,6 @@ def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
     )
 
 
-@_eager.on_input_device
 def _ll_scatter_triton(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe import _checks, _config, _eager, _launch, reference
+from epmoe import _checks, _config, _launch, reference
 from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
 from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
 from epmoe._stage import stage
@@ -436,7 +436,6 @@ def _down_output(h, topk_ids, topk_weights, w2, w2_scales=None, check=True):
     return torch.empty((h.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=h.device)
 
 
-@_eager.on_input_device
 def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     """gemv_gate_up on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, H = x.shape
@@ -455,7 +454,6 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True):
     return h
 
 
-@_eager.on_input_device
 def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool = True):
     """gemv_down on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, K, I = h.shape
