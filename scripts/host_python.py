@@ -29,7 +29,7 @@ from typing import Callable, Dict
 
 import torch
 
-from epmoe import _checks, _launch
+from epmoe import _checks, _eager, _launch
 from epmoe import layer as L
 from epmoe.ops.gemm import _int8, _ops, _select
 
@@ -98,7 +98,8 @@ def call_of(layer, path: str, tokens: int) -> Callable[[], object]:
 
     def call():
         ok(*args)
-        return run(st, x, ids, w)
+        with _eager.no_wrap(), _eager.on_device(x):  # (as forward's direct path)
+            return run(st, x, ids, w)
 
     return call
 
