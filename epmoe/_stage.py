@@ -202,8 +202,9 @@ def launch({sig}):
 def chained({sig}):
     return {wrap(f"_op({chained_call})")}
 """
+    # (no __name__ in these globals: Dynamo finds an inlined function's globals by module name,
+    # and two stages of one module would share one)
     ns = dict(
-        __name__=signature.__module__,  # (generated for the stage's module: its floor, its name)
         _on_device=_eager.on_device,
         _calm=_eager.calm, _direct=contract.direct, _check=contract.check, _wrap=_wrap,
         _wrapping=_wrapping,
