@@ -116,7 +116,9 @@ def test_every_experts_class(family, cls):
     with torch.no_grad():
         call = H.own_call(m, x, ids, w)
         if call is None:  # reported (pytest -ra), not failed: transformers' forward is not ours
-            pytest.skip(f"{cls.__name__}'s own forward takes neither top-k routing nor one route a row")
+            pytest.skip(
+                f"{cls.__name__}'s own forward takes neither top-k routing nor one route a row"
+            )
         x, ids, w, ref = call
         gmm = moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](m, x, ids, w)
         with warnings.catch_warnings(record=True) as rec:
