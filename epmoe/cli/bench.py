@@ -85,7 +85,10 @@ def grouped_mm_moe(x, topk_ids, topk_weights, w1, w2) -> torch.Tensor:
     valid = flat >= 0
     key = torch.where(valid, flat, E)  # skipped choices sort after every expert
     order = torch.argsort(key, stable=True)
-    offs = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0).to(torch.int32)
+    # counts by scatter_add, not bincount: bincount sizes its output from the ids (a host sync)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
     token = order // K
     h = torch._grouped_mm(x[token], w1.transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
