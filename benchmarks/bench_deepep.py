@@ -16,8 +16,9 @@ alternating rounds (ours, raw, ours, ...) so both sides see the same clocks; ``o
 ours / raw - 1 (target: at most 3 %). Both ranks run the same sequence; the summary keeps the
 slower rank.
 
-Run on the GPU machine from the repository root (2 GPUs, deep_ep installed):
-    python benchmarks/bench_deepep.py --out benchmarks/results/deepep_2xh200.json
+Run on the GPU machine from the repository root (2 GPUs, deep_ep installed), then record it
+(``python scripts/record_results.py --gpu h200x2 deepep.json``):
+    python benchmarks/bench_deepep.py --out deepep.json
 """
 
 import argparse

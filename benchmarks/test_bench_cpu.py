@@ -1,12 +1,12 @@
 """Tiny CPU benchmarks of the stage ops (reference kernels) and the EPMoE layer (local backend).
 
-They keep ``epmoe bench --tiny`` meaningful on a CPU-only CI machine: every stage and the layer run
-on one tiny shape, and the bandwidth-bound stages report ``gbps`` against a host-memory copy
+They keep the stage suite runnable on a CPU-only CI machine: every stage and the layer run on one
+tiny shape, and the bandwidth-bound stages report ``gbps`` against a host-memory copy
 measured in the same run (``ceiling_gbps``), the GEMM ``tflops`` against a dense float32
 ``torch.mm`` with the same useful FLOPs (``ceiling_tflops``). CPU numbers say nothing about GPU
 performance.
 
-Run: ``epmoe bench --tiny`` or ``pytest benchmarks/test_bench_cpu.py --benchmark-enable``.
+Run: ``pytest benchmarks/test_bench_cpu.py --benchmark-enable``.
 """
 
 import statistics

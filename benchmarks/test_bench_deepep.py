@@ -5,9 +5,9 @@ the multi-process benchmark once and puts its numbers (ours vs raw deep_ep per c
 in ``extra_info``. The recorded time itself is the whole run and means nothing.
 
 Run on the GPU machine:
-  python -m pytest benchmarks/test_bench_deepep.py --benchmark-enable \
-      --benchmark-json=benchmarks/results/deepep_2xh200_pytest.json
-(or directly: python benchmarks/bench_deepep.py --out benchmarks/results/deepep_2xh200.json)
+  python -m pytest benchmarks/test_bench_deepep.py --benchmark-enable --benchmark-json=deepep.json
+(or directly: python benchmarks/bench_deepep.py --out deepep.json); record the JSON with
+``python scripts/record_results.py --gpu h200x2 deepep.json``.
 """
 
 import json

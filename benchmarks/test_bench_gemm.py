@@ -9,9 +9,8 @@
 TFLOP/s count 2*N*K per live row; timings are medians of CUDA-event timings, measured alternately
 for the two sides of a comparison. Needs CUDA and deep_gemm (skips otherwise).
 
-Run on the GPU machine:
-  python -m pytest benchmarks/test_bench_gemm.py --benchmark-enable \
-      --benchmark-json=benchmarks/results/gemm_h200.json
+Run on the GPU machine (then ``python scripts/record_results.py --gpu h200 gemm.json``):
+  python -m pytest benchmarks/test_bench_gemm.py --benchmark-enable --benchmark-json=gemm.json
 """
 
 import _timing

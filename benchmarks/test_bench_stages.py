@@ -18,9 +18,8 @@ and writes each live copy (+ scales, m_indices, inv_perm, offsets); unpermute re
 and write their payload and scales (rows skipped by masked_m / m_indices are neither read nor
 counted). The eager baseline is charged the same bytes (same work, its time).
 
-Run on the GPU machine:
-  python -m pytest benchmarks/test_bench_stages.py --benchmark-enable \
-      --benchmark-json=benchmarks/results/stages_h200.json
+Run on the GPU machine (then ``python scripts/record_results.py --gpu h200 stages.json``):
+  python -m pytest benchmarks/test_bench_stages.py --benchmark-enable --benchmark-json=stages.json
 """
 
 import functools

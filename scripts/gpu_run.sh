@@ -2,7 +2,8 @@
 # One device session (1x or 2x H200): environment, GPU tests, benchmarks; logs go to $OUT.
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
 # (the device's .git may be stale: carry .tree-rev, written here by `git describe --always --dirty > .tree-rev`)
-# steps: tests bench host cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo diag diag_compile gemv_sweep (EPMOE_CAP_<step> caps one step's seconds)
+# steps: tests bench cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo gemv_sweep (EPMOE_CAP_<step> caps one step's seconds)
+# Record the JSON it writes (after fetching $OUT) with scripts/record_results.py --gpu h200 ... (CONTRIBUTING.md).
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
 OUT=${OUT:-/tmp/epmoe-out}
@@ -75,22 +76,13 @@ for step in "$@"; do
       timeout $((t - 10)) python3 scripts/gemv_sweep.py --out "$OUT/gemv_sweep.jsonl" \
         --budget-s $((t - 60)) ${EPMOE_GEMV_ARGS:-} > "$OUT/gemv_sweep.log" 2>&1
       echo "gemv_sweep rc=$?" >> "$OUT/summary.txt" ;;
-    diag)
-      timeout $((t - 10)) python3 scripts/diag_layer.py ${EPMOE_DIAG_ARGS:-} > "$OUT/diag_layer.log" 2>&1
-      echo "diag rc=$?" >> "$OUT/summary.txt" ;;
-    diag_compile)
-      timeout $((t - 10)) python3 scripts/diag_compile.py ${EPMOE_DIAG_COMPILE_ARGS:-} > "$OUT/diag_compile.log" 2>&1
-      echo "diag_compile rc=$?" >> "$OUT/summary.txt" ;;
     sweep)
       timeout $((t - 10)) python3 scripts/stage_sweep.py --out "$OUT/sweep.jsonl" \
         --budget-s $((t - 60)) ${EPMOE_SWEEP_ONLY:+--only "$EPMOE_SWEEP_ONLY"} ${EPMOE_SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
       echo "sweep rc=$?" >> "$OUT/summary.txt" ;;
-    host)
-      timeout $((t - 10)) python3 scripts/host_breakdown.py --out "$OUT/host.json" > "$OUT/host.log" 2>&1
-      echo "host rc=$?" >> "$OUT/summary.txt" ;;
     cli_bench)
       timeout $((t - 10)) python3 -m epmoe bench --out-dir "$OUT/cli_bench" \
-        ${EPMOE_BENCH_K:+-k "$EPMOE_BENCH_K"} > "$OUT/cli_bench.log" 2>&1
+        ${EPMOE_CLI_BENCH_ARGS:-} > "$OUT/cli_bench.log" 2>&1
       echo "cli_bench rc=$?" >> "$OUT/summary.txt" ;;
   esac
 done

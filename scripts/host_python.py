@@ -8,7 +8,7 @@ the device-side checks replaced by no-ops, and a CUDA-like backend choice (sm90,
 present). Tensors live on the "meta" device: allocations cost their Python call only (CPU memory
 would add malloc's cost, larger and less steady than the CUDA caching allocator's; a CUDA
 `torch.empty` took 0.7 to 3.4 µs on the H200 host, by session). Compare trees with it; confirm on
-the GPU with `scripts/diag_layer.py`.
+the GPU with ``--device cuda``.
 
 With ``--stages`` it also prints each stage's trusted call (the chain's entries, one at a time).
 With ``--device cuda`` nothing is stubbed: the same calls launch for real on the GPU (kept busy

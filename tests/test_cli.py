@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -199,65 +200,140 @@ def test_demo_rejects_bad_arguments(capsys):
 
 
 # -------------------------------------------------------------------------------------------- bench
-def test_bench_tiny_writes_json_markdown_png(tmp_path):
+def test_bench_tiny_runs_from_the_package_alone(tmp_path):
+    """``python -m epmoe bench --tiny`` needs the installed package only: epmoe/ copied alone onto
+    PYTHONPATH, run from an empty directory (no checkout, no benchmarks/), default --out-dir."""
     pytest.importorskip("matplotlib")
     import matplotlib.image
 
-    p = _epmoe("bench", "--tiny", "--out-dir", str(tmp_path), timeout=150)
+    site, cwd = tmp_path / "site", tmp_path / "cwd"
+    shutil.copytree(REPO / "epmoe", site / "epmoe", ignore=shutil.ignore_patterns("__pycache__"))
+    cwd.mkdir()
+    envv = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    envv.update(PYTHONPATH=str(site), PYTHONUNBUFFERED="1")
+    code = "import sys, epmoe; from epmoe.__main__ import main; print(epmoe.__file__); main()"
+    p = subprocess.run(
+        [sys.executable, "-c", code, "bench", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=envv,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "test_bench_cpu.py::test_permute PASSED" in p.stdout  # progress streamed
-    data = json.loads((tmp_path / "bench.json").read_text())
-    names = {b["name"] for b in data["benchmarks"]}
-    assert {
-        "test_permute",
-        "test_grouped_gemm_contiguous",
-        "test_epmoe_layer_local[ht]",
-        "test_epmoe_layer_local[ll]",
-    } <= names
-    assert all(b["stats"]["median"] > 0 for b in data["benchmarks"])
-    md = (tmp_path / "bench.md").read_text()
-    assert "| group | benchmark | median |" in md
-    for name in names:
-        assert f"`{name[5:]}`" in md
-    assert "GB/s" in md and "TFLOP/s" in md
-    png = tmp_path / "bench.png"
-    assert png.stat().st_size > 0
-    img = matplotlib.image.imread(str(png))
+    assert p.stdout.splitlines()[0] == str(site / "epmoe" / "__init__.py")  # not the checkout
+    p = subprocess.run(
+        [sys.executable, "-m", "epmoe", "bench", "--tiny", "--quant", "bf16", "--mode", "ll"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=envv,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "epmoe bench: T=64 epmoe/bf16/ll: " in p.stdout  # progress streamed
+    out = cwd / bench.DEFAULT_OUT_DIR
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["shape"]["name"] == "tiny" and doc["command"].startswith("epmoe bench --tiny")
+    assert [(r["impl"], r.get("scheme"), r.get("mode")) for r in doc["results"]] == [
+        ("reference", None, None),
+        ("grouped_mm", None, None),
+        ("epmoe", "bf16", "ll"),
+    ]
+    assert all(r["ms"] > 0 for r in doc["results"])
+    assert doc["results"][2]["rel_err"] < 0.02 and doc["results"][2]["path"] == "ll"
+    md = (out / "bench.md").read_text()
+    assert "| 64 | epmoe bf16 ll | ll |" in md and "| 64 | reference |" in md
+    img = matplotlib.image.imread(str(out / "bench.png"))
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
 
 
-def test_bench_report_uses_ceilings(tmp_path):
-    """Report rendering alone, on a hand-made pytest-benchmark JSON (no timing involved)."""
-    pytest.importorskip("matplotlib")
+def test_bench_run_covers_every_scheme_and_mode():
+    """The measurement loop in process: every scheme and mode against both baselines, outputs
+    checked against the dense reference; LL skipped above its token bound."""
     torch.manual_seed(0)
+    lines = []
+    cpu, tiny = torch.device("cpu"), bench.SHAPES["tiny"]
+    doc = bench.run(tiny, [4], bench.SCHEMES, bench.MODES, cpu, 1, 0, log=lines.append)
+    recs = {(r["impl"], r.get("scheme"), r.get("mode")): r for r in doc["results"]}
+    assert len(recs) == 2 + 9 and len(lines) == 11
+    for q, tol in (("bf16", 0.02), ("int8", 0.05), ("fp8", 0.1)):
+        for m in bench.MODES:
+            r = recs[("epmoe", q, m)]
+            assert "error" not in r and r["ms"] > 0 and r["rel_err"] < tol, r
+            assert r["path"] == {"ht": "ht", "ll": "ll", "auto": "gemv"}[m]
+    assert recs[("grouped_mm", None, None)]["rel_err"] < 0.02
+    doc = bench.run(tiny, [bench.LL_MAX_TOKENS + 1], ["bf16"], ["ll"], cpu, 1, 0, log=lines.append)
+    assert doc["results"][-1]["skipped"] == f"LL above {bench.LL_MAX_TOKENS} tokens"
 
-    def entry(name, median, **extra):
-        return {
-            "name": name,
-            "group": "stage",
-            "extra_info": extra,
-            "stats": {"median": median, "iqr": median / 10, "rounds": 7},
-        }
 
-    data = {
-        "datetime": "2026-01-01T00:00:00",
-        "machine_info": {"node": "n"},
-        "commit_info": {},
-        "benchmarks": [
-            entry("test_permute[W]", 2e-5, gbps=2400.0, ceiling_gbps=4800.0),
-            entry("test_gemm[W]", 1e-3, tflops=600.0, ceiling_tflops=800.0),
-            entry("test_layer[W]", 3e-3),
-            entry("test_decode[W]", 1e-4, tflops=5.0, weight_gbps=3000.0, copy_gbps=4000.0),
-        ],
+def test_grouped_mm_baseline_matches_the_reference():
+    """The grouped_mm baseline is the dense layer: skipped choices (-1), empty experts."""
+    from epmoe import reference
+
+    torch.manual_seed(0)
+    T, E, H, inter, K = 13, 6, 64, 32, 3
+    x = torch.randn(T, H).bfloat16()
+    ids = torch.rand(T, E).topk(K, dim=1).indices
+    ids[ids == 5] = -1  # expert 5 empty, its choices skipped
+    ids[0] = -1
+    w = torch.rand(T, K)
+    w1 = (torch.randn(E, 2 * inter, H) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, inter) / inter**0.5).bfloat16()
+    ref = reference.dense_moe(x, ids, w, w1, w2)
+    out = bench.grouped_mm_moe(x, ids, w, w1, w2)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert torch.all(out[0] == 0)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
+
+
+def _doc(results):
+    return {
+        "schema": 1,
+        "command": "epmoe bench",
+        "date": "2026-01-01 00:00:00",
+        "device": "NVIDIA H200",
+        "versions": {"epmoe": "0.1.0", "torch": "2.11.0"},
+        "shape": {"name": "qwen3-30b-a3b", "E": 128, "H": 2048, "I": 768, "K": 8},
+        "iters": 20,
+        "results": results,
+        "notes": ["a note"],
     }
+
+
+def test_bench_report_from_json(tmp_path):
+    """--from-json renders the table and the plot of an earlier run (nothing timed)."""
+    pytest.importorskip("matplotlib")
+    doc = _doc(
+        [
+            {"impl": "reference", "T": 32, "ms": 40.0},
+            {"impl": "grouped_mm", "T": 32, "ms": 0.5, "graph_ms": 0.46, "rel_err": 0.004},
+            {
+                "impl": "epmoe",
+                "scheme": "fp8",
+                "mode": "auto",
+                "T": 32,
+                "path": "ll",
+                "ms": 0.25,
+                "graph_ms": 0.2,
+                "rel_err": 0.06,
+            },
+            {"impl": "epmoe", "scheme": "int8", "mode": "ll", "T": 32, "error": "RuntimeError: x"},
+            {"impl": "epmoe", "scheme": "bf16", "mode": "ll", "T": 4096, "skipped": "LL above"},
+        ]
+    )
     src = tmp_path / "in.json"
-    src.write_text(json.dumps(data))
+    src.write_text(json.dumps(doc))
     assert main(["bench", "--from-json", str(src), "--out-dir", str(tmp_path / "r")]) == 0
     md = (tmp_path / "r" / "bench.md").read_text()
-    assert "| stage | `permute[W]` | 20 us | 2 us | 7 | 2,400 GB/s | 4,800 GB/s | 50% |" in md
-    assert "| 600 TFLOP/s | 800 TFLOP/s | 75% |" in md
-    assert "| stage | `layer[W]` | 3 ms | 300 us | 7 |  |  |  |" in md
-    assert "| `decode[W]` | 100 us | 10 us | 7 | 3,000 GB/s | 4,000 GB/s | 75% |" in md
+    assert "- device: NVIDIA H200" in md and "- versions: epmoe 0.1.0, torch 2.11.0" in md
+    assert "| 32 | reference |  | 40.000 |  |  |  |  |" in md
+    assert "| 32 | grouped_mm |  | 0.500 | 0.460 | 80.00x |  | 0.0040 |" in md
+    # against grouped_mm: graph / graph when both have one
+    assert "| 32 | epmoe fp8 auto | ll | 0.250 | 0.200 | 160.00x | 2.30x | 0.0600 |" in md
+    assert "| 32 | epmoe int8 ll | | RuntimeError: x |" in md
+    assert "| 4096 | epmoe bf16 ll | | LL above |" in md
+    assert "note: a note" in md
     import matplotlib.image
 
     assert matplotlib.image.imread(str(tmp_path / "r" / "bench.png")).shape[0] > 100
@@ -276,15 +352,23 @@ def test_bench_without_matplotlib_says_so_and_writes_nothing(
     )
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        'epmoe bench: needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)'
-    ]
+    assert err == ["epmoe bench: needs matplotlib: pip install matplotlib"]
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]
 
 
-def test_bench_without_suite_fails(tmp_path, capsys):
-    assert bench.run_bench(bench_dir=str(tmp_path / "none"), out_dir=str(tmp_path)) == 2
-    assert "no benchmarks/ directory" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quant", "fp4"], "--quant expected a comma list of bf16, fp8, int8, got 'fp4'"),
+        (["--mode", "ht,x"], "--mode expected a comma list of ht, ll, auto, got 'ht,x'"),
+        (["--tokens", "0"], "--tokens expected positive token counts, got '0'"),
+        (["--", "-k", "permute"], "unrecognized arguments: -k permute"),
+    ],
+)
+def test_bench_rejects_bad_arguments(tmp_path, capsys, argv, message):
+    assert main(["bench", "--tiny", "--out-dir", str(tmp_path / "r"), *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"epmoe bench: {message}"
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
