@@ -133,91 +133,6 @@ def _dot_groups(q, w):
 
 
 @triton.jit
-def _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K: tl.constexpr, CHECK_IDS: tl.constexpr):
-    """The check program of both kernels: how many ids of topk_ids `[T, K]` lie outside [0, E)
-    other than -1, CHECK_IDS at a step."""
-    n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
-    for b0 in range(0, T * K, CHECK_IDS):
-        pos = b0 + tl.arange(0, CHECK_IDS)
-        inb = pos < T * K
-        v = tl.load(
-            ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
-            mask=inb,
-            other=-1,
-        )
-        n_bad += _bad_ids(v, inb, E)
-    return tl.sum(n_bad, axis=0)
-
-
-@triton.jit
-def _up_fp8(
-    x_row, wg, wu, ws_ptr, e64, nb, hi, n_ok, H, I,
-    stride_xh, stride_wh, stride_se, stride_sn, stride_sh,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """fp8 gate and up sums, float32 `[BLOCK_N]`: x quantized per 128 channels, weights per
-    128x128 block; a step covers G groups of 128 channels: x `[G, 128]`, weights
-    `[BLOCK_N, G, 128]`."""
-    G: tl.constexpr = BLOCK_K // 128
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    gi = tl.arange(0, G)
-    c2 = gi[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-    sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
-    su = sg + (I // 128) * stride_sn
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + c2
-        xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-        q, s = _quant_fp8_groups(xv.to(tl.float32))
-        blk = k0 // 128 + gi
-        g_ok = blk * 128 < hi
-        s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
-        s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
-        m = n_ok[:, None, None] & (kk < hi)[None, :, :]
-        w_off = kk[None, :, :] * stride_wh
-        pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
-        pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
-        acc_g += tl.sum(pg * s_g[None, :], axis=1)
-        acc_u += tl.sum(pu * s_u[None, :], axis=1)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _up_rows(
-    x_row, wg, wu, ws_ptr, e64, offs_n, hi, n_ok, H, I,
-    stride_xh, stride_wh, stride_se, stride_sn,
-    QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """bf16 / int8 gate and up sums `[BLOCK_N]` (float32 after int8's scales): int8 quantizes x
-    per token (its amax over the whole row first, from L2)."""
-    rk = tl.arange(0, BLOCK_K)
-    if QUANT == 2:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + rk
-            xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
-        s = _int8_scale(tl.max(amax, axis=0)[None])
-    acc_g = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
-    acc_u = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        m = n_ok[:, None] & (kk < hi)[None, :]
-        xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
-        if QUANT == 2:
-            xv = _quant_int8(xv.to(tl.float32)[None, :], s)
-        else:
-            xv = xv[None, :]
-        acc_g += _dot_rows(xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), QUANT)
-        acc_u += _dot_rows(xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), QUANT)
-    if QUANT == 2:
-        cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
-        acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
-        acc_u = acc_u.to(tl.float32) * s * tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
-    return acc_g, acc_u
-
-
-@triton.jit
 def _gemv_gate_up_kernel(
     # tensors
     x_ptr, ids_ptr, w_ptr, ws_ptr, h_ptr, ok_ptr,
@@ -236,9 +151,18 @@ def _gemv_gate_up_kernel(
     nb = tl.program_id(1)
     if pid >= T * K:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:
-            bad = _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K, CHECK_IDS)
+            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
+            for b0 in range(0, T * K, CHECK_IDS):
+                pos = b0 + tl.arange(0, CHECK_IDS)
+                inb = pos < T * K
+                v = tl.load(
+                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
+                    mask=inb,
+                    other=-1,
+                )
+                n_bad += _bad_ids(v, inb, E)
             msg: tl.constexpr = "gemv_gate_up: topk_ids expected ids in [0, E) or -1"
-            _report(ok_ptr, bad, ASSERT, msg)
+            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
     else:
         t = (pid // K).to(tl.int64)
         e = tl.load(ids_ptr + t * stride_it + (pid % K) * stride_ik)
@@ -247,81 +171,65 @@ def _gemv_gate_up_kernel(
         hi = tl.where(live, H, 0)  # a skipped (or bad) choice reads nothing: h = silu(0) * 0
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
+        rk = tl.arange(0, BLOCK_K)
         x_row = x_ptr + t * stride_xt
         wg = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         wu = wg + I * stride_wn
-        if QUANT == 1:
-            acc_g, acc_u = _up_fp8(
-                x_row, wg, wu, ws_ptr, e64, nb, hi, n_ok, H, I,
-                stride_xh, stride_wh, stride_se, stride_sn, stride_sh, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        else:
-            acc_g, acc_u = _up_rows(
-                x_row, wg, wu, ws_ptr, e64, offs_n, hi, n_ok, H, I,
-                stride_xh, stride_wh, stride_se, stride_sn, QUANT, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+        if QUANT == 1:  # fp8: x quantized per 128 channels, weights per 128x128 block
+            # a step covers G groups of 128 channels: x `[G, 128]`, weights `[BLOCK_N, G, 128]`
+            G: tl.constexpr = BLOCK_K // 128
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            gi = tl.arange(0, G)
+            c2 = gi[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+            sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+            su = sg + (I // 128) * stride_sn
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + c2
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                q, s = _quant_fp8_groups(xv.to(tl.float32))
+                blk = k0 // 128 + gi
+                g_ok = blk * 128 < hi
+                s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
+                s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
+                m = n_ok[:, None, None] & (kk < hi)[None, :, :]
+                w_off = kk[None, :, :] * stride_wh
+                pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
+                pu = _dot_groups(q, tl.load(wu[:, :, None] + w_off, mask=m, other=0.0))
+                acc_g += tl.sum(pg * s_g[None, :], axis=1)
+                acc_u += tl.sum(pu * s_u[None, :], axis=1)
+        else:  # bf16; int8: x quantized per token (its amax over the whole row first, from L2)
+            if QUANT == 2:
+                amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    kk = k0 + rk
+                    xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                    amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+                s = _int8_scale(tl.max(amax, axis=0)[None])
+            acc_g = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
+            acc_u = tl.zeros([BLOCK_N], dtype=_ACC[QUANT])
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + rk
+                m = n_ok[:, None] & (kk < hi)[None, :]
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
+                if QUANT == 2:
+                    xv = _quant_int8(xv.to(tl.float32)[None, :], s)
+                else:
+                    xv = xv[None, :]
+                acc_g += _dot_rows(
+                    xv, tl.load(wg + kk[None, :] * stride_wh, mask=m, other=0), QUANT
+                )
+                acc_u += _dot_rows(
+                    xv, tl.load(wu + kk[None, :] * stride_wh, mask=m, other=0), QUANT
+                )
+            if QUANT == 2:
+                cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
+                acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
+                acc_u = acc_u.to(tl.float32) * s * tl.load(cs + I * stride_sn, mask=n_ok, other=0.0)
         g = round_float(acc_g, tl.bfloat16)
         u = round_float(acc_u, tl.bfloat16)
         h = _silu_h(g, u, FAST)
         tl.store(h_ptr + pid.to(tl.int64) * I + offs_n, h.to(tl.bfloat16), mask=n_ok)
-
-
-@triton.jit
-def _down_fp8(
-    h_rows, w_rows, ws_ptr, e64, nb, hi, n_ok, I, stride_se, stride_sn, stride_si, stride_wi,
-    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """fp8 products, float32 `[K_PAD, BLOCK_N]`: h quantized per 128 channels, G groups per
-    step, the weight scales applied to h."""
-    G: tl.constexpr = BLOCK_K // 128
-    ri = tl.arange(0, BLOCK_K)[None, :]
-    s_rows = ws_ptr + e64[:, None] * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
-    acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        ii = k0 + ri  # [1, BLOCK_K]
-        hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-        q, s = _quant_fp8_groups(tl.reshape(hv.to(tl.float32), (K_PAD * G, 128)))
-        gi = tl.arange(0, G)[None, :]
-        s_w = tl.load(s_rows + (k0 // 128 + gi) * stride_si, mask=k0 + gi * 128 < hi, other=0.0)
-        scale = tl.reshape(s, (K_PAD, G)) * s_w  # [K_PAD, G]
-        hq = tl.reshape(q.to(tl.float32), (K_PAD, G, 128)) * scale[:, :, None]
-        m = (ii < hi)[:, None, :] & n_ok[None, :, None]
-        wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
-    return acc
-
-
-@triton.jit
-def _down_rows(
-    h_rows, w_rows, ws_ptr, e64, offs_n, hi, n_ok, I, stride_se, stride_sn, stride_wi,
-    K_PAD: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """bf16 / int8 products `[K_PAD, BLOCK_N]` (float32 after int8's scales): int8 quantizes h
-    per row (its amax first, from L2), int32 products."""
-    ri = tl.arange(0, BLOCK_K)[None, :]
-    if QUANT == 2:
-        amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
-            amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
-        s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
-    acc = tl.zeros([K_PAD, BLOCK_N], dtype=_ACC[QUANT])
-    for k0 in range(0, I, BLOCK_K):
-        ii = k0 + ri
-        hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
-        if QUANT == 2:
-            hv = _quant_int8(hv.to(tl.float32), s)
-        m = (ii < hi)[:, None, :] & n_ok[None, :, None]
-        wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
-        acc += tl.sum(wv.to(_ACC[QUANT]) * hv.to(_ACC[QUANT])[:, None, :], axis=2)
-    if QUANT == 2:
-        s_w = tl.load(
-            ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
-            mask=n_ok[None, :],
-            other=0.0,
-        )
-        acc = acc.to(tl.float32) * s[:, None] * s_w
-    return acc
 
 
 @triton.jit
@@ -345,9 +253,18 @@ def _gemv_down_kernel(
     nb = tl.program_id(1)
     if t >= T:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:
-            bad = _count_bad_ids(ids_ptr, T, E, stride_it, stride_ik, K, CHECK_IDS)
+            n_bad = tl.zeros([CHECK_IDS], dtype=tl.int32)
+            for b0 in range(0, T * K, CHECK_IDS):
+                pos = b0 + tl.arange(0, CHECK_IDS)
+                inb = pos < T * K
+                v = tl.load(
+                    ids_ptr + (pos // K).to(tl.int64) * stride_it + (pos % K) * stride_ik,
+                    mask=inb,
+                    other=-1,
+                )
+                n_bad += _bad_ids(v, inb, E)
             msg: tl.constexpr = "gemv_down: topk_ids expected ids in [0, E) or -1"
-            _report(ok_ptr, bad, ASSERT, msg)
+            _report(ok_ptr, tl.sum(n_bad, axis=0), ASSERT, msg)
     else:
         t64 = t.to(tl.int64)
         kk = tl.arange(0, K_PAD)
@@ -362,16 +279,48 @@ def _gemv_down_kernel(
         h_rows = h_ptr + (t64 * K + kk)[:, None] * I  # [K_PAD, 1]
         w_rows = (w_ptr + e64[:, None, None] * stride_we
                   + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # fmt: skip
-        if QUANT == 1:
-            acc = _down_fp8(
-                h_rows, w_rows, ws_ptr, e64, nb, hi, n_ok, I, stride_se, stride_sn, stride_si,
-                stride_wi, K_PAD, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        else:
-            acc = _down_rows(
-                h_rows, w_rows, ws_ptr, e64, offs_n, hi, n_ok, I, stride_se, stride_sn,
-                stride_wi, K_PAD, QUANT, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+        if QUANT == 1:  # h quantized per 128 channels: G groups per step, scales applied to h
+            G: tl.constexpr = BLOCK_K // 128
+            ri = tl.arange(0, BLOCK_K)[None, :]
+            s_rows = ws_ptr + e64[:, None] * stride_se + ((nb * BLOCK_N) // 128) * stride_sn
+            acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                ii = k0 + ri  # [1, BLOCK_K]
+                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+                q, s = _quant_fp8_groups(tl.reshape(hv.to(tl.float32), (K_PAD * G, 128)))
+                gi = tl.arange(0, G)[None, :]
+                s_w = tl.load(
+                    s_rows + (k0 // 128 + gi) * stride_si, mask=k0 + gi * 128 < hi, other=0.0
+                )
+                scale = tl.reshape(s, (K_PAD, G)) * s_w  # [K_PAD, G]
+                hq = tl.reshape(q.to(tl.float32), (K_PAD, G, 128)) * scale[:, :, None]
+                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0.0)
+                acc += tl.sum(wv.to(tl.float32) * tl.reshape(hq, (K_PAD, BLOCK_K))[:, None, :], 2)
+        else:  # bf16; int8: h quantized per row (its amax first, from L2), int32 products
+            ri = tl.arange(0, BLOCK_K)[None, :]
+            if QUANT == 2:
+                amax = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    hv = tl.load(h_rows + k0 + ri, mask=k0 + ri < hi, other=0.0)
+                    amax = tl.maximum(amax, tl.abs(hv.to(tl.float32)))
+                s = _int8_scale(tl.max(amax, axis=1))  # [K_PAD]
+            acc = tl.zeros([K_PAD, BLOCK_N], dtype=_ACC[QUANT])
+            for k0 in range(0, I, BLOCK_K):
+                ii = k0 + ri
+                hv = tl.load(h_rows + ii, mask=ii < hi, other=0.0)
+                if QUANT == 2:
+                    hv = _quant_int8(hv.to(tl.float32), s)
+                m = (ii < hi)[:, None, :] & n_ok[None, :, None]
+                wv = tl.load(w_rows + ii[:, None, :] * stride_wi, mask=m, other=0)
+                acc += tl.sum(wv.to(_ACC[QUANT]) * hv.to(_ACC[QUANT])[:, None, :], axis=2)
+            if QUANT == 2:
+                s_w = tl.load(
+                    ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn,
+                    mask=n_ok[None, :],
+                    other=0.0,
+                )
+                acc = acc.to(tl.float32) * s[:, None] * s_w
         y = round_float(acc, tl.bfloat16).to(tl.float32) * wt[:, None]  # [K_PAD, BLOCK_N]
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(K):  # k ascending, as unpermute sums (row k picked exactly)
