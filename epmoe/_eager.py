@@ -21,7 +21,6 @@ launch through the triton_kernel_wrapper higher-order op (much Python per launch
 """
 
 import contextlib
-import functools
 import os
 
 import torch
@@ -81,17 +80,6 @@ def plain(*tensors) -> bool:
     return True
 
 
-def run(fn, *args):
-    """fn(*args) with wrap_triton disabled (its kernels launch directly), as inside a triton op."""
-    state = _triton_lib.wrap_triton_enabled
-    prev = _triton_lib.is_wrap_triton_enabled()
-    state.value = False
-    try:
-        return fn(*args)
-    finally:
-        state.value = prev
-
-
 class no_wrap:
     """``with no_wrap():`` Triton kernels launch directly inside the block (wrap_triton off), as
     inside an op's CUDA kernel: the layer's direct path enters it once per call."""
@@ -115,24 +103,13 @@ def on_device(t: torch.Tensor):
     d = t.get_device()
     if d < 0 or d == torch._C._cuda_getDevice():
         return _NULL
-    return torch.cuda.device(t.device)
+    return torch.cuda.device(d)
 
 
 _NULL = contextlib.nullcontext()  # (reusable: entering and leaving it does nothing)
 
 
-def on_input_device(fn):
-    """Decorator for a stage's launch function fn(t, ...): it runs with t's CUDA device current,
-    since Triton launches on the current device (a process that drives several GPUs may call an
-    op on tensors of a device that is not the current one). The usual call, t on the current
-    device or on the CPU, costs one device query."""
-
-    @functools.wraps(fn)
-    def launch(t, *args, **kwargs):
-        d = t.get_device()
-        if d < 0 or d == torch._C._cuda_getDevice():
-            return fn(t, *args, **kwargs)
-        with torch.cuda.device(d):
-            return fn(t, *args, **kwargs)
-
-    return launch
+def run(fn, *args):
+    """fn(*args) with wrap_triton disabled (its kernels launch directly), as inside an op."""
+    with no_wrap():
+        return fn(*args)

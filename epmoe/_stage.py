@@ -24,13 +24,13 @@ The signature (its annotations) is the op's schema; the body is never run. From 
   current: Triton launches on the current device) and skips the dispatcher's 30-50 µs; any other
   call checks the contract (our ``ValueError`` before the schema's) and calls the op.
 - ``fn.launch``: ``cuda`` with the ``chain`` arguments (its result wrapped), the layer's entry on
-  its direct path: inputs
-  checked at the layer's boundary or made by the stage before; ``wrap_triton`` off and the
-  inputs' device current, both set once per layer call (:func:`epmoe._eager.no_wrap`,
-  :func:`epmoe._eager.on_device`). ``fn.chained``: the op with the declared ``chain`` arguments
-  (e.g. ``check=False``: rows written by the chain's own permute need no row check), the layer's
-  entry under torch.compile. ``fn.op``: the OpOverload; ``fn.reference``, ``fn.fake``,
-  ``fn.cuda``, ``fn.contract``: the parts.
+  its direct path: inputs checked at the layer's boundary or made by the stage before;
+  ``wrap_triton`` off and the inputs' device current, both set once per layer call
+  (:func:`epmoe._eager.no_wrap`, :func:`epmoe._eager.on_device`).
+- ``fn.chained``: the op with the declared ``chain`` arguments (e.g. ``check=False``: rows
+  written by the chain's own permute need no row check), the layer's entry under torch.compile.
+- ``fn.op``: the OpOverload; ``fn.reference``, ``fn.fake``, ``fn.cuda``, ``fn.contract``: the
+  parts.
 """
 
 import inspect
@@ -107,10 +107,9 @@ def _checked(op: str, contract: Contract, params) -> Callable:
     the contract check and the refusal of inputs that need grad."""
     names = [p.name for p in params]
     sig, call = _signature_source(params)
-    full = _compile(f"def full({sig}):\n    return ({call},)\n", "full", params)
-    pick = _compile(
-        f"def pick({', '.join(names)}):\n    return ({', '.join(contract.params)},)\n", "pick"
-    )
+    full = _compile(f"def full({sig}):\n    return ({call},)\n", _defaults(params))["full"]
+    picked = ", ".join(contract.params)
+    pick = _compile(f"def pick({', '.join(names)}):\n    return ({picked},)\n", {})["pick"]
 
     def check(args, kwargs):
         a = full(*args, **kwargs)
@@ -134,13 +133,8 @@ def _kernel(check: Callable, impl: Callable, off: bool) -> Callable:
 
     def kernel_off(*args, **kwargs):
         a = check(args, kwargs)
-        prev = _wrapping()
-        _wrap.value = False
-        try:
-            with _eager.on_device(a[0]):
-                return impl(*a)
-        finally:
-            _wrap.value = prev
+        with _eager.no_wrap(), _eager.on_device(a[0]):
+            return impl(*a)
 
     return kernel_off
 
@@ -204,15 +198,13 @@ def chained({sig}):
 """
     # (no __name__ in these globals: Dynamo finds an inlined function's globals by module name,
     # and two stages of one module would share one)
-    ns = dict(
+    ns = _compile(src, dict(
         _on_device=_eager.on_device,
         _calm=_eager.calm, _direct=contract.direct, _check=contract.check, _wrap=_wrap,
         _wrapping=_wrapping,
         _cuda=cuda, _op=op, _result=result, _compiling=torch.compiler.is_compiling,
-        **{f"_d{i}": p.default for i, p in enumerate(params)},
-        **{f"_c_{k}": v for k, v in chain.items()},
-    )  # fmt: skip
-    exec(compile(src, f"<epmoe stage {signature.__name__}>", "exec"), ns)
+        **_defaults(params), **{f"_c_{k}": v for k, v in chain.items()},
+    ))  # fmt: skip
     fn = ns[signature.__name__]
     fn.__doc__, fn.__module__ = signature.__doc__, signature.__module__
     fn.__qualname__ = signature.__qualname__
@@ -231,7 +223,12 @@ def _signature_source(params):
     return ", ".join(sig), ", ".join(call)
 
 
-def _compile(src: str, name: str, params=()) -> Callable:
-    ns: dict = {f"_d{i}": p.default for i, p in enumerate(params)}
-    exec(compile(src, f"<epmoe {name}>", "exec"), ns)
-    return ns[name]
+def _defaults(params) -> dict:
+    """The names _d<i> the generated signatures give their defaults."""
+    return {f"_d{i}": p.default for i, p in enumerate(params)}
+
+
+def _compile(src: str, ns: dict) -> dict:
+    """``ns`` after running generated source ``src`` in it (its own globals)."""
+    exec(compile(src, "<epmoe stage>", "exec"), ns)
+    return ns

@@ -218,15 +218,16 @@ def test_fast_path_bad_cuda_inputs_raise_value_error():
 
 
 class _FakeDeviceTensor:
-    """Stands for a CUDA tensor on device 1 (on_input_device reads get_device() only)."""
+    """Stands for a CUDA tensor on device 1 (on_device reads get_device() only)."""
 
     def get_device(self):
         return 1
 
 
-def test_on_input_device_switches_only_when_needed(monkeypatch):
-    """A launch function runs under torch.cuda.device(its first argument's device) when that is
-    not the current device, and directly otherwise (CPU tensors included)."""
+def test_on_device_switches_only_when_needed(monkeypatch):
+    """The context a launch runs under (the layer's call, a public fast path, an op's CUDA
+    kernel): torch.cuda.device(the tensor's device) when that is not the current device, nothing
+    otherwise (CPU tensors included)."""
     entered = []
 
     class _Device:
@@ -239,9 +240,9 @@ def test_on_input_device_switches_only_when_needed(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    @_eager.on_input_device
     def launch(t, a, b=2):
-        return a + b
+        with _eager.on_device(t):
+            return a + b
 
     monkeypatch.setattr(torch.cuda, "device", _Device)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
@@ -249,7 +250,6 @@ def test_on_input_device_switches_only_when_needed(monkeypatch):
     assert launch(_FakeDeviceTensor(), 1) == 3 and entered == [1]
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     assert launch(_FakeDeviceTensor(), 5) == 7 and entered == [1]  # already current
-    assert launch.__name__ == "launch"
 
 
 @pytest.mark.multi_gpu

@@ -1,11 +1,12 @@
 """torch.compile (Inductor, fullgraph) on CPU gives eager's bytes, op by op and for the layer.
 
-Every stage op's CPU kernel is the reference; a triton_op body traced into the graph would let
-Inductor recompile it with its own float rewrites (``x / s`` as ``x * (1 / s)``, fused SiLU,
-reordered sums) and move fp8 / int8 rounding boundaries, so the CPU kernels stay opaque
-(:func:`epmoe._library.cpu_opaque`). Outputs are compared with ``torch.equal`` (1-byte payloads as
-bytes), all of them, the rows a kernel leaves unspecified too (on CPU the reference defines them).
-Inductor's caches are off: a cached graph of older code would answer instead of this one.
+Every stage op's CPU kernel is the reference; a body traced into the graph would let Inductor
+recompile it with its own float rewrites (``x / s`` as ``x * (1 / s)``, fused SiLU, reordered
+sums) and move fp8 / int8 rounding boundaries, so the CPU kernels stay opaque (the stage
+declaration decomposes only non-CPU calls: :mod:`epmoe._stage`). Outputs are compared with
+``torch.equal`` (1-byte payloads as bytes), all of them, the rows a kernel leaves unspecified too
+(on CPU the reference defines them). Inductor's caches are off: a cached graph of older code
+would answer instead of this one.
 """
 
 import pytest
