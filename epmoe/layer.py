@@ -113,8 +113,8 @@ STAGE_TABLE = _Stages(
 )  # fmt: skip
 # the table's three views: record_stages(replace=...) hooks stand between stages: each checks
 _PUBLIC = STAGE_TABLE
-# torch.compile, CPU, ...: the ops (a stage choosing between two ops is its public function)
-_CHAINED = _Stages(*(getattr(f, "chained", f) for f in STAGE_TABLE))
+# torch.compile, CPU, ...: the ops with the chain's arguments
+_CHAINED = _Stages(*(f.chained for f in STAGE_TABLE))
 # eager plain CUDA inputs checked at the layer's boundary: the launches without the checks
 _TRUSTED = _Stages(*(f.launch for f in STAGE_TABLE))
 
@@ -252,8 +252,7 @@ class EPMoE(nn.Module):
         _checks.check_multiple(OP, "alignment", alignment, block, "(the grouped GEMM row block)")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
-        self.quant, self.mode, self.alignment = quant, mode, alignment
-        self.scheme = _quant.get(quant)  # (self.quant: its name)
+        self.scheme, self.mode, self.alignment = _quant.get(quant), mode, alignment
         self.worst_case = bool(worst_case)
         self.max_tokens_per_rank = max_tokens_per_rank
         # the LL capacity per rank: the largest call LL takes
@@ -290,6 +289,11 @@ class EPMoE(nn.Module):
         if name in _WEIGHTS and isinstance(value, torch.nn.Parameter):
             value = value.detach()
         super().__setattr__(name, value)
+
+    @property
+    def quant(self) -> str:
+        """The quant scheme's name ("bf16", "fp8" or "int8"; the object: ``scheme``)."""
+        return self.scheme.name
 
     @property
     def rank(self) -> int:

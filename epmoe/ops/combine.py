@@ -176,4 +176,12 @@ def _ll_launch(y, topk_ids, topk_weights, handle, comm_key, out=None):
     return out
 
 
-ll_combine.launch = _ll_launch
+def _ll_chained(y, topk_ids, topk_weights, handle, comm_key, out=None):
+    """ll_combine.chained: the picked op (the layer's chain under torch.compile)."""
+    if out is None:
+        return _ll_combine.chained(y, topk_ids, topk_weights, handle, comm_key)
+    _ll_combine_out.chained(y, topk_ids, topk_weights, handle, comm_key, out)
+    return out
+
+
+ll_combine.launch, ll_combine.chained = _ll_launch, _ll_chained

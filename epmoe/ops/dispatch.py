@@ -25,7 +25,7 @@ of the two HT ops by ``worst_case``. The communicator (``epmoe.comm``) is looked
 "reference" and the CUDA implementation of a communication.
 """
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -97,23 +97,6 @@ LL_OP = Contract(
 
 
 # ------------------------------------------------------------------------------------------ HT
-def _ht_worst_run(x, topk_ids, topk_weights, comm_key, x_scales=None):
-    return _registry.get(comm_key).ht_dispatch(x, topk_ids, topk_weights, x_scales, True)
-
-
-def _ht_worst_fake(x, topk_ids, topk_weights, comm_key, x_scales=None):
-    return _registry.get(comm_key).ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, True)
-
-
-def _ht_exact_run(x, topk_ids, topk_weights, comm_key, x_scales=None):
-    return _registry.get(comm_key).ht_dispatch(x, topk_ids, topk_weights, x_scales, False)
-
-
-def _ht_exact_fake(x, topk_ids, topk_weights, comm_key, x_scales=None):
-    """N rows from torch.library.get_ctx().new_dynamic_size() (in the communicator's fake)."""
-    return _registry.get(comm_key).ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, False)
-
-
 def _ht_result(out, x, topk_ids, topk_weights, comm_key, x_scales) -> HTDispatchResult:
     rx, rs, rids, rw, counts = out[:5]
     return HTDispatchResult(
@@ -121,61 +104,42 @@ def _ht_result(out, x, topk_ids, topk_weights, comm_key, x_scales) -> HTDispatch
     )
 
 
-@stage(
-    contract=HT_OP,
-    fake=_ht_worst_fake,
-    reference=_ht_worst_run,  # (a communication's reference is its torch backend)
-    cuda=_ht_worst_run,
-    triton=False,
-    result=_ht_result,
-    name="ht_dispatch",
-)
-def _ht_worst(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    comm_key: int,
-    x_scales: Optional[torch.Tensor] = None,
-) -> List[torch.Tensor]:
-    """HT dispatch with the static worst-case N (``ht_dispatch(..., worst_case=True)``): no host
-    sync, CUDA-graph safe.
+def _ht_op(name: str, worst_case: bool, tags=()) -> Callable:
+    """Declare one of the two HT dispatch ops: the static worst-case N (no host sync, CUDA-graph
+    safe) or the exact, data-dependent N (a host sync; the fake's N from
+    torch.library.get_ctx().new_dynamic_size(), in the communicator's fake)."""
 
-    Args:
-        x: bf16/fp8/int8 `[T, H]`. topk_ids: int64 `[T, K]` global expert ids or -1.
-        topk_weights: float32 `[T, K]`. comm_key: the communicator's registry key.
-        x_scales: float32 `[T, S]` or None.
-    Returns:
-        HTDispatchResult, N = world * (max_tokens_per_rank, or T when unset).
-    """
+    def run(x, topk_ids, topk_weights, comm_key, x_scales=None):
+        comm = _registry.get(comm_key)
+        return comm.ht_dispatch(x, topk_ids, topk_weights, x_scales, worst_case)
+
+    def fake(x, topk_ids, topk_weights, comm_key, x_scales=None):
+        comm = _registry.get(comm_key)
+        return comm.ht_dispatch_fake(x, topk_ids, topk_weights, x_scales, worst_case)
+
+    def signature(
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        comm_key: int,
+        x_scales: Optional[torch.Tensor] = None,
+    ) -> List[torch.Tensor]:
+        """``ht_dispatch(..., worst_case)``'s op (its arguments and result, see there)."""
+
+    return stage(
+        contract=HT_OP,
+        fake=fake,
+        reference=run,  # (a communication's reference is its torch backend)
+        cuda=run,
+        triton=False,
+        result=_ht_result,
+        tags=tags,
+        name=name,
+    )(signature)
 
 
-@stage(
-    contract=HT_OP,
-    fake=_ht_exact_fake,
-    reference=_ht_exact_run,
-    cuda=_ht_exact_run,
-    triton=False,
-    result=_ht_result,
-    tags=_UNSAFE,
-    name="ht_dispatch_exact",
-)
-def _ht_exact(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    comm_key: int,
-    x_scales: Optional[torch.Tensor] = None,
-) -> List[torch.Tensor]:
-    """HT dispatch with the exact, data-dependent N (``ht_dispatch(..., worst_case=False)``): a
-    host sync; not CUDA-graph safe (tagged ``cudagraph_unsafe``).
-
-    Args:
-        x: bf16/fp8/int8 `[T, H]`. topk_ids: int64 `[T, K]` global expert ids or -1.
-        topk_weights: float32 `[T, K]`. comm_key: the communicator's registry key.
-        x_scales: float32 `[T, S]` or None.
-    Returns:
-        HTDispatchResult, N the rows this rank receives.
-    """
+_ht_worst = _ht_op("ht_dispatch", True)
+_ht_exact = _ht_op("ht_dispatch_exact", False, _UNSAFE)
 
 
 def ht_dispatch(
@@ -208,7 +172,13 @@ def _ht_launch(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=Fa
     return fn(x, topk_ids, topk_weights, comm_key, x_scales)
 
 
-ht_dispatch.launch = _ht_launch
+def _ht_chained(x, topk_ids, topk_weights, comm_key, x_scales=None, worst_case=False):
+    """ht_dispatch.chained: the picked op (the layer's chain under torch.compile)."""
+    fn = _ht_worst.chained if worst_case else _ht_exact.chained
+    return fn(x, topk_ids, topk_weights, comm_key, x_scales)
+
+
+ht_dispatch.launch, ht_dispatch.chained = _ht_launch, _ht_chained
 
 
 # ------------------------------------------------------------------------------------------ LL
