@@ -26,3 +26,12 @@ def alloc_scales(lead: Tuple[int, ...], groups: int, layout: str, device) -> tor
     else:
         size, stride = (lead[0], mn, groups), (groups * padded, 1, padded)
     return torch.empty_strided(size, stride, dtype=torch.float32, device=device)
+
+
+def as_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Reference scales `[..., S]` in ``layout`` (a copy unless "row"; same logical values)."""
+    if layout == "row":
+        return s
+    out = alloc_scales(tuple(s.shape[:-1]), s.shape[-1], layout, s.device)
+    out.copy_(s)
+    return out

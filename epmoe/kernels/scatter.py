@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from epmoe import _checks, _launch, reference
+from epmoe import quant as _quant
 from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _int8_scale,
     _quant_fp8_groups,
@@ -21,7 +22,6 @@ from epmoe.kernels.ids import _id_offsets
 from epmoe.kernels.scales import alloc_scales
 
 QCODE = {"bf16": 0, "fp8": 1, "int8": 2}
-_QDTYPE = {"bf16": torch.bfloat16, "fp8": reference.FP8_DTYPE, "int8": torch.int8}
 # quant="bf16" copies these as they are: the kernel moves same-width integers (no float semantics)
 RAW = {
     torch.bfloat16: torch.int16,
@@ -33,7 +33,7 @@ RAW = {
 }
 
 # ------------------------------------------------------------------------------ launch heuristics
-GROUP = 128  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
+GROUP = _quant.FP8.act_group  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
 TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
 INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
 BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
@@ -186,7 +186,7 @@ def _warps(elements: int) -> int:
 def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
                     in_kernel):  # fmt: skip
     """The scatter kernel's launch for these sizes, strides and options."""
-    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    G = _quant.get(quant, "ll_scatter").act_scale_cols(H)
     R, W, chunks = scatter_tiling(H, quant)
     k_pad = _launch.pow2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
@@ -210,9 +210,10 @@ def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
     T, K = topk_ids.shape
     H = x.shape[1]
     E, C, dev = num_experts, capacity, x.device
-    G = H // GROUP if quant == "fp8" else (1 if quant == "int8" else 0)
+    qs = _quant.get(quant, "ll_scatter")
+    G = qs.act_scale_cols(H)
     return (
-        torch.empty((E, C, H), dtype=_QDTYPE[quant] if quant != "bf16" else x.dtype, device=dev),
+        torch.empty((E, C, H), dtype=qs.act_dtype if qs.quantized else x.dtype, device=dev),
         alloc_scales((E, C), G, scale_layout if G else "row", dev),
         torch.empty((E,), dtype=torch.int32, device=dev),
         torch.empty((T, K), dtype=torch.int32, device=dev),

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from epmoe import _checks, _config, _launch, reference
+from epmoe import _checks, _config, _launch, quant, reference
 from epmoe._contract import (
     Case,
     Choice,
@@ -303,11 +303,10 @@ def _outputs_quant(
 ):  # fmt: skip
     """silu_and_mul_quant's (q, s), allocated (the CUDA launch fills them; the fake returns
     them)."""
-    lead = tuple(y.shape[:-1])
-    qdtype = reference.FP8_DTYPE if scheme == "fp8" else torch.int8
-    groups = y.shape[-1] // 2 // group_size if scheme == "fp8" else 1
-    q = torch.empty((*lead, y.shape[-1] // 2), dtype=qdtype, device=y.device)
-    return q, alloc_scales(lead, groups, scale_layout, y.device)
+    lead, inter = tuple(y.shape[:-1]), y.shape[-1] // 2
+    qs = quant.get(scheme, OPQ, "scheme")
+    q = torch.empty((*lead, inter), dtype=qs.act_dtype, device=y.device)
+    return q, alloc_scales(lead, qs.act_scale_cols(inter, group_size), scale_layout, y.device)
 
 
 def _reference_quant(

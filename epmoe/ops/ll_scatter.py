@@ -36,7 +36,7 @@ import torch
 from epmoe import _checks, reference
 from epmoe._contract import Case, Choice, Contract, Let, Multiple, PositiveInt, Rule, Tensor
 from epmoe._stage import stage
-from epmoe.kernels.scales import alloc_scales
+from epmoe.kernels.scales import as_layout
 from epmoe.kernels.scatter import GROUP, RAW, _ll_scatter_triton, outputs
 
 OP = "ll_scatter"
@@ -74,11 +74,7 @@ CONTRACT = Contract(
 
 def _reference(x, topk_ids, E, C, quant="bf16", lo=0, NG=None, scale_layout="row"):
     xo, s, masked_m, rows = reference.ll_scatter(x, topk_ids, E, C, quant, lo, NG)
-    if scale_layout == "deepgemm" and s.shape[2]:
-        out = alloc_scales((E, C), s.shape[2], scale_layout, s.device)
-        out.copy_(s)
-        s = out
-    return xo, s, masked_m, rows
+    return xo, as_layout(s, scale_layout if s.shape[2] else "row"), masked_m, rows
 
 
 @stage(contract=CONTRACT, fake=outputs, reference=_reference, cuda=_ll_scatter_triton)

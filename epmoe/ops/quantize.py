@@ -41,7 +41,7 @@ from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     round_float,
 )
 from epmoe._stage import stage
-from epmoe.kernels.scales import alloc_scales
+from epmoe.kernels.scales import alloc_scales, as_layout  # noqa: F401 (stages import them here)
 
 OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -185,15 +185,6 @@ def max_warps() -> int:
 def _warps(elements: int) -> int:
     """4 warps up to 4096 elements a program (32 a thread), CONFIG.max_warps above."""
     return CONFIG.max_warps if elements > 4096 else 4
-
-
-def as_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
-    """Copy reference scales `[..., S]` into ``layout`` (same logical values)."""
-    if layout == "row":
-        return s
-    out = alloc_scales(tuple(s.shape[:-1]), s.shape[-1], layout, s.device)
-    out.copy_(s)
-    return out
 
 
 def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
