@@ -1,0 +1,208 @@
+"""The gate of an expert MLP: how GEMM1's output becomes GEMM2's input, as one object.
+
+``h = A(gate) * U(up)`` per channel, float32 math, rounded to the activation dtype once:
+
+- ``act`` the activation of the gate half: "silu" (``g * sigmoid(alpha * g)``; alpha 1 is SiLU),
+  "gelu_tanh" (GELU, tanh approximation), "gelu" (GELU, erf), "relu", "relu2" (``relu(g)**2``).
+- ``limit`` (optional, > 0): the gate is clamped to ``max=limit`` before the activation (or, with
+  ``clamp_after``, the activation's output is), the up half to ``[-limit, limit]`` (gpt-oss,
+  MiniMax-M3, DeepSeek-V4: before; Step-3.7, Bailing: after).
+- ``up_offset``: added to the clamped up half (gpt-oss: ``(up + 1)``).
+- ``glu`` False: no gate half, ``h = act(up)`` on GEMM1's `[..., I]` (NemotronH: relu2).
+
+GEMM1 writes `[..., 2I]` (gate columns, then up columns) when ``glu``, `[..., I]` otherwise. An
+op takes the gate as its ``spec`` string ("silu", "silu:alpha=1.702,limit=7,up_offset=1", ...):
+a torch.library schema carries strings, and the spec is the object's one canonical spelling.
+
+Shape legend: ``I`` intermediate size (channels of h).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from epmoe import _checks
+
+ACTS = ("silu", "gelu_tanh", "gelu", "relu", "relu2")
+_CODE = {a: i for i, a in enumerate(ACTS)}  # the kernels' ACT constexpr
+_FIELDS = ("alpha", "limit", "clamp_after", "up_offset", "glu")
+_NEG_LOG2E = tl.constexpr(-1.4426950408889634)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """One gate (see the module docstring). Hashable: kernels' launch plans are cached on it."""
+
+    act: str = "silu"
+    alpha: float = 1.0
+    limit: Optional[float] = None
+    clamp_after: bool = False
+    up_offset: float = 0.0
+    glu: bool = True
+
+    def __post_init__(self):
+        _checks.check_choice("Gate", "act", self.act, ACTS)
+        for name in ("alpha", "up_offset"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise _checks.fail("Gate", name, "a finite float", v)
+            object.__setattr__(self, name, float(v))
+        if self.alpha != 1.0 and self.act != "silu":
+            raise _checks.fail("Gate", "alpha", "1.0 unless act='silu'", self.alpha)
+        if self.limit is not None:
+            ok = isinstance(self.limit, (int, float)) and math.isfinite(self.limit)
+            if not ok or self.limit <= 0:
+                raise _checks.fail("Gate", "limit", "None or a finite float > 0", self.limit)
+            object.__setattr__(self, "limit", float(self.limit))
+        if not self.glu and (self.limit is not None or self.up_offset or self.clamp_after):
+            raise _checks.fail("Gate", "glu", "True with limit / up_offset / clamp_after", False)
+
+    # ------------------------------------------------------------------------------- spelling
+    @property
+    def spec(self) -> str:
+        """The canonical string: the act, then each field that differs from the default."""
+        default = Gate()
+        parts = [f"{f}={_fmt(getattr(self, f))}" for f in _FIELDS
+                 if getattr(self, f) != getattr(default, f)]  # fmt: skip
+        return self.act + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @property
+    def is_silu(self) -> bool:
+        """The plain SiLU-GLU (silu(gate) * up)."""
+        return self == SILU
+
+    def width(self, inter: int) -> int:
+        """Columns GEMM1 writes for ``inter`` channels of h: 2I (gate and up) or I."""
+        return 2 * inter if self.glu else inter
+
+    # ------------------------------------------------------------------------------- reference
+    def reference(self, y: torch.Tensor) -> torch.Tensor:
+        """y float `[..., width(I)]` -> float32 `[..., I]` (not rounded)."""
+        yf = y.float()
+        if not self.glu:
+            return self._act(yf)
+        inter = y.shape[-1] // 2
+        g, u = yf[..., :inter], yf[..., inter:]
+        if self.limit is not None:
+            u = u.clamp(-self.limit, self.limit)
+            if not self.clamp_after:
+                g = g.clamp(max=self.limit)
+        a = self._act(g)
+        if self.limit is not None and self.clamp_after:
+            a = a.clamp(max=self.limit)
+        return a * (u + self.up_offset)
+
+    def _act(self, g: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu":
+            return g * torch.sigmoid(self.alpha * g)
+        if self.act == "gelu_tanh":
+            return F.gelu(g, approximate="tanh")
+        if self.act == "gelu":
+            return F.gelu(g)
+        r = torch.relu(g)
+        return r * r if self.act == "relu2" else r
+
+    # ------------------------------------------------------------------------------- kernels
+    def meta(self) -> dict:
+        """The constexprs of :func:`gate_h` for this gate (splat into a launch's meta)."""
+        return dict(
+            ACT=_CODE[self.act], ALPHA=self.alpha, LIMIT=self.limit or 0.0,
+            CLAMP_AFTER=self.clamp_after, UP_OFFSET=self.up_offset, GLU=self.glu,
+        )  # fmt: skip
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+SILU = Gate()
+
+
+@functools.lru_cache(maxsize=256)
+def parse(spec: str, op: str = "gate", arg: str = "gate") -> Gate:
+    """The Gate a spec string names (ValueError naming ``op`` / ``arg`` otherwise)."""
+    if not isinstance(spec, str):
+        raise _checks.fail(op, arg, "a gate spec string such as 'silu'", repr(spec))
+    act, _, rest = spec.partition(":")
+    kw = {}
+    try:
+        for item in filter(None, rest.split(",")):
+            name, _, value = item.partition("=")
+            if name not in _FIELDS:
+                raise ValueError(name)
+            kw[name] = bool(int(value)) if name in ("clamp_after", "glu") else float(value)
+        return Gate(act, **kw)
+    except ValueError:
+        raise _checks.fail(op, arg, f"a gate spec (act in {ACTS}, fields {_FIELDS})", repr(spec))
+
+
+def get(gate: Union[str, Gate, None], op: str = "gate", arg: str = "gate") -> Gate:
+    """A Gate from a Gate, a spec string or None (SiLU)."""
+    if gate is None:
+        return SILU
+    return gate if isinstance(gate, Gate) else parse(gate, op, arg)
+
+
+# ---------------------------------------------------------------------------------- jit helpers
+@triton.jit
+def _approx(x, OP: tl.constexpr):
+    """One MUFU instruction per element (PTX ``OP``.approx.ftz.f32: ex2 or rcp)."""
+    return tl.inline_asm_elementwise(
+        OP + ".approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _sigmoid_mul(g, z, FAST: tl.constexpr):
+    """g * sigmoid(z) in float32: two MUFU instructions on the GPU (ex2, rcp; flush-to-zero only
+    touches exp(-z) < 2^-126, where sigmoid(z) = 1 either way), torch's formula under the
+    interpreter (which runs no PTX)."""
+    if FAST:
+        return g * _approx(1.0 + _approx(z * _NEG_LOG2E, "ex2"), "rcp")
+    else:
+        return g / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr, ALPHA: tl.constexpr, FAST: tl.constexpr):
+    """The gate's activation of float32 g (codes as in ACTS)."""
+    if ACT == 0:  # silu (alpha)
+        return _sigmoid_mul(g, g * ALPHA, FAST)
+    elif ACT == 1:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z)
+        return _sigmoid_mul(g, 1.5957691216057308 * (g + 0.044715 * g * g * g), FAST)
+    elif ACT == 2:  # gelu (erf)
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACT == 3:
+        return tl.maximum(g, 0.0)
+    else:  # relu2
+        r = tl.maximum(g, 0.0)
+        return r * r
+
+
+@triton.jit
+def gate_h(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+           CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
+           FAST: tl.constexpr):  # fmt: skip
+    """float32 h of loaded float32 gate / up values (``g`` unused without GLU: h = act(u))."""
+    if not GLU:
+        return _act(u, ACT, ALPHA, FAST)
+    else:
+        if LIMIT > 0:
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+            if not CLAMP_AFTER:
+                g = tl.minimum(g, LIMIT)
+        a = _act(g, ACT, ALPHA, FAST)
+        if LIMIT > 0 and CLAMP_AFTER:
+            a = tl.minimum(a, LIMIT)
+        return a * (u + UP_OFFSET)
