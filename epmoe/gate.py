@@ -144,7 +144,8 @@ def parse(spec: str, op: str = "gate", arg: str = "gate") -> Gate:
             kw[name] = bool(int(value)) if name in ("clamp_after", "glu") else float(value)
         return Gate(act, **kw)
     except ValueError:
-        raise _checks.fail(op, arg, f"a gate spec (act in {ACTS}, fields {_FIELDS})", repr(spec))
+        want = f"a gate spec (act in {ACTS}, fields {_FIELDS})"
+        raise _checks.fail(op, arg, want, repr(spec)) from None
 
 
 def get(gate: Union[str, Gate, None], op: str = "gate", arg: str = "gate") -> Gate:
