@@ -13,8 +13,15 @@ kernel (quantization fused, ops.ll_scatter) and gathers them back, weighted, wit
 (ops.ll_gather).
 
 Shapes: x bf16 `[T, H]`, topk_ids int64 `[T, K]` GLOBAL expert ids or -1, topk_weights float32 `[T,
-K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, w2 `[Et, H, I]`);
-each rank keeps experts [rank*E, (rank+1)*E) and quantizes them once.
+K]` -> bf16 `[T, H]`. Weights are loaded global (w1 `[Et, 2I, H]` gate rows first, or `[Et, I,
+H]` for a gate without a gate half; w2 `[Et, H, I]`; optional biases b1 `[Et, 2I]` / b2 `[Et, H]`);
+each rank keeps experts [rank*E, (rank+1)*E) and quantizes them once. The gate
+(:mod:`epmoe.gate`) runs in the activation stage, b1 there too (before the gate) and b2 in the
+weighted gather (unpermute, ll_gather, gemv_down): no extra pass over the activations.
+
+Sizes a scheme cannot run as they are (fp8: H or I not a multiple of 128, gpt-oss's 2880) are
+padded: the weights with zeros at load (``hidden_padded``, ``inter_padded``), the activations inside
+the quantizing kernels (codes wider than x); the gathers write only the H real columns.
 
 Stage outputs of a real forward pass can be recorded (for checks and per-stage benchmarks) without
 a second copy of the chain: ``with layer.record_stages() as rec: out = layer(x, ids, w)``, then
@@ -29,6 +36,7 @@ import torch
 from torch import nn
 
 from epmoe import _checks, _eager, comm, reference
+from epmoe import gate as _gate
 from epmoe import quant as _quant
 from epmoe._contract import Contract, Rule, Tensor
 from epmoe.ops import activation as _act
@@ -57,7 +65,7 @@ AUTO_LL_MAX_TOKENS = 512
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
-_WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
+_WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale", "b1", "b2")
 # the stages each path records, in order ("quantize" only where it runs: HT fp8 / int8, LL int8)
 HT_STAGES = ("quantize", "dispatch", "permute", "gemm1", "act", "gemm2", "unpermute", "combine")
 LL_STAGES = ("ll_dispatch", "quantize", "gemm1", "act", "gemm2", "ll_combine")
@@ -132,9 +140,8 @@ def _check_config(
         ("top_k", top_k),
     ):
         _checks.check_positive_int(OP, name, v)
-    scheme = _quant.get(quant, OP)
+    _quant.get(quant, OP)
     _checks.check_choice(OP, "mode", mode, MODES)
-    scheme.check_sizes(OP, hidden_size=hidden_size, intermediate_size=intermediate_size)
     if mode == "ll":
         _checks.check_positive_int(OP, "max_tokens_per_rank", max_tokens_per_rank)
     if mode == "auto":
@@ -143,6 +150,17 @@ def _check_config(
     elif ll_max_tokens is not None:
         raise _checks.fail(OP, "ll_max_tokens", "None unless mode='auto'", ll_max_tokens)
     return ll_max_tokens
+
+
+def _padded(w: torch.Tensor, halves: int, n: int, n_p: int, k_p: int) -> torch.Tensor:
+    """w `[E, halves * n, K]` -> `[E, halves * n_p, k_p]`: each half's n rows first, zeros after
+    (w itself when nothing is padded)."""
+    if n == n_p and w.shape[2] == k_p:
+        return w
+    out = w.new_zeros((w.shape[0], halves * n_p, k_p))
+    for j in range(halves):
+        out[:, j * n_p : j * n_p + n, : w.shape[2]] = w[:, j * n : (j + 1) * n]
+    return out
 
 
 class StageRecord:
@@ -197,6 +215,9 @@ class EPMoE(nn.Module):
         hidden_size: H. intermediate_size: I. top_k: K.
         quant: "bf16", "fp8" (e4m3, activations 1x128, weights 128x128) or "int8" (per token / per
             output channel).
+        gate: the expert MLP's gate, a :class:`epmoe.gate.Gate` or its spec string (default
+            "silu": silu(gate) * up).
+        bias: whether the experts have biases (b1 `[Et, width]`, b2 `[Et, H]` in load_weights).
         mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
             GEMVs up to the scheme's ``gemv_max_tokens`` tokens; LL up to ``ll_max_tokens`` tokens,
             HT above; chosen from the shape, so a graph captured at one size stays valid).
@@ -232,6 +253,8 @@ class EPMoE(nn.Module):
         worst_case: bool = False,
         device=None,
         ll_max_tokens: Optional[int] = None,
+        gate=None,
+        bias: bool = False,
         **backend_kwargs,
     ):
         super().__init__()
@@ -253,6 +276,13 @@ class EPMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
         self.scheme, self.mode, self.alignment = _quant.get(quant), mode, alignment
+        self.gate, self.bias = _gate.get(gate, OP, "gate"), bool(bias)
+        self._gate_spec = self.gate.spec
+        # sizes the scheme runs (fp8: multiples of 128): zero weights beyond H / I
+        of = self.scheme.size_multiple
+        self.hidden_padded = reference.round_up(hidden_size, of)
+        self.inter_padded = reference.round_up(intermediate_size, of)
+        self._padded = self.hidden_padded != hidden_size
         self.worst_case = bool(worst_case)
         self.max_tokens_per_rank = max_tokens_per_rank
         # the LL capacity per rank: the largest call LL takes
@@ -261,7 +291,7 @@ class EPMoE(nn.Module):
             backend,
             group,
             num_experts,
-            hidden_size,
+            self.hidden_padded,  # (several ranks move padded rows: x is padded on entry)
             max_tokens_per_rank=self.ll_max_tokens if mode == "auto" else max_tokens_per_rank,
             device=self.device,
             **backend_kwargs,
@@ -307,14 +337,23 @@ class EPMoE(nn.Module):
         return (
             f"experts={self.num_experts} (local {self.num_local_experts}), H={self.hidden_size}, "
             f"I={self.intermediate_size}, top_k={self.top_k}, quant={self.quant}, "
-            f"mode={self.mode}, "
+            + (f"gate={self.gate.spec}, " if not self.gate.is_silu else "")
+            + ("bias=True, " if self.bias else "")
+            + f"mode={self.mode}, "
             + (f"ll_max_tokens={self.ll_max_tokens}, " if self.mode == "auto" else "")
             + f"backend={self.comm.name}, world={self.world_size}"
         )
 
     # ------------------------------------------------------------------------------------ weights
     @torch.no_grad()
-    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor, copy: bool = True) -> None:
+    def load_weights(
+        self,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        copy: bool = True,
+        b1: Optional[torch.Tensor] = None,
+        b2: Optional[torch.Tensor] = None,
+    ) -> None:
         """Keep and quantize this rank's experts, on the layer's device.
 
         The weights are converted a few hundred rows at a time (LOAD_ROWS), so beyond the final
@@ -323,22 +362,45 @@ class EPMoE(nn.Module):
         never require grad.
 
         Args:
-            w1: float `[Et, 2I, H]` (gate rows, then up rows). w2: float `[Et, H, I]`. Any device.
+            w1: float `[Et, 2I, H]` (gate rows, then up rows; `[Et, I, H]` for a gate without a
+                gate half). w2: float `[Et, H, I]`. Any device.
             copy: bf16 only: False keeps this rank's slice of w1 / w2 itself when it is already
                 bf16, contiguous and on the layer's device (no second copy of the weights; the
-                layer then sees later in-place edits). Ignored for fp8 / int8.
+                layer then sees later in-place edits). Ignored for fp8 / int8 and padded sizes.
+            b1: float `[Et, 2I]` (`[Et, I]`) gate / up bias, b2: float `[Et, H]` down bias; both
+                required with ``bias=True``, refused otherwise; kept as float32.
         """
         Et, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        _checks.check_dtype("load_weights", "w1", w1, _checks.FLOAT_DTYPES)
-        _checks.check_dtype("load_weights", "w2", w2, _checks.FLOAT_DTYPES)
-        _checks.check_shape("load_weights", "w1", w1, (Et, 2 * I, H))
-        _checks.check_shape("load_weights", "w2", w2, (Et, H, I))
+        width = self.gate.width(I)
+        for name, w, shape in (("w1", w1, (Et, width, H)), ("w2", w2, (Et, H, I))):
+            _checks.check_dtype("load_weights", name, w, _checks.FLOAT_DTYPES)
+            _checks.check_shape("load_weights", name, w, shape)
+        for name, b, shape in (("b1", b1, (Et, width)), ("b2", b2, (Et, H))):
+            if not self.bias:
+                if b is not None:
+                    raise _checks.fail("load_weights", name, "None (the layer has bias=False)", b)
+                continue
+            if b is None:
+                raise _checks.fail("load_weights", name, f"a tensor {list(shape)}", None)
+            _checks.check_dtype("load_weights", name, b, _checks.FLOAT_DTYPES)
+            _checks.check_shape("load_weights", name, b, shape)
         lo, hi = self.comm.expert_range
+        Hp, Ip, halves = self.hidden_padded, self.inter_padded, self.gate.width(1)
+        pads = dict(w1=(halves, I, Ip, Hp), w2=(1, H, Hp, Ip), b1=(halves, I, Ip), b2=(1, H, Hp))
         for name, w in (("w1", w1), ("w2", w2)):
-            q, s = self._convert(w.detach()[lo:hi], copy)
+            w = _padded(w.detach()[lo:hi], *pads[name])
+            q, s = self._convert(w, copy and not self._padded_any)
             q, s = gemm.prepare_weights(q, s, self.quant, self.device)
             setattr(self, name, q)
             setattr(self, name + "_scale", s)
+        for name, b in (("b1", b1), ("b2", b2)):
+            if b is not None:
+                b = _padded(b.detach()[lo:hi, :, None], *pads[name], 1)[..., 0]
+                setattr(self, name, b.to(device=self.device, dtype=torch.float32).contiguous())
+
+    @property
+    def _padded_any(self) -> bool:
+        return (self.hidden_padded, self.inter_padded) != (self.hidden_size, self.intermediate_size)
 
     def _convert(self, w: torch.Tensor, copy: bool):
         """This rank's experts w float `[E, N, Kd]` -> (weights, scales) on the layer's device."""
@@ -384,6 +446,13 @@ class EPMoE(nn.Module):
             return self._forward(_TRUSTED, x, topk_ids, topk_weights)
 
     def _forward(self, st, x, topk_ids, topk_weights):
+        if self._padded and not self.local:  # several ranks move rows of the padded width
+            x = torch.nn.functional.pad(x, (0, self.hidden_padded - self.hidden_size))
+            out = self._route(st, x, topk_ids, topk_weights)
+            return out[:, : self.hidden_size].contiguous()
+        return self._route(st, x, topk_ids, topk_weights)
+
+    def _route(self, st, x, topk_ids, topk_weights):
         if self.uses_gemv(x.shape[0]):
             return self._forward_gemv(st, x, topk_ids, topk_weights)
         if self.uses_ll(x.shape[0]):
@@ -451,8 +520,10 @@ class EPMoE(nn.Module):
 
     def _act(self, st, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
+        gate, bias = self._gate_spec, self._buffers["b1"]
         if not self.scheme.quantized:
-            return st.silu_and_mul(y, masked_m, m_indices, expert_offsets), None
+            h = st.silu_and_mul(y, masked_m, m_indices, expert_offsets, gate=gate, bias=bias)
+            return h, None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
         return st.silu_and_mul_quant(
             y,
@@ -461,7 +532,17 @@ class EPMoE(nn.Module):
             m_indices=m_indices,
             scale_layout=self._scale_layout(),
             expert_offsets=expert_offsets,
+            gate=gate,
+            bias=bias,
         )
+
+    def _width(self, x):
+        """The codes' width for x: hidden_padded when the local path pads inside the kernels."""
+        return self.hidden_padded if x.shape[-1] != self.hidden_padded else None
+
+    def _hidden(self):
+        """The gathers' output columns: H where the rows are padded (one rank), else all."""
+        return self.hidden_size if self._padded and self.local else None
 
     def _scale_layout(self) -> str:
         return self.scheme.cuda_scale_layout if self.device.type == "cuda" else "row"
@@ -470,7 +551,7 @@ class EPMoE(nn.Module):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
         if self.scheme.quantized:
-            x, scales = self._emit("quantize", st.quantize(x, self.quant))
+            x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width(x)))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(st, x, scales, topk_ids, topk_weights)
         worst = self.worst_case and self.mode == "ht"
@@ -499,7 +580,12 @@ class EPMoE(nn.Module):
         h, hs = self._emit("act", self._act(st, y, **kw))
         y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], trusted=True, **kw)
         y = self._emit("gemm2", y)
-        return self._emit("unpermute", st.unpermute(y, p.inv_perm, topk_weights))
+        b2 = b["b2"]
+        out = st.unpermute(
+            y, p.inv_perm, topk_weights, bias=b2, m_indices=None if b2 is None else p.m_indices,
+            hidden=self._hidden(),
+        )  # fmt: skip
+        return self._emit("unpermute", out)
 
     @torch.no_grad()
     def warmup(self, token_counts=None) -> None:
@@ -516,9 +602,9 @@ class EPMoE(nn.Module):
         counts = sorted(set(token_counts or [default or 1]), reverse=True)
         ll = any(self.uses_ll(t) for t in counts)
         ht = [t for t in counts if not self.uses_ll(t)]  # largest first: it drives INT8 autotuning
-        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        E, H, I = self.num_local_experts, self.hidden_padded, self.inter_padded
         for (w, s), (n, k) in (
-            ((self.w1, self.w1_scale), (2 * I, H)),
+            ((self.w1, self.w1_scale), (self.gate.width(I), H)),
             ((self.w2, self.w2_scale), (H, I)),
         ):
             if ht:
@@ -561,10 +647,13 @@ class EPMoE(nn.Module):
                 self.ll_capacity,
                 self.quant,
                 scale_layout=self._scale_layout(),
+                width=self._width(x),
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
             y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m)
-            return self._emit("ll_gather", st.ll_gather(y, rows, topk_weights))
+            b2 = self._buffers["b2"]
+            out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden())
+            return self._emit("ll_gather", out)
         codes = self.scheme.dispatch_codes  # (fp8: DeepEP sends the codes and their scales)
         d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=codes)
         d = self._emit("ll_dispatch", d)
@@ -572,14 +661,19 @@ class EPMoE(nn.Module):
         if self.scheme.quantized and not codes:
             a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
         y = self._experts_ll(st, a, s, d.masked_m)
+        if self._buffers["b2"] is not None:  # (the backends' weighted combine takes no bias)
+            y = (y.float() + self._buffers["b2"][:, None, :]).to(y.dtype)
         out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
         return self._emit("ll_combine", out)
 
     def _forward_gemv(self, st, x, topk_ids, topk_weights):
         """One rank, a few tokens: gate/up GEMVs + SiLU, then down GEMVs + the weighted sum."""
         b = self._buffers
-        h = self._emit("gemv_gate_up", st.gemv_gate_up(x, topk_ids, b["w1"], b["w1_scale"]))
-        out = st.gemv_down(h, topk_ids, topk_weights, b["w2"], b["w2_scale"])
+        h = st.gemv_gate_up(x, topk_ids, b["w1"], b["w1_scale"], gate=self._gate_spec, bias=b["b1"])
+        h = self._emit("gemv_gate_up", h)
+        out = st.gemv_down(
+            h, topk_ids, topk_weights, b["w2"], b["w2_scale"], bias=b["b2"], hidden=self._hidden()
+        )
         return self._emit("gemv_down", out)
 
     def _experts_ll(self, st, a, s, masked_m):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from epmoe import _checks, quant
+from epmoe import gate as _gate
 
 # one source: the schemes' constants and quantizers live in epmoe.quant (re-exported here)
 FP8_DTYPE, FP8_MAX, INT8_MAX = quant.FP8_DTYPE, quant.FP8_MAX, quant.INT8_MAX
@@ -245,20 +246,18 @@ def dense_moe(
     topk_weights: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
+    gate=None,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The MoE layer in float32, no EP and no quantization.
 
     x `[T, H]`; topk_ids int `[T, K]` global ids or -1; topk_weights float `[T, K]`;
-    w1 `[E, 2I, H]` (gate rows first); w2 `[E, H, I]` -> float32 `[T, H]`.
+    w1 `[E, 2I, H]` (gate rows first; `[E, I, H]` for a gate without a gate half); w2 `[E, H, I]`;
+    gate: a :class:`epmoe.gate.Gate` or spec (default SiLU); b1 `[E, 2I]`, b2 `[E, H]` optional
+    biases -> float32 `[T, H]`.
     """
-    xf = x.float()
-    out = torch.zeros_like(xf)
-    for e in range(w1.shape[0]):
-        hit = (topk_ids == e).float() * topk_weights.float()  # [T, K]
-        coef = hit.sum(dim=1, keepdim=True)
-        h = silu_and_mul(xf @ w1[e].float().t())
-        out = out + coef * (h @ w2[e].float().t())
-    return out
+    return _moe(x, topk_ids, topk_weights, w1, w2, gate, b1, b2, None)
 
 
 def quantized_moe(
@@ -268,23 +267,59 @@ def quantized_moe(
     w1: torch.Tensor,
     w2: torch.Tensor,
     scheme,
+    gate=None,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Quant-aware reference: what an exact ``scheme`` layer computes, in float32 `[T, H]`.
 
-    x is quantized per token before GEMM1 and the bf16 silu_and_mul output before GEMM2, weights
-    with :func:`quantize_weights`; everything is dequantized and multiplied in float32.
+    x is quantized per token before GEMM1 and the bf16 gate output before GEMM2, weights with
+    :func:`quantize_weights`; everything is dequantized and multiplied in float32. Sizes the scheme
+    does not run as they are are zero-padded first, as the layer pads them.
     """
     qs = quant.get(scheme, "quantized_moe", "scheme")
-    xs = qs.dequantize(*qs.quantize(x))  # (bf16: x rounded to bf16)
-    w1d = dequantize_weights(*qs.quantize_weights(w1))
-    w2d = dequantize_weights(*qs.quantize_weights(w2))
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return _moe(x, topk_ids, topk_weights, w1, w2, gate, b1, b2, qs)
+
+
+def _moe(x, topk_ids, topk_weights, w1, w2, gate, b1, b2, qs) -> torch.Tensor:
+    g = _gate.get(gate, "dense_moe")
+    H, I = x.shape[-1], w2.shape[-1]
+    xf, w1f, w2f = x.float(), w1.float(), w2.float()
+    if qs is not None:  # zero-pad to the scheme's sizes, quantize, dequantize
+        Hp, Ip = round_up(H, qs.size_multiple), round_up(I, qs.size_multiple)
+        halves = g.width(1)
+        w1p = w1f.new_zeros((w1.shape[0], halves * Ip, Hp))
+        for j in range(halves):
+            w1p[:, j * Ip : j * Ip + I, :H] = w1f[:, j * I : (j + 1) * I]
+        w2p = w2f.new_zeros((w2.shape[0], Hp, Ip))
+        w2p[:, :H, :I] = w2f
+        xp = F.pad(x, (0, Hp - H))
+        xf = qs.dequantize(*qs.quantize(xp))  # (bf16: x rounded to bf16)
+        w1f = dequantize_weights(*qs.quantize_weights(w1p))
+        w2f = dequantize_weights(*qs.quantize_weights(w2p))
+        if b1 is not None:
+            b1p = b1.float().new_zeros((b1.shape[0], halves * Ip))
+            for j in range(halves):
+                b1p[:, j * Ip : j * Ip + I] = b1.float()[:, j * I : (j + 1) * I]
+            b1 = b1p
+        if b2 is not None:
+            b2 = F.pad(b2.float(), (0, Hp - H))
+    out = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):
         coef = ((topk_ids == e).float() * topk_weights.float()).sum(dim=1, keepdim=True)
-        h = silu_and_mul((xs @ w1d[e].t()).to(torch.bfloat16))
-        h = qs.dequantize(*qs.quantize(h))
-        out = out + coef * (h @ w2d[e].t())
-    return out
+        y = xf @ w1f[e].t()
+        if qs is not None:
+            y = y.to(torch.bfloat16).float()
+        if b1 is not None:
+            y = y + b1[e].float()
+        h = g.reference(y)
+        if qs is not None:
+            h = qs.dequantize(*qs.quantize(h.to(torch.bfloat16)))
+        o = h @ w2f[e].t()
+        if b2 is not None:
+            o = (o.to(torch.bfloat16).float() if qs is not None else o) + b2[e].float()
+        out = out + coef * o
+    return out[:, :H]
 
 
 # ------------------------------------------------------------------------- LL masked layout (comm)
