@@ -42,12 +42,20 @@ process with the local backend. transformers' expert parallelism (``_is_expert_p
 module holds its rank's experts, routes to other ranks carry ids >= ``num_experts``) maps to -1
 routing.
 
-Experts epmoe cannot run exactly (biases, transposed or interleaved gate/up weights, no gate, an
-activation other than SiLU, a model-specific gate such as gpt-oss's clamped SwiGLU, a post-expert
-norm, FP8 checkpoints with other block sizes or static activation scales...) run transformers' own
-backend (``fallback``, "grouped_mm" by default) with one warning per experts class naming the
-reason. So do calls that need gradients (epmoe's ops have no backward): run inference under
-``torch.no_grad()`` / ``torch.inference_mode()`` (``generate()`` does).
+The experts' gate is recognized by what it computes: the class's ``_apply_gate`` (or, without a
+gate projection, its ``act_fn``) runs once on a probe and is compared with the gates
+:class:`epmoe.gate.Gate` spells (SiLU / GELU-tanh / GELU / ReLU / ReLU² GLUs, gpt-oss's clamped
+SwiGLU with alpha, limit and ``up + 1``, a clamp after the activation, no gate half), with alpha and
+limit read from the module's attributes. Expert biases run in the kernels (gate/up bias before the
+gate, down bias in the weighted gather). Transposed and interleaved gate/up weights are rearranged
+once when the state is built; bf16 weights that need no rearrangement stay in place.
+
+Experts epmoe cannot run exactly (a gate none of those equal, e.g. a soft-capped one; a post-expert
+norm; FP8 checkpoints with other block sizes, static activation scales, biases or rearranged
+weights...) run transformers' own backend (``fallback``, "grouped_mm" by default) with one warning
+per experts class naming the reason. So do calls that need gradients (epmoe's ops have no
+backward): run inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate()``
+does).
 
 Activations: EPMoE computes on bf16 ``[T, H]``; other input dtypes are converted in and out (a
 float32 model's experts then run with bf16 weights and activations; the rest of the model stays
@@ -61,6 +69,8 @@ than the bf16 experts' error), which the experts' bf16 math can flip.
 
 import ctypes
 import inspect
+import itertools
+import numbers
 import warnings
 import weakref
 from typing import Callable, Dict, Optional, Tuple
@@ -68,6 +78,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from epmoe import _checks, quant, reference
+from epmoe import gate as _gate
 from epmoe.layer import EPMoE
 from epmoe.ops import gemm
 
@@ -81,20 +92,16 @@ FP8_BLOCK = quant.FP8.weight_block
 _STATE = "_epmoe_state"  # attribute of the experts module holding its _State
 _CONFIG = {"fallback": "grouped_mm", "ll_max_tokens": None}
 _REGISTRIES: Dict[bool, object] = {}  # fp8 registry? -> transformers' ExpertsInterface instance
-_DEFAULT_GATE: Optional[Callable] = None  # transformers' _default_apply_gate
-_SILU_TYPES: Tuple[type, ...] = (torch.nn.SiLU,)
 _WARNED = set()  # (experts class, reason, fallback) already warned about
-_LOAD_TAKES_COPY = "copy" in inspect.signature(EPMoE.load_weights).parameters
-# gate attributes of transformers' FP8Experts that change SiLU(gate) * up
-_FP8_GATE_ATTRS = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap")
-# the decorator's options epmoe knows: the value it runs, and the reason to fall back otherwise
+# the decorator's options epmoe runs either way (the weights are arranged at build)
+_LAYOUT_OPTIONS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+# the decorator's options epmoe runs one way: the value it runs, and the reason to fall back
 _KNOWN_OPTIONS = {
-    "has_gate": (True, "no gate projection (has_gate=False)"),
-    "has_bias": (False, "expert biases (has_bias=True)"),
-    "is_transposed": (False, "transposed expert weights (is_transposed=True)"),
-    "is_concatenated": (True, "interleaved gate/up rows (is_concatenated=False)"),
     "has_post_expert_norm": (False, "a post-expert norm (has_post_expert_norm=True)"),
 }
+# module attributes a gate's alpha / limit are read from (gpt-oss, MiniMax-M3, DeepSeek-V4, ...)
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+_LIMIT_ATTRS = ("limit", "swiglu_limit")
 _NEW_OPTIONS: Dict[str, object] = {}  # options of the installed decorator epmoe does not know
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")  # the experts calling convention
 
@@ -111,20 +118,17 @@ def register(fallback: str = "grouped_mm", ll_max_tokens: Optional[int] = None) 
     Returns:
         The registered names: ("epmoe", "epmoe_fp8", "epmoe_int8").
     """
-    global _DEFAULT_GATE, _SILU_TYPES
     _checks.check_choice("register", "fallback", fallback, FALLBACKS)
     if ll_max_tokens is not None:
         _checks.check_positive_int("register", "ll_max_tokens", ll_max_tokens)
-    from transformers import activations
     from transformers.integrations import moe
 
     _CONFIG.update(fallback=fallback, ll_max_tokens=ll_max_tokens)
-    _DEFAULT_GATE = moe._default_apply_gate
     _NEW_OPTIONS.clear()
+    known = (*_KNOWN_OPTIONS, *_LAYOUT_OPTIONS, "experts_interface")
     for p in inspect.signature(moe.use_experts_implementation).parameters.values():
-        if p.kind == p.KEYWORD_ONLY and p.name not in (*_KNOWN_OPTIONS, "experts_interface"):
+        if p.kind == p.KEYWORD_ONLY and p.name not in known:
             _NEW_OPTIONS[p.name] = p.default  # a newer transformers: its default is what we know
-    _SILU_TYPES = (torch.nn.SiLU, activations.SiLUActivation)
     _REGISTRIES[False] = moe.ALL_EXPERTS_FUNCTIONS
     for name, scheme in NAMES.items():
         moe.ExpertsInterface.register(name, _make_backend(name, scheme, fp8=False))
@@ -172,6 +176,7 @@ class _State:
         self.layer: Optional[EPMoE] = None
         self.key = None  # the layer's configuration
         self.reason: Optional[str] = None
+        self.gate: Optional[_gate.Gate] = None  # the recognized gate
         self.snapshot = None  # the source parameters the state was built from
         self.fallback: Optional[Callable] = None
 
@@ -282,11 +287,34 @@ def _prepare(module, name: str, scheme, fp8: bool, top_k: int, needs_grad: bool)
     return True
 
 
+def _w1_name(module) -> str:
+    return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+
+
 def _sources(module, fp8: bool):
-    names = ("gate_up_proj", "down_proj")
+    """(w1, w2, b1, b2[, s1, s2]) as the module holds them (None where absent)."""
+    up = _w1_name(module)
+    names = (up, "down_proj", up + "_bias", "down_proj_bias")
     if fp8:
-        names += ("gate_up_proj_scale_inv", "down_proj_scale_inv")
-    return tuple(getattr(module, n, None) for n in names)
+        names += (up + "_scale_inv", "down_proj_scale_inv")
+    out = [getattr(module, n, None) for n in names]
+    if not getattr(module, "has_bias", False):
+        out[2] = out[3] = None
+    return tuple(out)
+
+
+def _arranged(module):
+    """(w1 `[E, width, H]`, w2 `[E, H, I]`, b1 `[E, width]` or None, b2 `[E, H]` or None) in
+    epmoe's layout: the module's own tensors (detached) where its layout is epmoe's, transposed
+    views, and one rearranged copy of interleaved gate/up rows."""
+    w1, w2, b1, b2 = (None if t is None else t.detach() for t in _sources(module, False))
+    if getattr(module, "is_transposed", False):  # stored `[E, H, width]` / `[E, I, H]`
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    if getattr(module, "has_gate", True) and not getattr(module, "is_concatenated", True):
+        w1 = torch.cat((w1[:, 0::2], w1[:, 1::2]), dim=1)  # rows g0, u0, g1, u1, ... -> g..., u...
+        if b1 is not None:
+            b1 = torch.cat((b1[:, 0::2], b1[:, 1::2]), dim=1)
+    return w1, w2, b1, b2
 
 
 def _snapshot(module, fp8: bool):
@@ -335,8 +363,8 @@ def _runs(scheme: quant.QuantScheme, fp8: bool) -> quant.QuantScheme:
 
 
 def _unsupported(module, scheme, fp8: bool) -> Optional[str]:
-    """Why ``module`` cannot run as SiLU(x W_gate^T) * (x W_up^T) W_down^T on EPMoE, or None
-    (``scheme``: the backend's scheme or its name)."""
+    """Why ``module`` cannot run as gate(x W1^T + b1) W2^T + b2 on EPMoE, or None (``scheme``: the
+    backend's scheme or its name)."""
     scheme = quant.get(scheme)
     for attr, (ok, reason) in _KNOWN_OPTIONS.items():
         if bool(getattr(module, attr, ok)) != ok:
@@ -345,44 +373,102 @@ def _unsupported(module, scheme, fp8: bool) -> Optional[str]:
         value = getattr(module, attr, default)
         if value != default:
             return f"experts option {attr}={value!r}, which epmoe does not know"
-    cls = type(module).__name__
     why = _calling_convention(type(module))
     if why:
         return why
-    if fp8:
-        custom = [a for a in _FP8_GATE_ATTRS if getattr(module, a, None) is not None]
-        if custom:
-            return f"a clamped or soft-capped SwiGLU ({', '.join(custom)} set)"
-    elif getattr(type(module), "_apply_gate", _DEFAULT_GATE) is not _DEFAULT_GATE:
-        return f"its own gate function ({cls}._apply_gate), not SiLU(gate) * up"
-    act = getattr(module, "act_fn", None)
-    if type(act) not in _SILU_TYPES and act is not torch.nn.functional.silu:
-        return f"activation {getattr(act, '__name__', type(act).__name__)}, not SiLU"
-    w1, w2 = _sources(module, False)
+    gate, why = _recognize_gate(module)
+    if why:
+        return why
+    w1, w2, b1, b2 = _sources(module, False)[:4]
+    up = _w1_name(module)
     if not (isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)):
-        return "no gate_up_proj / down_proj tensors"
-    if type(w1).__name__ == "DTensor" or type(w2).__name__ == "DTensor":
+        return f"no {up} / down_proj tensors"
+    if any(type(t).__name__ == "DTensor" for t in (w1, w2, b1, b2)):
         return "sharded (DTensor) expert weights"
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2:
-        return f"gate_up_proj {tuple(w1.shape)} / down_proj {tuple(w2.shape)} not 3-D [E, 2I, H]"
-    E, H, I = w1.shape[0], w1.shape[2], w1.shape[1] // 2
-    if tuple(w2.shape) != (E, H, I):
-        return f"down_proj {tuple(w2.shape)} is not [E, H, I] = {(E, H, I)}"
+    if w1.dim() != 3 or w2.dim() != 3:
+        return f"{up} {tuple(w1.shape)} / down_proj {tuple(w2.shape)} not 3-D"
+    transposed = getattr(module, "is_transposed", False)
+    E, width, H = (w1.shape[0], w1.shape[2], w1.shape[1]) if transposed else tuple(w1.shape)
+    I = width // 2 if gate.glu else width
+    if gate.width(I) != width:
+        return f"{up} {tuple(w1.shape)} has an odd gate/up width {width}"
+    want = (E, I, H) if transposed else (E, H, I)
+    if tuple(w2.shape) != want:
+        return f"down_proj {tuple(w2.shape)} is not {want} for {up} {tuple(w1.shape)}"
+    if getattr(module, "has_bias", False):
+        for name, b, n in ((up + "_bias", b1, width), ("down_proj_bias", b2, H)):
+            if not isinstance(b, torch.Tensor) or tuple(b.shape) != (E, n):
+                got = tuple(b.shape) if isinstance(b, torch.Tensor) else b
+                return f"{name} {got}, not {(E, n)}"
     if getattr(module, "num_experts", E) != E:
-        return f"{E} experts in gate_up_proj but num_experts={module.num_experts}"
-    if w1.device.type not in ("cpu", "cuda") or w1.device != w2.device:
-        return f"weights on {w1.device} / {w2.device}"
+        return f"{E} experts in {up} but num_experts={module.num_experts}"
+    devices = {t.device for t in (w1, w2, b1, b2) if t is not None}
+    if len(devices) != 1 or w1.device.type not in ("cpu", "cuda"):
+        return f"weights on {', '.join(sorted(map(str, devices)))}"
     if fp8:
-        why = _fp8_unsupported(module, E, H, I)
-        if why:
-            return why
-    elif w1.dtype not in _checks.FLOAT_DTYPES or w2.dtype not in _checks.FLOAT_DTYPES:
+        return _fp8_unsupported(module, E, H, I)
+    if any(t.dtype not in _checks.FLOAT_DTYPES for t in (w1, w2, b1, b2) if t is not None):
         return f"expert weights of dtype {w1.dtype} / {w2.dtype}"
-    runs = _runs(scheme, fp8)
-    m = runs.size_multiple
-    if H % m or I % m:
-        return f"{runs} needs hidden and intermediate sizes that are multiples of {m}, got {H}, {I}"
     return None
+
+
+def _recognize_gate(module) -> Tuple[Optional[_gate.Gate], Optional[str]]:
+    """(the :class:`epmoe.gate.Gate` the module's gate computes, None) or (None, why not): its
+    ``_apply_gate`` (``act_fn`` without a gate half) runs on a probe that crosses every clamp,
+    and the gates spelled from its attributes are compared with what it returns."""
+    cls = type(module)
+    has_gate = bool(getattr(module, "has_gate", True))
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    gate = torch.cat((torch.linspace(-12.0, 12.0, n), torch.randn(3 * n, generator=g) * 4))
+    up = torch.cat((torch.linspace(12.0, -12.0, n), torch.randn(3 * n, generator=g) * 4))
+    gate, up = gate.reshape(4, n), up.reshape(4, n)
+    try:
+        with torch.no_grad():
+            if not has_gate:
+                out = module.act_fn(up.clone())
+            else:
+                interleaved = not getattr(module, "is_concatenated", True)
+                y = (
+                    torch.stack((gate, up), -1).flatten(1)
+                    if interleaved
+                    else torch.cat((gate, up), 1)
+                )
+                out = cls._apply_gate(module, y)
+    except Exception as e:  # a gate that needs more than a float32 CPU tensor
+        return None, f"its gate could not be probed ({type(e).__name__}: {e})"
+    y = torch.cat((gate, up), 1) if has_gate else up
+    if isinstance(out, torch.Tensor) and out.shape == (4, n):
+        for cand in _candidates(module, has_gate):
+            if torch.allclose(out.float(), cand.reference(y), rtol=1e-5, atol=1e-6):
+                return cand, None
+    if not has_gate:
+        act = getattr(module, "act_fn", None)
+        name = getattr(act, "__name__", type(act).__name__)
+        return None, f"activation {name} (no gate projection), none of {', '.join(_gate.ACTS)}"
+    return None, f"its gate ({cls.__name__}._apply_gate) computes none of epmoe's gates"
+
+
+def _candidates(module, has_gate: bool):
+    """The gates to compare a module's with, plain SiLU first: every act, and alpha / limit from
+    the module's attributes."""
+    if not has_gate:
+        return [_gate.Gate(act, glu=False) for act in _gate.ACTS]
+
+    def values(attrs, keep):
+        found = (getattr(module, a, None) for a in attrs)
+        return [float(v) for v in found if isinstance(v, numbers.Real) and keep(float(v))]
+
+    alphas = dict.fromkeys([1.0, *values(_ALPHA_ATTRS, lambda v: v > 0)])
+    limits = dict.fromkeys([None, *values(_LIMIT_ATTRS, lambda v: 0 < v < float("inf"))])
+    out = []
+    for act, alpha, limit, after, offset in itertools.product(
+        _gate.ACTS, alphas, limits, (False, True), (0.0, 1.0)
+    ):
+        if (alpha != 1.0 and act != "silu") or (after and limit is None):
+            continue
+        out.append(_gate.Gate(act, alpha, limit, after, offset))
+    return out
 
 
 def _calling_convention(cls: type) -> Optional[str]:
@@ -407,7 +493,13 @@ def _fp8_unsupported(module, E: int, H: int, I: int) -> Optional[str]:
     block = getattr(module, "block_size", None)
     if block is None or tuple(block) != FP8_BLOCK:
         return f"FP8 weight blocks {block}, not 128x128"
-    w1, w2, s1, s2 = _sources(module, True)
+    for attr, runs in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                       ("is_concatenated", True)):  # fmt: skip
+        if bool(getattr(module, attr, runs)) != runs:
+            return f"an FP8 checkpoint with {attr}={not runs}"
+    if H % FP8_BLOCK[0] or I % FP8_BLOCK[0]:
+        return f"an FP8 checkpoint of sizes H {H}, I {I} (epmoe runs its codes at multiples of 128)"
+    w1, w2, _, _, s1, s2 = _sources(module, True)
     if w1.dtype != quant.FP8.act_dtype or w2.dtype != quant.FP8.act_dtype:
         return f"FP8 checkpoint weights of dtype {w1.dtype} (epmoe takes float8_e4m3fn)"
     for s, (n, k) in ((s1, (2 * I, H)), (s2, (H, I))):
@@ -423,30 +515,30 @@ def _fp8_unsupported(module, E: int, H: int, I: int) -> Optional[str]:
 def _build(st: _State, module, scheme: quant.QuantScheme, fp8: bool, top_k: int) -> None:
     """(Re)build st.layer from the module's current weights; reuse the layer and its buffers when
     the configuration is unchanged."""
-    w1, w2 = module.gate_up_proj, module.down_proj
-    E, H, I = w1.shape[0], w1.shape[2], w1.shape[1] // 2
+    st.gate = gate = _recognize_gate(module)[0]
+    w1, w2, b1, b2 = _arranged(module)
+    E, H, I = w1.shape[0], w2.shape[1], w2.shape[2]
     runs = _runs(scheme, fp8)
     k = max(top_k, st.layer.top_k if st.layer is not None else 0)
-    key = (E, H, I, k, runs, w1.device, _CONFIG["ll_max_tokens"])
+    bias = b1 is not None
+    key = (E, H, I, k, runs, w1.device, gate, bias, _CONFIG["ll_max_tokens"])
     if st.layer is None or st.key != key:
         st.layer, st.key = None, None  # free the old weights first
-        st.layer, st.key = _new_layer(E, H, I, k, runs, w1.device), key
+        st.layer, st.key = _new_layer(E, H, I, k, runs, w1.device, gate, bias), key
     layer = st.layer
     if fp8 and runs is quant.FP8:  # the checkpoint's own codes and scales, as they are
         s1 = module.gate_up_proj_scale_inv.detach()
         s2 = module.down_proj_scale_inv.detach()
         for n, q, s in (("w1", w1, s1), ("w2", w2, s2)):
-            q, s = gemm.prepare_weights(q.detach(), s, runs, layer.device)
+            q, s = gemm.prepare_weights(q, s, runs, layer.device)
             setattr(layer, n, q)
             setattr(layer, n + "_scale", s)
         return
-    old = {n: getattr(layer, n) for n in ("w1", "w1_scale", "w2", "w2_scale")}
+    old = {n: getattr(layer, n) for n in ("w1", "w1_scale", "w2", "w2_scale", "b1", "b2")}
     if fp8:  # another scheme from the checkpoint's fp8: dequantize one expert at a time
         _requantize_fp8(layer, module, runs)
-    elif _LOAD_TAKES_COPY:
-        layer.load_weights(w1, w2, copy=False)  # bf16 and contiguous: HF's tensors, in place
-    else:
-        layer.load_weights(w1, w2)
+    else:  # bf16, contiguous, unpadded: HF's tensors in place
+        layer.load_weights(w1, w2, copy=False, b1=b1, b2=b2)
     if not runs.quantized:
         return
     for n, t in old.items():  # same shapes: write into the old buffers (graphs keep pointers)
@@ -474,8 +566,12 @@ def _requantize_fp8(layer: EPMoE, module, scheme: quant.QuantScheme) -> None:
         setattr(layer, n + "_scale", ws)
 
 
-def _new_layer(E: int, H: int, I: int, top_k: int, scheme: quant.QuantScheme, device) -> EPMoE:
+def _new_layer(
+    E: int, H: int, I: int, top_k: int, scheme: quant.QuantScheme, device, gate, bias: bool
+) -> EPMoE:
     kw = dict(
+        gate=gate,
+        bias=bias,
         num_experts=E,
         hidden_size=H,
         intermediate_size=I,
