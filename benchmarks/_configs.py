@@ -9,7 +9,12 @@ decode uses the LL masked layout with a 256-row slot per expert and about 8 live
 One-GPU shapes (``ranks=1``: every expert local), used by ``bench_one_gpu.py`` next to W's per-rank
 experts (``local_experts`` of W: E 128, H 7168, I 2048, top-8): ``qwen3-30b-a3b`` (Qwen3-30B-A3B's
 experts), ``dsv3-1gpu`` (all 256 of DeepSeek-V3's routed experts on one GPU) and ``tiny-1rank``
-(CPU smoke tests).
+(CPU smoke tests). Models whose experts are not plain SiLU GLUs: ``gpt-oss-20b`` (its clamped
+SwiGLU and expert biases), ``gpt-oss-20b-silu`` (the same sizes, plain SiLU, no biases: what the
+gate and biases cost) and ``gemma4-26b-a4b`` (GELU-tanh GLU); ``tiny-gpt-oss`` and ``tiny-gemma4``
+are their CPU smoke shapes. ``gate`` is the experts' gate as an :class:`epmoe.Gate` spec, ``bias``
+whether they have biases, ``hf_experts`` which transformers experts class computes the same MLP
+(the grouped_mm baseline of bench_one_gpu.py builds it on the same weights).
 """
 
 import os
@@ -32,6 +37,10 @@ class ModelConfig:
     decode_rows_per_expert: int  # typical live rows per expert in decode (masked_m)
     alignment: int = 128  # permute row alignment = deep_gemm's contiguous M block
     quant_group: int = 128  # fp8 activation scale group (channels)
+    gate: str = "silu"  # the experts' gate, an epmoe.Gate spec
+    bias: bool = False  # gate/up bias b1 [E, 2I] and down bias b2 [E, H]
+    hf_experts: str = "qwen3_moe"  # transformers' experts class: qwen3_moe, gpt_oss, gemma4
+    plain: Optional[str] = None  # the config of the same sizes with plain SiLU and no biases
 
     @property
     def local_experts(self) -> int:
@@ -41,6 +50,8 @@ class ModelConfig:
     def scale_groups(self) -> int:
         return self.hidden // self.quant_group
 
+
+GPT_OSS_GATE = "silu:alpha=1.702,limit=7.0,up_offset=1.0"  # gpt-oss's clamped SwiGLU
 
 CONFIGS: Dict[str, ModelConfig] = {
     "W": ModelConfig(
@@ -97,6 +108,80 @@ CONFIGS: Dict[str, ModelConfig] = {
         prefill_tokens=64,
         decode_capacity=16,
         decode_rows_per_expert=4,
+    ),
+    # openai/gpt-oss-20b's config.json: H 2880, I 2880, 32 local experts, 4 per token, biases,
+    # swiglu_alpha 1.702 and swiglu_limit 7.0 (GptOssExperts: (clamp(up, -7, 7) + 1) * g *
+    # sigmoid(1.702 g), g = clamp(gate, max=7))
+    "gpt-oss-20b": ModelConfig(
+        name="gpt-oss-20b",
+        hidden=2880,
+        intermediate=2880,
+        num_experts=32,
+        ranks=1,
+        top_k=4,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=4,
+        gate=GPT_OSS_GATE,
+        bias=True,
+        hf_experts="gpt_oss",
+        plain="gpt-oss-20b-silu",
+    ),
+    "gpt-oss-20b-silu": ModelConfig(
+        name="gpt-oss-20b-silu",
+        hidden=2880,
+        intermediate=2880,
+        num_experts=32,
+        ranks=1,
+        top_k=4,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=4,
+    ),
+    # google/gemma-4-26B-A4B's config.json (text_config): hidden_size 2816, moe_intermediate_size
+    # 704, num_experts 128, top_k_experts 8, hidden_activation gelu_pytorch_tanh, no expert biases
+    # (Gemma4TextExperts has none). transformers' Gemma4TextConfig defaults are the dense E2B's
+    # (enable_moe_block False, num_experts None), so the sizes come from the checkpoint's config.
+    "gemma4-26b-a4b": ModelConfig(
+        name="gemma4-26b-a4b",
+        hidden=2816,
+        intermediate=704,
+        num_experts=128,
+        ranks=1,
+        top_k=8,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=8,
+        gate="gelu_tanh",
+        hf_experts="gemma4",
+    ),
+    # CPU smoke shapes of the two: sizes no multiple of 128 (fp8 pads them, as at 2880)
+    "tiny-gpt-oss": ModelConfig(
+        name="tiny-gpt-oss",
+        hidden=200,
+        intermediate=72,
+        num_experts=8,
+        ranks=1,
+        top_k=2,
+        prefill_tokens=64,
+        decode_capacity=16,
+        decode_rows_per_expert=4,
+        gate=GPT_OSS_GATE,
+        bias=True,
+        hf_experts="gpt_oss",
+    ),
+    "tiny-gemma4": ModelConfig(
+        name="tiny-gemma4",
+        hidden=192,
+        intermediate=88,
+        num_experts=8,
+        ranks=1,
+        top_k=2,
+        prefill_tokens=64,
+        decode_capacity=16,
+        decode_rows_per_expert=4,
+        gate="gelu_tanh",
+        hf_experts="gemma4",
     ),
 }
 

@@ -1,17 +1,31 @@
-"""transformers end to end: a Qwen3-30B-A3B-shaped model through transformers' compiled static-cache
-step, per experts backend, with the experts' own cost isolated by a no-op experts backend.
+"""transformers end to end: a MoE model (Qwen3-30B-A3B-shaped by default) through transformers'
+compiled static-cache step, per experts backend, with the experts' own cost isolated by a no-op
+experts backend.
 
-    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --out OUT.json [--layers 8]
-        [--impls grouped_mm,epmoe,epmoe_fp8,epmoe_int8] [--batches 1,8,64,128]
+    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --out OUT.json [--model qwen3-30b-a3b]
+        [--layers 8] [--impls grouped_mm,epmoe,epmoe_fp8,epmoe_int8] [--batches 1,8,64,128]
         [--prefill 4096,16384] [--context 512] [--budget-s 540] [--iters 30] [--no-compile]
         [--profile]
-    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --cpu-smoke --out smoke.json
+    PYTHONPATH=.:benchmarks python benchmarks/bench_hf.py --cpu-smoke --out smoke.json [--model ..]
 
-Model: Qwen3-30B-A3B's architecture (QWEN3_30B_A3B: its HF config; the MoE sizes H 2048, I 768,
-128 experts, top-8 from ``_configs.CONFIGS["qwen3-30b-a3b"]``) with ``--layers`` of its 48
-layers (same per-layer shapes), random init, bf16, built once on the GPU; every backend runs the
-same weights (``model.set_experts_implementation``). Backends: "noop" (an experts backend that
-returns zeros, registered here: the step without the experts' work) and ``--impls``.
+Models (MODELS, ``--model``), each its architecture from its checkpoint's config.json with the MoE
+sizes from the named config in ``_configs.CONFIGS``, ``--layers`` of its layers (same per-layer
+shapes; default MODELS' ``layers``), random init, bf16, built once on the GPU:
+
+- ``qwen3-30b-a3b`` (QWEN3_30B_A3B; H 2048, I 768, 128 experts, top-8; 8 of its 48 layers);
+- ``gpt-oss-20b`` (GPT_OSS_20B; H 2880, I 2880, 32 experts, top-4, expert biases, the clamped
+  SwiGLU; ``GptOssExperts``: transposed, interleaved gate / up; 2 of its 24 layers, one sliding-
+  window and one full attention);
+- ``gemma4-26b-a4b`` (GEMMA4_26B_A4B, the text model of google/gemma-4-26B-A4B; H 2816, I 704,
+  128 experts, top-8, GELU-tanh; its dense MLP runs beside the experts in every layer; 2 of its 30
+  layers: the layer types cut to ``--layers`` with the last one full attention, as the config
+  requires).
+
+Every backend runs the same weights (``model.set_experts_implementation``). Backends: "noop" (an
+experts backend that returns zeros, registered here: the step without the experts' work) and
+``--impls``. An epmoe backend that runs transformers' own backend instead (epmoe's integration
+declines the experts class: a warning, and the fallback's name and reason in ``epmoe_fallback``)
+gets no ratio.
 
 Cases: decode steps at batch B (``--batches``: B sequences of one token at position ``--context``
 of a static cache) and prefill of T tokens (``--prefill``: one sequence, positions 0..T-1, a
@@ -23,23 +37,26 @@ capture fails (``method``). ``torch._dynamo.reset()`` before every compile (no r
 
 Per case and backend: ``step_ms`` (whole step), ``experts_ms`` = step_ms - the no-op step_ms
 of the same case in this run, ``experts_us_per_layer``; per case ``ratios`` of every epmoe
-backend's experts_ms to grouped_mm's, and ``targets`` (issue 20: bf16 <= 0.6x at batch 1 and
-<= 0.15x at batch 64; fp8 <= 0.45x at batch 1, <= 0.1x at batch 64, <= 0.5x at prefill 4096;
-int8 <= 0.5x at batch 1) with ``met`` where both sides were measured.
+backend's experts_ms to grouped_mm's, and ``targets`` (the model's; qwen3-30b-a3b: issue 20:
+bf16 <= 0.6x at batch 1 and <= 0.15x at batch 64; fp8 <= 0.45x at batch 1, <= 0.1x at batch 64,
+<= 0.5x at prefill 4096; int8 <= 0.5x at batch 1; the others' layer targets are
+bench_one_gpu.py's) with ``met`` where both sides were measured.
 
 Robustness: every (backend, case) runs in its own try/except (``errors``), the JSON is rewritten
 after each, ``--budget-s`` bounds the run (the rest is recorded as skipped), SIGTERM stops it
 cleanly. Order: backends outer (each epmoe backend builds and quantizes its weights once), cases
 inner in the order of the targets (batch 1, 64, prefill 4096 first). A compact table is printed.
 
-JSON: {"schema": 1, "command", "date", "device", "versions", "args", "model" (config fields,
-layers, parameters), "budget_s", "elapsed_s", "complete", "notes", "skipped": [id], "runs":
-[{"id" ("<backend>/<case>"), "backend", "case", "kind" ("decode" | "prefill"), "tokens", "status",
-"error", "step_ms", "min_ms", "method", "compile_s", "fullgraph" (+ "fullgraph_error"),
-"epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the path of this call size),
-"kernels_us" (with --profile: [kernel, device µs per step, launches per step])}],
-"cases": {case: {"noop_ms", backend: {"step_ms", "experts_ms", "experts_us_per_layer"},
-"ratios": {backend: x}}}, "targets": [{"backend", "case", "max_ratio", "ratio", "met"}]}.
+JSON: {"schema": 1, "command", "date", "device", "versions", "args", "model" ("name", config
+class, config fields, layers, parameters), "budget_s", "elapsed_s", "complete", "notes",
+"skipped": [id], "runs": [{"id" ("<backend>/<case>"), "backend", "case", "kind" ("decode" |
+"prefill"), "tokens", "status", "error", "step_ms", "min_ms", "method", "compile_s", "fullgraph"
+(+ "fullgraph_error"), "epmoe_mode" (the layer's mode), "epmoe_path" ("gemv" | "ll" | "ht": the
+path of this call size), "epmoe_gate" (the gate epmoe recognized), "epmoe_bias",
+"epmoe_fallback" (an epmoe backend that ran transformers' instead: why), "kernels_us" (with
+--profile: [kernel, device µs per step, launches per step])}], "cases": {case: {"noop_ms",
+backend: {"step_ms", "experts_ms", "experts_us_per_layer"[, "fallback"]}, "ratios": {backend:
+x}}}, "targets": [{"backend", "case", "max_ratio", "ratio", "met"}]}.
 """
 
 import argparse
@@ -50,7 +67,8 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -83,7 +101,7 @@ QWEN3_30B_A3B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-# a tiny model with the same structure for --cpu-smoke (fp8 needs H and I multiples of 128)
+# a tiny model with the same structure for --cpu-smoke
 TINY = dict(
     QWEN3_30B_A3B,
     vocab_size=256,
@@ -95,6 +113,85 @@ TINY = dict(
     head_dim=32,
     num_experts=8,
     num_experts_per_tok=2,
+    max_position_embeddings=1024,
+)
+_GPT_OSS = _configs.CONFIGS["gpt-oss-20b"]
+# openai/gpt-oss-20b's config.json (the MoE sizes from the named config; swiglu_alpha, absent from
+# the checkpoint's config, is GptOssConfig's default; both are the named config's gate's)
+GPT_OSS_20B = dict(
+    vocab_size=201088,
+    hidden_size=_GPT_OSS.hidden,
+    intermediate_size=_GPT_OSS.intermediate,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=_GPT_OSS.num_experts,
+    num_experts_per_tok=_GPT_OSS.top_k,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    sliding_window=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    tie_word_embeddings=False,
+)
+TINY_GPT_OSS = dict(
+    GPT_OSS_20B,
+    vocab_size=256,
+    hidden_size=192,  # (no multiple of 128: fp8 pads, as at 2880)
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=1024,
+)
+_GEMMA4 = _configs.CONFIGS["gemma4-26b-a4b"]
+# google/gemma-4-26B-A4B's config.json, its text_config (the MoE sizes from the named config): 30
+# layers, 5 sliding-window ones then a full-attention one; each layer a dense GELU-tanh MLP of
+# intermediate_size beside the experts
+GEMMA4_26B_A4B = dict(
+    vocab_size=262144,
+    hidden_size=_GEMMA4.hidden,
+    intermediate_size=2112,
+    moe_intermediate_size=_GEMMA4.intermediate,
+    num_hidden_layers=30,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=_GEMMA4.num_experts,
+    top_k_experts=_GEMMA4.top_k,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY_GEMMA4 = dict(
+    GEMMA4_26B_A4B,
+    vocab_size=256,
+    hidden_size=192,
+    intermediate_size=256,
+    moe_intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_global_key_value_heads=1,
+    head_dim=32,
+    global_head_dim=64,
+    num_experts=8,
+    top_k_experts=2,
+    sliding_window=8,
     max_position_embeddings=1024,
 )
 IMPLS = ("grouped_mm", "epmoe", "epmoe_fp8", "epmoe_int8")
@@ -113,6 +210,36 @@ TARGETS = (
 CPU_SMOKE = dict(layers=2, batches=(1, 4), prefill=(32,), context=16, iters=2, warmup=0)
 
 
+@dataclass(frozen=True)
+class Model:
+    """A model this benchmark builds: its transformers config class (a top-level name) and fields,
+    the --cpu-smoke ones, the default --layers and the targets of its experts' cost."""
+
+    config_class: str
+    fields: dict
+    tiny: dict
+    layers: int
+    targets: Tuple[Tuple[str, str, float], ...] = ()
+
+
+MODELS = {
+    "qwen3-30b-a3b": Model("Qwen3MoeConfig", QWEN3_30B_A3B, TINY, 8, TARGETS),
+    "gpt-oss-20b": Model("GptOssConfig", GPT_OSS_20B, TINY_GPT_OSS, 2),
+    "gemma4-26b-a4b": Model("Gemma4TextConfig", GEMMA4_26B_A4B, TINY_GEMMA4, 2),
+}
+
+
+def config_fields(fields: dict, layers: int) -> dict:
+    """``fields`` with ``layers`` layers: listed ``layer_types`` cut to them, the last one full
+    attention (Gemma4's config requires it; the others compute their own)."""
+    out = dict(fields, num_hidden_layers=layers)
+    if "layer_types" in fields:
+        types = list(fields["layer_types"][:layers])
+        types[-1] = "full_attention"
+        out["layer_types"] = types
+    return out
+
+
 def noop_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """An experts backend that does no work: the step's cost without the experts. It returns zeros
     that depend on the routing, so the compiled step still computes the router (gate, softmax,
@@ -123,10 +250,11 @@ def noop_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.zeros_like(hidden_states) + keep.to(hidden_states.dtype)
 
 
-def build_model(fields: dict, layers: int, device: torch.device):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def build_model(fields: dict, layers: int, device: torch.device, config_class="Qwen3MoeConfig"):
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen3MoeConfig(**dict(fields, num_hidden_layers=layers))
+    cfg = getattr(transformers, config_class)(**config_fields(fields, layers))
     torch.manual_seed(0)
     with torch.device(device):  # initialized where it runs
         model = AutoModelForCausalLM.from_config(
@@ -205,13 +333,17 @@ def run_one(model, backend: str, kind: str, tokens: int, args, timer, device) ->
     step = model.forward
     step(**kw)  # eager: initializes the static cache (a compile before would retrace after it)
     # the static cache advances its own write position every step: put it back before each (one
-    # tiny fill per layer, in the captured graph too; the same for every backend, so it cancels)
+    # tiny fill per layer, in the captured graph too; the same for every backend, so it cancels).
+    # Sliding-window layers (gpt-oss, Gemma4) also keep it as a Python int, which picks their
+    # branch (a full window rolls): set on the host before each step, the same value every time
     start = args.context if kind == "decode" else 0
-    lengths = [layer.cumulative_length for layer in kw["cache"].layers]
+    cache_layers = list(kw["cache"].layers)
 
     def one_step():
-        for n in lengths:
-            n.fill_(start)
+        for layer in cache_layers:
+            layer.cumulative_length.fill_(start)
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = start
         return step(**kw)
 
     t0 = time.perf_counter()
@@ -233,11 +365,17 @@ def run_one(model, backend: str, kind: str, tokens: int, args, timer, device) ->
     rec.update(timer(one_step))
     if getattr(args, "profile", False) and device.type == "cuda":
         rec["kernels_us"] = kernel_table(one_step)
-    layer = next((et.cached_layer(m) for m in _experts(model) if et.cached_layer(m)), None)
+    experts = _experts(model)
+    layer = next((et.cached_layer(m) for m in experts if et.cached_layer(m)), None)
     if layer is not None:
         rec["epmoe_mode"] = layer.mode
         # decode: B sequences of one token; prefill: one of T, so each call has `tokens` rows
         rec["epmoe_path"] = layer.path(tokens)
+        rec["epmoe_gate"], rec["epmoe_bias"] = layer.gate.spec, layer.bias
+    elif backend.startswith("epmoe"):
+        st = next((m.__dict__[et._STATE] for m in experts if et._STATE in m.__dict__), None)
+        why = st.reason if st is not None and st.reason else "no epmoe state on the experts"
+        rec["epmoe_fallback"] = f"{type(experts[0]).__name__ if experts else '?'}: {why}"
     return rec
 
 
@@ -264,7 +402,17 @@ def kernel_table(step, iters: int = 3, top: int = 40) -> list:
 
 
 def _experts(model):
-    return [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
+    """The decoder layers' experts modules (``mlp.experts``: Qwen3, gpt-oss; ``experts``:
+    Gemma4, beside its dense ``mlp``)."""
+    out = []
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        experts = getattr(mlp, "experts", None) if mlp is not None else None
+        if experts is None:
+            experts = getattr(layer, "experts", None)
+        if experts is not None:
+            out.append(experts)
+    return out
 
 
 def _drop_states(model) -> None:
@@ -276,11 +424,14 @@ def _drop_states(model) -> None:
         torch.cuda.empty_cache()
 
 
-def summarize(report: dict, layers: int) -> None:
+def summarize(report: dict, layers: int, targets=TARGETS) -> None:
     cases: Dict[str, dict] = {}
+    fallbacks: Dict[tuple, str] = {}  # (case, backend) -> why epmoe did not run
     for r in report["runs"]:
         if r.get("status") == "ok":
             cases.setdefault(r["case"], {})[r["backend"]] = r["step_ms"]
+            if r.get("epmoe_fallback"):
+                fallbacks[(r["case"], r["backend"])] = r["epmoe_fallback"]
     out = {}
     for case, ms in cases.items():
         row: Dict[str, object] = {"ratios": {}}
@@ -293,15 +444,19 @@ def summarize(report: dict, layers: int) -> None:
             if noop is not None:
                 e["experts_ms"] = v - noop
                 e["experts_us_per_layer"] = (v - noop) * 1e3 / layers
+            if (case, b) in fallbacks:
+                e["fallback"] = fallbacks[(case, b)]
             row[b] = e
         base = row.get("grouped_mm", {}).get("experts_ms")
         for b in ms:
-            if b.startswith("epmoe") and base and "experts_ms" in row[b]:
+            if not (b.startswith("epmoe") and base) or "fallback" in row[b]:
+                continue
+            if "experts_ms" in row[b]:
                 row["ratios"][b] = row[b]["experts_ms"] / base
         out[case] = row
     report["cases"] = out
     report["targets"] = []
-    for b, case, limit in TARGETS:
+    for b, case, limit in targets:
         ratio = out.get(case, {}).get("ratios", {}).get(b)
         t = {"backend": b, "case": case, "max_ratio": limit, "ratio": ratio}
         t["met"] = None if ratio is None else bool(ratio <= limit)
@@ -331,7 +486,8 @@ def table(report: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="default: the model's (MODELS)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--batches", default=None, help=f"decode batches (default {BATCHES})")
     p.add_argument("--prefill", default=None, help=f"prefill lengths (default {PREFILL})")
@@ -359,9 +515,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     et.register()
     moe.ExpertsInterface.register(NOOP, noop_experts_forward)
     torch.set_grad_enabled(False)
+    spec = MODELS[args.model]
     if args.cpu_smoke:
         device = torch.device("cpu")
-        fields, s = TINY, CPU_SMOKE
+        fields, s = spec.tiny, CPU_SMOKE
         args.layers, args.context = s["layers"], s["context"]
         args.batches = args.batches or ",".join(map(str, s["batches"]))
         args.prefill = args.prefill or ",".join(map(str, s["prefill"]))
@@ -373,7 +530,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         args.batches = args.batches or ",".join(map(str, BATCHES))
         args.prefill = args.prefill or ",".join(map(str, PREFILL))
         device = torch.device("cuda", torch.cuda.current_device())
-        fields = QWEN3_30B_A3B
+        fields = spec.fields
+        args.layers = args.layers or spec.layers
         args.backend = args.backend or "inductor"
         timer = CudaTimer(args.iters, args.warmup)
     backends = [NOOP] + [b for b in args.impls.split(",") if b]
@@ -384,7 +542,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
     def save():
         report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        summarize(report, args.layers)
+        summarize(report, args.layers, spec.targets)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(report, f, indent=1, default=str)
@@ -395,10 +553,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        model = build_model(fields, args.layers, device)
+        model = build_model(fields, args.layers, device, spec.config_class)
         report["model"] = dict(
-            {k: v for k, v in fields.items() if k != "mlp_only_layers"},
-            num_hidden_layers=args.layers,
+            {k: v for k, v in config_fields(fields, args.layers).items() if k != "mlp_only_layers"},
+            name=args.model,
+            config_class=spec.config_class,
             parameters=sum(p.numel() for p in model.parameters()),
         )
         save()

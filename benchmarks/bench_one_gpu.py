@@ -3,18 +3,27 @@
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --out OUT.json [--quick]
         [--only shape=qwen3-30b-a3b scheme=fp8,bf16 mode=ll T=1,32] [--budget-s 500]
         [--no-compile | --compile-all] [--no-transformers] [--no-raw] [--iters 30]
+    PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --out OUT.json
+        --only shape=gpt-oss-20b,gpt-oss-20b-silu,gemma4-26b-a4b mode=auto
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --cpu-smoke --out smoke.json
 
-Cases: shape x scheme x mode x T. Shapes (benchmarks/_configs.py, experts ``local_experts``):
-``qwen3-30b-a3b`` (H 2048, I 768, E 128, top-8), ``W`` (the issue's reference case: W's per-rank
-experts, E 128, H 7168, I 2048, top-8) and ``dsv3-1gpu`` (all 256 DeepSeek-V3 experts, H 7168,
-I 2048, top-8). Schemes bf16 / fp8 / int8. T in TOKENS (``--quick``: QUICK_TOKENS). Modes: "ll"
+Cases: shape x scheme x mode x T. Shapes (benchmarks/_configs.py, experts ``local_experts``),
+SHAPES by default: ``qwen3-30b-a3b`` (H 2048, I 768, E 128, top-8), ``W`` (the issue's reference
+case: W's per-rank experts, E 128, H 7168, I 2048, top-8) and ``dsv3-1gpu`` (all 256 DeepSeek-V3
+experts, H 7168, I 2048, top-8); MODEL_SHAPES with ``--only shape=...`` (experts other than plain
+SiLU GLUs, each against its own transformers experts class): ``gpt-oss-20b`` (H 2880, I 2880, E 32,
+top-4, expert biases, the clamped SwiGLU "silu:alpha=1.702,limit=7.0,up_offset=1.0"; fp8 pads H / I
+to 2944), ``gpt-oss-20b-silu`` (the same sizes and weights, plain SiLU, no biases: what the gate and
+biases cost) and ``gemma4-26b-a4b`` (H 2816, I 704, E 128, top-8, GELU-tanh GLU, no biases; fp8
+pads I to 768). Schemes bf16 / fp8 / int8. T in TOKENS (``--quick``: QUICK_TOKENS). Modes: "ll"
 (``max_tokens_per_rank=T``, only T <= LL_MAX_TOKENS), "ht" (``worst_case=True``) and "auto"
 (EPMoE's default LL threshold; skipped with a note where ``mode="auto"`` raises ValueError). All
 layers use ``backend="local"``. Routing: K distinct experts per token uniformly at random (seeded,
 the same for every scheme and mode at one T), weights a float32 softmax of normal logits;
-x ~ N(0, 1) bf16; global weights w1 `[E, 2I, H]`, w2 `[E, H, I]` ~ 0.02 N(0, 1), created in bf16
-on the GPU (never float32) once per shape, and freed (with every layer) before the next shape.
+x ~ N(0, 1) bf16; global weights w1 `[E, 2I, H]`, w2 `[E, H, I]` ~ 0.02 N(0, 1) (and, with the
+config's ``bias``, b1 `[E, 2I]`, b2 `[E, H]` ~ 0.1 N(0, 1)), created in bf16 on the GPU (never
+float32) once per shape, and freed (with every layer) before the next shape. Every layer is built
+with the config's ``gate`` and ``bias``.
 
 Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after warm-up):
 
@@ -64,20 +73,34 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
   HT: the contiguous ones at the same M_sum with the same m_indices (reference permute at the
   layer's alignment). Activations built outside the timing (fp8 scales in deep_gemm's MN-major
-  layout, as the layer passes them). int8 has no deep_gemm: its anchor is the fp8 raw GEMM on
+  layout, as the layer passes them; x zero-padded to the layer's padded H, GEMM1's rows through
+  b1 and the config's gate, b2 added in the combine). int8 has no deep_gemm: its anchor is the fp8
+  raw GEMM on
   the same routing (``raw_impl`` says so). bf16 without deep_gemm: torch._grouped_mm / torch.bmm.
   ``raw_host_us``: host µs of that GEMM1 + GEMM2 pair called eagerly (as ``host_us``): the part of
   the layer's host time the GEMM library's own calls take.
-- ``grouped_mm_*``: transformers' ``Qwen3MoeExperts`` with ``_experts_implementation =
-  "grouped_mm"`` (built on the meta device, its ``gate_up_proj`` `[E, 2I, H]` / ``down_proj``
-  `[E, H, I]` set to the same global bf16 tensors: no copy), called as ``experts(x, ids,
+- ``grouped_mm_*``: transformers' experts class of the config's ``hf_experts`` (HF_EXPERTS:
+  ``Qwen3MoeExperts``, ``GptOssExperts``, ``Gemma4TextExperts``) with ``_experts_implementation =
+  "grouped_mm"``, built on the meta device and holding the same global bf16 weights in its own
+  layout: Qwen3 / Gemma4 ``gate_up_proj`` `[E, 2I, H]` / ``down_proj`` `[E, H, I]` are epmoe's
+  tensors (no copy); gpt-oss's are transposed (``gate_up_proj`` `[E, H, 2I]`, ``down_proj``
+  `[E, I, H]`, contiguous as in its checkpoint) with gate / up columns interleaved (and
+  ``gate_up_proj_bias`` `[E, 2I]` too), ``down_proj_bias`` `[E, H]`. Called as ``experts(x, ids,
   w.bfloat16())``, eager and in a CUDA graph; ``rel_l2_vs_grouped_mm`` is the layer's eager output
-  against it (bf16 within GROUPED_MM_TOL: ``matches_grouped_mm``).
+  against it (bf16 within GROUPED_MM_TOL: ``matches_grouped_mm``, the check that the gate, the
+  biases and the weight mapping are the model's).
 - ``floor_ms``: bytes of the experts the routing touches (unique experts hit x (2I*H + H*I)
-  weights x 2 B bf16 / 1 B fp8, int8, plus their scales) over the copy bandwidth measured in the
-  same run (``_timing.copy_gbps``, bytes read + written, the bar the GEMM benchmarks use).
+  weights x 2 B bf16 / 1 B fp8, int8 at the model's sizes, plus their scales and float32 biases)
+  over the copy bandwidth measured in the same run (``_timing.copy_gbps``, bytes read + written,
+  the bar the GEMM benchmarks use).
 - ``ratios``: layer graph / raw GEMMs, layer / grouped_mm (graph / graph, eager / eager), layer /
   floor.
+
+Across cases (recomputed whenever the JSON is written): ``gate_bias_cost``, for a config with a
+``plain`` twin (``gpt-oss-20b``: ``gpt-oss-20b-silu``) where both ran at the same (scheme, mode,
+T): the layer's graph_ms over the twin's (target: at most GATE_BIAS_MAX), and eager_ms's;
+``targets``: TARGETS (gpt-oss-20b, the "auto" layer's graph / grouped_mm graph: fp8 <= 1/2 and
+bf16 <= 1/1.3 at T <= 128, neither above 1 beyond; int8 <= 1/2 at T <= 128).
 
 Robustness: each measurement of a case runs in its own try/except (``errors`` maps the step to
 the error string) and the run goes on; a CUDA error that kills the context stops the run with a
@@ -93,7 +116,11 @@ transformers, epmoe, git), "args", "copy_gbps", "copy_by_method", "host_ref_us" 
 run's start and end: the host's speed then; host figures of two runs compare only through it, and
 start and end apart mean something else ran on the host), "budget_s", "elapsed_s",
 "complete", "notes": [str], "skipped": [case id], "fatal" (only when the run stopped), "cases":
-[record]}. A record: "id" ("shape/scheme/mode/T<T>"), "shape", "E", "H", "I", "K", "T", "scheme",
+[record], "gate_bias_cost": [{"shape", "plain", "scheme", "mode", "T", "graph_ms",
+"plain_graph_ms", "graph_ratio", "eager_ms", "plain_eager_ms", "eager_ratio", "ratio" (the graph
+ratio), "max_ratio", "met"}], "targets": [{"shape", "scheme", "mode", "T", "max_ratio", "ratio",
+"met"}]}. A record: "id" ("shape/scheme/mode/T<T>"), "shape", "E", "H", "I", "K", "gate" (spec),
+"bias", "T", "scheme",
 "mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
 "errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
@@ -145,11 +172,14 @@ import _report  # noqa: E402
 import _timing  # noqa: E402
 
 import epmoe  # noqa: E402
+import epmoe.gate  # noqa: E402
 from epmoe import reference  # noqa: E402
 from epmoe.ops import gemm  # noqa: E402
 from epmoe.ops.gemm._select import _dg_role  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "W", "dsv3-1gpu")
+# not in the default run (the device session's minutes): select them with --only shape=...
+MODEL_SHAPES = ("gpt-oss-20b", "gpt-oss-20b-silu", "gemma4-26b-a4b")
 SCHEMES = ("bf16", "fp8", "int8")
 MODES = ("ll", "ht", "auto")
 TOKENS = (1, 8, 32, 128, 512, 4096, 16384)
@@ -169,9 +199,21 @@ COMPILE_VARIANTS = {
 AHEAD_CYCLES = 20_000_000  # ~10 ms of GPU sleep before a queued call (covers a stack's host time)
 STACK_LAYERS = 8  # layers of the "stack" step (a model's MoE layers in one compiled frame)
 W_STD = 0.02  # weight scale: GEMM outputs of O(1) at these sizes
+B_STD = 0.1  # bias scale: a bias in the wrong place moves the output well past GROUPED_MM_TOL
 GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
 CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
 WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
+BIASES = ("b1", "b2")  # float32 [E, 2I] / [E, H] (None without biases)
+# (shape, scheme, T range, the most the layer's graph time may be of grouped_mm's): the layer in
+# mode "auto" against transformers' own experts on the same weights (the gpt-oss issue)
+TARGETS = (
+    ("gpt-oss-20b", "fp8", (1, 128), 1 / 2),
+    ("gpt-oss-20b", "fp8", (129, None), 1.0),
+    ("gpt-oss-20b", "bf16", (1, 128), 1 / 1.3),
+    ("gpt-oss-20b", "bf16", (129, None), 1.0),
+    ("gpt-oss-20b", "int8", (1, 128), 1 / 2),
+)
+GATE_BIAS_MAX = 1.03  # a gated config's graph time over its plain twin's (biases + clamped gate)
 _FATAL = (
     "illegal memory access",
     "device-side assert",
@@ -351,14 +393,22 @@ def make_routing(cfg, tokens: int, seed: int, device) -> Routing:
 
 
 def expert_weight_bytes(cfg, scheme: str) -> int:
-    """Bytes of one expert's weights and scales (both GEMMs) in ``scheme``."""
+    """Bytes of one expert's weights and scales (both GEMMs) in ``scheme``, and its float32 biases:
+    the model's sizes (not the zeros fp8 pads H / I with to multiples of 128; its scales per
+    128x128 block of each padded half, as the layer keeps them)."""
     H, I = cfg.hidden, cfg.intermediate
-    n = 3 * H * I
+    halves = epmoe.gate.get(cfg.gate).width(1)
+    n = (halves + 1) * I * H
+    bias = 4 * (halves * I + H) if cfg.bias else 0
     if scheme == "bf16":
-        return 2 * n
+        return 2 * n + bias
     if scheme == "fp8":  # 128x128 block scales
-        return n + 4 * ((2 * I // 128) * (H // 128) + (H // 128) * (I // 128))
-    return n + 4 * (2 * I + H)  # int8: one scale per output channel
+
+        def blocks(v):
+            return -(-v // 128)
+
+        return n + 4 * (halves + 1) * blocks(I) * blocks(H) + bias
+    return n + 4 * (halves * I + H) + bias  # int8: one scale per output channel
 
 
 def masked_layout(x: torch.Tensor, ids: torch.Tensor, num_experts: int, capacity: int):
@@ -395,8 +445,14 @@ def _scales_like_layer(s: torch.Tensor, scheme: str) -> torch.Tensor:
     return s
 
 
-def _silu_mul(y: torch.Tensor) -> torch.Tensor:
-    return reference.silu_and_mul(y)
+def _gated(cfg, y: torch.Tensor, b1: Optional[torch.Tensor], expert: torch.Tensor):
+    """The layer's activation stage on GEMM1's bf16 rows ``y`` `[..., width]`: + b1 of each row's
+    ``expert`` (int, y's leading shape; -1 rows: any), then the config's gate -> bf16
+    `[..., width / 2]`."""
+    yf = y.float()
+    if b1 is not None:
+        yf = yf + b1[expert.clamp(min=0).long()]
+    return epmoe.gate.get(cfg.gate).reference(yf).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------- raw GEMMs
@@ -445,7 +501,10 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
     """Time raw GEMM1 + GEMM2 (one CUDA graph) on the layer's layout of ``routing``.
 
     Args:
-        weights: (w1, w1_scale, w2, w2_scale) prepared like the layer's (its own buffers).
+        weights: (w1, w1_scale, w2, w2_scale[, b1, b2]) prepared like the layer's (its own
+            buffers: `[E, width, Hp]` / `[E, Hp, Ip]`, Hp / Ip the sizes the layer pads H / I to;
+            b1 / b2 float32 or None). x is zero-padded to Hp; GEMM1's rows get b1 and the
+            config's gate (outside the timing), GEMM2's rows b2 in the combine.
         path: "ll" (masked, `[E, capacity, *]`, ``expected_m``) or "ht" (contiguous, reference
             permute at ``alignment``).
     Returns:
@@ -453,15 +512,18 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
         raw_layout (C / M_sum), and ``_out``: GEMM2's rows combined per token with the routing
         weights, bf16 `[T, H]` (the layer's output computed the raw way: checks the operands).
     """
-    E, I = cfg.local_experts, cfg.intermediate
-    w1, w1s, w2, w2s = weights
+    E, H = cfg.local_experts, cfg.hidden
+    w1, w1s, w2, w2s = weights[:4]
+    b1, b2 = tuple(weights[4:6]) or (None, None)
     x, ids = routing.x, routing.ids
+    x = torch.nn.functional.pad(x, (0, w1.shape[2] - H))  # (a copy only where the layer pads)
     dev = x.device
     if path == "ll":
         impl, fn = _raw_impls(scheme, "masked", dev)
         a, rows, slot = masked_layout(x, ids, E, capacity)
         lead, layout, offs = (E, capacity), {"C": capacity, "expected_m": expected_m}, None
         a1, s1 = act_operands(a, scheme)
+        expert = torch.arange(E, device=dev)[:, None].expand(lead)
         del a
     else:
         impl, fn = _raw_impls(scheme, "contiguous", dev)
@@ -469,10 +531,11 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
         a1, s1, rows, inv_perm, offs = reference.permute(xq, ids, E, alignment, xs)
         s1 = None if scheme == "bf16" else _scales_like_layer(s1, scheme)
         lead, layout = (a1.shape[0],), {"M_sum": int(a1.shape[0]), "alignment": alignment}
-    out1 = torch.empty((*lead, 2 * I), dtype=torch.bfloat16, device=dev)
+        expert = rows
+    out1 = torch.empty((*lead, w1.shape[1]), dtype=torch.bfloat16, device=dev)
     fn(a1, s1, w1, w1s, rows, expected_m, out1, offs)
-    a2, s2 = act_operands(_silu_mul(out1), scheme)
-    out2 = torch.empty((*lead, cfg.hidden), dtype=torch.bfloat16, device=dev)
+    a2, s2 = act_operands(_gated(cfg, out1, b1, expert), scheme)
+    out2 = torch.empty((*lead, w2.shape[1]), dtype=torch.bfloat16, device=dev)
     fn(a2, s2, w2, w2s, rows, expected_m, out2, offs)
     timer.sync()
 
@@ -482,7 +545,11 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
 
     T, K = ids.shape
     picked = out2[ids.reshape(-1), slot] if path == "ll" else out2[inv_perm.reshape(-1).long()]
-    combined = (picked.float().view(T, K, -1) * routing.weights.unsqueeze(-1)).sum(1)
+    picked = picked.float()
+    if b2 is not None:
+        picked = picked + b2[ids.reshape(-1)]
+    picked = picked[:, :H]
+    combined = (picked.view(T, K, -1) * routing.weights.unsqueeze(-1)).sum(1)
     res = {"raw_impl": impl, "raw_layout": layout, "_out": combined.to(torch.bfloat16)}
     try:
         res["raw_ms"] = timer.graph(both)
@@ -493,8 +560,9 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
 
 
 # ------------------------------------------------------------------------------------ transformers
-def hf_grouped_mm_experts(cfg, w1: torch.Tensor, w2: torch.Tensor):
-    """transformers' Qwen3MoeExperts, grouped_mm backend, holding ``w1`` / ``w2`` themselves."""
+def _qwen3_moe_experts(cfg, w1, w2, b1, b2):
+    """Qwen3MoeExperts: gate_up_proj `[E, 2I, H]` / down_proj `[E, H, I]`, epmoe's own layout
+    (the same tensors, no copy); SiLU, no biases."""
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -504,11 +572,91 @@ def hf_grouped_mm_experts(cfg, w1: torch.Tensor, w2: torch.Tensor):
         num_experts=cfg.local_experts,
         num_experts_per_tok=cfg.top_k,
     )
+    return Qwen3MoeExperts, conf, epmoe.gate.SILU, dict(gate_up_proj=w1, down_proj=w2)
+
+
+def _gpt_oss_experts(cfg, w1, w2, b1, b2):
+    """GptOssExperts: transposed (gate_up_proj `[E, H, 2I]`, down_proj `[E, I, H]`, contiguous as
+    in the checkpoint) and interleaved (columns g0, u0, g1, u1, ...; gate_up_proj_bias `[E, 2I]`
+    too), down_proj_bias `[E, H]`; the clamped SwiGLU with alpha / limit from ``cfg.gate``."""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    g = epmoe.gate.get(cfg.gate)
+    conf = GptOssConfig(
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_local_experts=cfg.local_experts,
+        num_experts_per_tok=cfg.top_k,
+        swiglu_alpha=g.alpha,
+        swiglu_limit=g.limit if g.limit is not None else float("inf"),
+    )
+    computes = epmoe.gate.Gate("silu", alpha=g.alpha, limit=g.limit, up_offset=1.0)
+    E, I = w1.shape[0], cfg.intermediate
+    if b1 is None:  # the class always adds biases
+        b1 = w1.new_zeros((E, 2 * I))
+        b2 = w1.new_zeros((E, cfg.hidden))
+    tensors = dict(
+        gate_up_proj=_interleave(w1, I).transpose(1, 2).contiguous(),
+        gate_up_proj_bias=_interleave(b1, I),
+        down_proj=w2.transpose(1, 2).contiguous(),
+        down_proj_bias=b2,
+    )
+    return GptOssExperts, conf, computes, tensors
+
+
+def _interleave(t: torch.Tensor, inter: int) -> torch.Tensor:
+    """`[E, 2I, ...]` gate rows then up rows -> rows g0, u0, g1, u1, ... (a new tensor)."""
+    return torch.stack((t[:, :inter], t[:, inter:]), dim=2).flatten(1, 2)
+
+
+def _gemma4_experts(cfg, w1, w2, b1, b2):
+    """Gemma4TextExperts: Qwen3's layout (the same tensors, no copy), GELU-tanh, no biases."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    conf = Gemma4TextConfig(
+        hidden_size=cfg.hidden,
+        moe_intermediate_size=cfg.intermediate,
+        num_experts=cfg.local_experts,
+        top_k_experts=cfg.top_k,
+        enable_moe_block=True,
+        hidden_activation="gelu_pytorch_tanh",
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+    )
+    computes = epmoe.gate.Gate("gelu_tanh")
+    return Gemma4TextExperts, conf, computes, dict(gate_up_proj=w1, down_proj=w2)
+
+
+# ModelConfig.hf_experts -> fn(cfg, w1, w2, b1, b2) -> (experts class, its config, the Gate it
+# computes, {parameter name: tensor} from epmoe's w1 `[E, 2I, H]`, w2 `[E, H, I]`, b1, b2)
+HF_EXPERTS = {
+    "qwen3_moe": _qwen3_moe_experts,
+    "gpt_oss": _gpt_oss_experts,
+    "gemma4": _gemma4_experts,
+}
+
+
+def hf_grouped_mm_experts(cfg, w1: torch.Tensor, w2: torch.Tensor, b1=None, b2=None):
+    """transformers' experts class of ``cfg.hf_experts`` (HF_EXPERTS), grouped_mm backend, holding
+    epmoe's ``w1`` / ``w2`` / ``b1`` / ``b2`` in its own layout (the tensors themselves where the
+    layouts agree). ValueError where that class computes another gate or has no biases."""
+    if cfg.hf_experts not in HF_EXPERTS:
+        raise ValueError(f"hf_experts: {cfg.hf_experts!r} is none of {sorted(HF_EXPERTS)}")
+    cls, conf, computes, tensors = HF_EXPERTS[cfg.hf_experts](cfg, w1, w2, b1, b2)
+    if computes != epmoe.gate.get(cfg.gate):
+        raise ValueError(f"{cls.__name__} computes the gate {computes.spec}, not {cfg.gate}")
+    if cfg.bias and "down_proj_bias" not in tensors:
+        raise ValueError(f"{cls.__name__} has no expert biases (config {cfg.name}: bias=True)")
     conf._experts_implementation = "grouped_mm"
     with torch.device("meta"):  # no float32 allocation of E x 3IH parameters
-        experts = Qwen3MoeExperts(conf)
-    experts.gate_up_proj = torch.nn.Parameter(w1, requires_grad=False)
-    experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+        experts = cls(conf)
+    for name, t in tensors.items():
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+    left = [n for n, p in experts.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"{cls.__name__}: parameters {left} not set from epmoe's weights")
     return experts.eval()
 
 
@@ -519,7 +667,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # -------------------------------------------------------------------------------------- the layers
 def make_layer(cfg, scheme: str, mode: str, tokens: int, max_tokens: int, device):
-    kw = dict(quant=scheme, mode=mode, backend="local", device=device)
+    kw = dict(quant=scheme, mode=mode, backend="local", device=device, gate=cfg.gate, bias=cfg.bias)
     if mode == "ll":
         kw["max_tokens_per_rank"] = tokens
     else:
@@ -532,7 +680,9 @@ def _share_weights(dst, src) -> None:
     quantization or copy."""
     for name, buf in src.named_buffers(recurse=False):
         setattr(dst, name, buf)
-    missing = [n for n in WEIGHTS if getattr(dst, n, None) is None and getattr(src, n) is not None]
+    missing = [
+        n for n in WEIGHTS + BIASES if getattr(dst, n, None) is None and getattr(src, n) is not None
+    ]
     if missing:
         raise RuntimeError(f"weights not shared: {missing}")
 
@@ -552,11 +702,17 @@ class ShapeRun:
         self.max_tokens = max_tokens
         self.copy_gbps: Optional[float] = None  # the run's copy ceiling (GB/s), for floor_ms
         E, H, I = cfg.local_experts, cfg.hidden, cfg.intermediate
+        width = epmoe.gate.get(cfg.gate).width(I)
         g = torch.Generator(device=self.device).manual_seed(seed)
-        self.w1 = torch.randn((E, 2 * I, H), generator=g, device=self.device, dtype=torch.bfloat16)
-        self.w1.mul_(W_STD)
-        self.w2 = torch.randn((E, H, I), generator=g, device=self.device, dtype=torch.bfloat16)
-        self.w2.mul_(W_STD)
+
+        def randn(shape, std):
+            t = torch.randn(shape, generator=g, device=self.device, dtype=torch.bfloat16)
+            return t.mul_(std)
+
+        # (w1 / w2 first: a config and its plain twin get the same weights)
+        self.w1, self.w2 = randn((E, width, H), W_STD), randn((E, H, I), W_STD)
+        self.b1 = randn((E, width), B_STD) if cfg.bias else None
+        self.b2 = randn((E, H), B_STD) if cfg.bias else None
         self._routings: Dict[int, Routing] = {}
         self._hf = None
         self.hf: Dict[int, dict] = {}  # T -> grouped_mm results (or {"error": ...})
@@ -586,7 +742,7 @@ class ShapeRun:
         base = self.layers.get(("ht", None))
         if base is None:
             base = make_layer(self.cfg, scheme, "ht", tokens, self.max_tokens, self.device)
-            base.load_weights(self.w1, self.w2)
+            base.load_weights(self.w1, self.w2, b1=self.b1, b2=self.b2)
             self.layers[("ht", None)] = base
         if mode == "ht":
             return base
@@ -599,22 +755,25 @@ class ShapeRun:
         return layer
 
     def anchor_weights(self, scheme: str):
-        """Weights of the raw GEMM that anchors ``scheme``: its own layer's, fp8's for int8."""
+        """Weights and biases (WEIGHTS + BIASES) of the raw GEMM that anchors ``scheme``: its own
+        layer's, fp8's for int8."""
         if scheme != "int8":
             base = self.layers[("ht", None)]
         else:
             if self._anchor is None:
                 self._anchor = make_layer(self.cfg, "fp8", "ht", 1, self.max_tokens, self.device)
-                self._anchor.load_weights(self.w1, self.w2)
+                self._anchor.load_weights(self.w1, self.w2, b1=self.b1, b2=self.b2)
             base = self._anchor
-        return tuple(getattr(base, n) for n in WEIGHTS)
+        return tuple(getattr(base, n) for n in WEIGHTS + BIASES)
 
     def experts(self):
         if self._hf is None:
             try:
-                self._hf = hf_grouped_mm_experts(self.cfg, self.w1, self.w2)
+                self._hf = hf_grouped_mm_experts(self.cfg, self.w1, self.w2, self.b1, self.b2)
             except ImportError as e:
-                raise Skip(f"transformers' Qwen3MoeExperts not importable: {_err(e)}") from e
+                raise Skip(
+                    f"transformers' experts ({self.cfg.hf_experts}) not importable: {_err(e)}"
+                ) from e
         return self._hf
 
     def close(self) -> None:
@@ -622,7 +781,7 @@ class ShapeRun:
         self._anchor = self._hf = None
         self._routings.clear()
         self.hf.clear()
-        self.w1 = self.w2 = None
+        self.w1 = self.w2 = self.b1 = self.b2 = None
         _free()
 
 
@@ -641,6 +800,8 @@ def new_record(case: Case, cfg) -> dict:
         "H": cfg.hidden,
         "I": cfg.intermediate,
         "K": cfg.top_k,
+        "gate": cfg.gate,
+        "bias": cfg.bias,
         "T": case.tokens,
         "scheme": case.scheme,
         "mode": case.mode,
@@ -762,7 +923,8 @@ def run_case(
     r = sr.routing(T)
     rec["experts_hit"] = r.experts_hit
     rec["weight_bytes"] = r.experts_hit * expert_weight_bytes(cfg, case.scheme)
-    rec["flops"] = 2 * T * cfg.top_k * 3 * cfg.hidden * cfg.intermediate
+    halves = epmoe.gate.get(cfg.gate).width(1)
+    rec["flops"] = 2 * T * cfg.top_k * (halves + 1) * cfg.hidden * cfg.intermediate
     x, ids, w = r.x, r.ids, r.weights
 
     def call():
@@ -1084,6 +1246,55 @@ def compile_targets(records: List[dict], args) -> List[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------------------- summary
+def summarize(report: dict) -> None:
+    """The run's comparisons across cases, rewritten with the JSON: ``gate_bias_cost`` (a config
+    with a ``plain`` twin against that twin at the same scheme, mode and T, where both ran) and
+    ``targets`` (TARGETS, on the "auto" layer's cases that ran)."""
+    done = {
+        (r["shape"], r["scheme"], r["mode"], r["T"]): r
+        for r in report["cases"]
+        if r.get("status") in ("ok", "error")
+    }
+    report["gate_bias_cost"] = []
+    for (shape, scheme, mode, T), r in done.items():
+        plain = _configs.CONFIGS[shape].plain if shape in _configs.CONFIGS else None
+        p = done.get((plain, scheme, mode, T))
+        if p is None:
+            continue
+        e = {"shape": shape, "plain": plain, "scheme": scheme, "mode": mode, "T": T}
+        for k in ("graph", "eager"):
+            a, b = r.get(f"{k}_ms"), p.get(f"{k}_ms")
+            e.update({f"{k}_ms": a, f"plain_{k}_ms": b, f"{k}_ratio": a / b if a and b else None})
+        e["ratio"], e["max_ratio"] = e["graph_ratio"], GATE_BIAS_MAX
+        e["met"] = None if e["ratio"] is None else bool(e["ratio"] <= GATE_BIAS_MAX)
+        report["gate_bias_cost"].append(e)
+    report["targets"] = []
+    for shape, scheme, (lo, hi), limit in TARGETS:
+        for (s, q, m, T), r in done.items():
+            if (s, q, m) != (shape, scheme, "auto") or T < lo or (hi is not None and T > hi):
+                continue
+            ratio = r.get("ratios", {}).get("graph_over_grouped_mm_graph")
+            t = {"shape": s, "scheme": q, "mode": m, "T": T, "max_ratio": limit, "ratio": ratio}
+            t["met"] = None if ratio is None else bool(ratio <= limit)
+            report["targets"].append(t)
+
+
+def summary_lines(report: dict) -> List[str]:
+    lines = [
+        f"gate_bias_cost {e['shape']} / {e['plain']} {e['scheme']} {e['mode']} T{e['T']}: "
+        f"graph {_fmt(e['ratio'])} eager {_fmt(e['eager_ratio'])} (<= {e['max_ratio']}: "
+        f"{e['met']})"
+        for e in report.get("gate_bias_cost", [])
+    ]
+    lines += [
+        f"target {t['shape']} {t['scheme']} {t['mode']} T{t['T']} graph / grouped_mm graph "
+        f"<= {t['max_ratio']:.3f}: {_fmt(t['ratio'])} {t['met']}"
+        for t in report.get("targets", [])
+    ]
+    return lines
+
+
 # ------------------------------------------------------------------------------------------ report
 def _clean(obj):
     if isinstance(obj, float):
@@ -1114,7 +1325,7 @@ def _fmt(v, nd=3) -> str:
 
 
 TABLE_COLUMNS = (
-    ("case", lambda r: f"{r['shape'][:13]} {r['scheme']:>4} {r['mode']:>4} {r['T']:>5}"),
+    ("case", lambda r: f"{r['shape'][:16]:16s} {r['scheme']:>4} {r['mode']:>4} {r['T']:>5}"),
     ("path", lambda r: r.get("path")),
     ("eager", lambda r: r.get("eager_ms")),
     ("graph", lambda r: r.get("graph_ms")),
@@ -1231,6 +1442,8 @@ def main(argv=None) -> dict:
         _host_reference(report, timer, device, "end")
         run.save()
         print(table(report["cases"]), flush=True)
+        for line in summary_lines(report):
+            print(line, flush=True)
         for n in report["notes"]:
             print("note:", n, flush=True)
     return report
@@ -1264,6 +1477,7 @@ class _Run:
 
     def save(self) -> None:
         self.report["elapsed_s"] = round(self.budget.elapsed(), 1)
+        summarize(self.report)
         write_json(self.args.out, self.report)
 
 

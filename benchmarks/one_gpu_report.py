@@ -4,7 +4,9 @@
 
 One row per (shape, scheme, T) of the given layer mode: CUDA-graph replay of the layer against
 transformers' grouped_mm experts (graph) and raw deep_gemm on the same routing, the weight-read
-floor, eager / torch.compile default / reduce-overhead, host µs and launches per eager call.
+floor, eager / torch.compile default / reduce-overhead, host µs and launches per eager call. Then,
+where the run has them, the cost of a gate and biases (a config's graph time over its plain-SiLU
+twin's, e.g. gpt-oss-20b over gpt-oss-20b-silu) and the targets with whether they were met.
 """
 
 import argparse
@@ -43,6 +45,39 @@ HEADER = (
 )
 
 
+def gate_bias_rows(report: dict, mode: str):
+    for e in report.get("gate_bias_cost", []):
+        if e.get("mode") == mode:
+            yield (
+                f"| {e['shape']} / {e['plain']} | {e['scheme']} | {e['T']} | "
+                f"{_f(e.get('graph_ms'))} / {_f(e.get('plain_graph_ms'))} | "
+                f"{_f(e.get('ratio'))} (<= {e['max_ratio']}: {_met(e.get('met'))}) | "
+                f"{_f(e.get('eager_ratio'))} |"
+            )
+
+
+def target_rows(report: dict):
+    for t in report.get("targets", []):
+        yield (
+            f"| {t['shape']} | {t['scheme']} | {t['mode']} | {t['T']} | <= {t['max_ratio']:.3f} | "
+            f"{_f(t.get('ratio'))} | {_met(t.get('met'))} |"
+        )
+
+
+def _met(v):
+    return "-" if v is None else ("yes" if v else "NO")
+
+
+GATE_BIAS_HEADER = (
+    "| shape / plain twin | scheme | T | graph ms / twin's | gate + bias cost (graph) | "
+    "(eager) |\n| --- | --- | --- | --- | --- | --- |"
+)
+TARGET_HEADER = (
+    "| shape | scheme | mode | T | layer / grouped_mm graph target | measured | met |\n"
+    "| --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("json")
@@ -57,6 +92,15 @@ def main():
     print(HEADER)
     for r in rows(report, a.mode):
         print(r)
+    for header, lines in (
+        (GATE_BIAS_HEADER, list(gate_bias_rows(report, a.mode))),
+        (TARGET_HEADER, list(target_rows(report))),
+    ):
+        if lines:
+            print()
+            print(header)
+            for r in lines:
+                print(r)
 
 
 if __name__ == "__main__":

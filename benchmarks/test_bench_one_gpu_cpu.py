@@ -249,3 +249,231 @@ def test_stack_step_runs_the_layer_n_times_and_reports_per_layer():
         assert torch.equal(bench.LayerStack(layer, 3)(r.x, r.ids, r.weights), want)
     assert not torch.equal(want, layer(r.x, r.ids, r.weights))
     sr.close()
+
+
+# ------------------------------------------------------------------ gates, biases, other experts
+GPT_OSS = _configs.CONFIGS["tiny-gpt-oss"]
+GEMMA4 = _configs.CONFIGS["tiny-gemma4"]
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+
+
+def test_model_configs():
+    """The gpt-oss / Gemma4 shapes: their sizes, gates and biases, and the plain twin's."""
+    oss, plain = _configs.CONFIGS["gpt-oss-20b"], _configs.CONFIGS["gpt-oss-20b-silu"]
+    assert (oss.hidden, oss.intermediate, oss.local_experts, oss.top_k) == (2880, 2880, 32, 4)
+    assert oss.bias and oss.hf_experts == "gpt_oss" and oss.plain == plain.name
+    g = epmoe.gate.get(oss.gate)
+    assert (g.act, g.alpha, g.limit, g.up_offset, g.clamp_after) == ("silu", 1.702, 7.0, 1.0, False)
+    same = ("hidden", "intermediate", "num_experts", "ranks", "top_k")
+    assert all(getattr(plain, f) == getattr(oss, f) for f in same)
+    assert plain.gate == "silu" and not plain.bias and plain.plain is None
+    gem = _configs.CONFIGS["gemma4-26b-a4b"]
+    assert (gem.hidden, gem.intermediate, gem.local_experts, gem.top_k) == (2816, 704, 128, 8)
+    assert gem.gate == "gelu_tanh" and not gem.bias and gem.hf_experts == "gemma4"
+    assert set(bench.MODEL_SHAPES) <= set(_configs.CONFIGS)
+    assert not set(bench.MODEL_SHAPES) & set(bench.SHAPES)  # not in the default run
+    assert {c.hf_experts for c in _configs.CONFIGS.values()} <= set(bench.HF_EXPERTS)
+
+
+def _weights(cfg):
+    sr = bench.ShapeRun(cfg, "cpu", 0, 200, bench.CpuTimer(1, 0))
+    return sr, sr.routing(40)
+
+
+@needs_transformers
+@pytest.mark.parametrize("cfg", [TINY, GPT_OSS, GEMMA4], ids=lambda c: c.name)
+def test_hf_experts_compute_the_configs_mlp(cfg):
+    """The grouped_mm baseline holds epmoe's weights in its class's layout: grouped_mm and the
+    class's own (eager) forward give the float32 reference of w1 / w2 / b1 / b2 and the gate."""
+    sr, r = _weights(cfg)
+    assert (sr.b1 is None) == (not cfg.bias)
+    want = reference.dense_moe(r.x, r.ids, r.weights, sr.w1, sr.w2, cfg.gate, sr.b1, sr.b2)
+    experts = sr.experts()
+    with torch.no_grad():
+        got = experts(r.x, r.ids, r.weights.bfloat16())
+        experts.config._experts_implementation = "eager"
+        eager = experts(r.x, r.ids, r.weights.bfloat16())
+    assert bench.rel_l2(got, want) < bench.GROUPED_MM_TOL
+    assert bench.rel_l2(eager, want) < bench.GROUPED_MM_TOL
+    if cfg.hf_experts != "gpt_oss":  # the same layout: epmoe's tensors themselves
+        assert experts.gate_up_proj.data_ptr() == sr.w1.data_ptr()
+        assert experts.down_proj.data_ptr() == sr.w2.data_ptr()
+    sr.close()
+
+
+@needs_transformers
+def test_gpt_oss_layout_and_a_wrong_mapping_fails_the_check():
+    """gpt-oss: gate_up_proj `[E, H, 2I]` with gate / up columns interleaved (biases too),
+    down_proj `[E, I, H]`; each mapping mistake moves the output far past GROUPED_MM_TOL."""
+    sr, r = _weights(GPT_OSS)
+    E, H, I = GPT_OSS.local_experts, GPT_OSS.hidden, GPT_OSS.intermediate
+    ex = sr.experts()
+    assert ex.gate_up_proj.shape == (E, H, 2 * I) and ex.gate_up_proj.is_contiguous()
+    assert torch.equal(ex.gate_up_proj[:, :, 0::2], sr.w1[:, :I].transpose(1, 2))
+    assert torch.equal(ex.gate_up_proj[:, :, 1::2], sr.w1[:, I:].transpose(1, 2))
+    assert torch.equal(ex.gate_up_proj_bias[:, 0::2], sr.b1[:, :I])
+    assert torch.equal(ex.gate_up_proj_bias[:, 1::2], sr.b1[:, I:])
+    assert torch.equal(ex.down_proj, sr.w2.transpose(1, 2)) and ex.down_proj.is_contiguous()
+    assert torch.equal(ex.down_proj_bias, sr.b2)
+    assert (ex.alpha, ex.limit) == (1.702, 7.0)
+    want = reference.dense_moe(r.x, r.ids, r.weights, sr.w1, sr.w2, GPT_OSS.gate, sr.b1, sr.b2)
+    wrong = {
+        "not interleaved": ("gate_up_proj", sr.w1.transpose(1, 2).contiguous()),
+        "bias not interleaved": ("gate_up_proj_bias", sr.b1),
+        "no b2": ("down_proj_bias", torch.zeros_like(sr.b2)),
+        "no b1": ("gate_up_proj_bias", torch.zeros_like(sr.b1)),
+    }
+    with torch.no_grad():
+        for why, (name, t) in wrong.items():
+            keep = getattr(ex, name)
+            setattr(ex, name, torch.nn.Parameter(t, requires_grad=False))
+            err = bench.rel_l2(ex(r.x, r.ids, r.weights.bfloat16()), want)
+            setattr(ex, name, keep)
+            assert err > 5 * bench.GROUPED_MM_TOL, why
+    sr.close()
+
+
+@needs_transformers
+def test_hf_experts_refuse_a_config_they_do_not_compute():
+    import dataclasses
+
+    w1, w2 = torch.zeros(8, 2 * 88, 192), torch.zeros(8, 192, 88)
+    with pytest.raises(ValueError, match="computes the gate gelu_tanh, not silu"):
+        bench.hf_grouped_mm_experts(dataclasses.replace(GEMMA4, gate="silu"), w1, w2)
+    with pytest.raises(ValueError, match="no expert biases"):
+        bench.hf_grouped_mm_experts(dataclasses.replace(GEMMA4, bias=True), w1, w2)
+    with pytest.raises(ValueError, match="hf_experts"):
+        bench.hf_grouped_mm_experts(dataclasses.replace(GEMMA4, hf_experts="mixtral"), w1, w2)
+
+
+def _padded_prepared(cfg, scheme, w1, w2, b1, b2):
+    """(w1, w1_scale, w2, w2_scale, b1, b2) as a ``scheme`` layer keeps them (zero-padded to the
+    scheme's sizes, quantized), built without the layer."""
+    F = torch.nn.functional
+    of = epmoe.quant.get(scheme).size_multiple
+    H, I = cfg.hidden, cfg.intermediate
+    Hp, Ip = reference.round_up(H, of), reference.round_up(I, of)
+    w1p = torch.cat([F.pad(h, (0, Hp - H, 0, Ip - I)) for h in w1.split(I, dim=1)], dim=1)
+    w2p = F.pad(w2, (0, Ip - I, 0, Hp - H))
+    b1p = torch.cat([F.pad(h, (0, Ip - I)) for h in b1.float().split(I, dim=1)], dim=1)
+    b2p = F.pad(b2.float(), (0, Hp - H))
+    if scheme == "bf16":
+        return w1p, None, w2p, None, b1p, b2p
+    q1, s1 = reference.quantize_weights(w1p, scheme)
+    q2, s2 = reference.quantize_weights(w2p, scheme)
+    return q1, s1, q2, s2, b1p, b2p
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_raw_gemms_run_the_gate_biases_and_padding(scheme):
+    """The raw GEMMs' operands at gpt-oss's gate and biases and at sizes fp8 pads (H 200, I 72):
+    combined the raw way they give the layer's reference output (no layer needed)."""
+    sr, r = _weights(GPT_OSS)
+    weights = _padded_prepared(GPT_OSS, scheme, sr.w1, sr.w2, sr.b1, sr.b2)
+    if scheme == "fp8":
+        assert weights[0].shape[1:] == (2 * 128, 256)  # H 200 -> 256, I 72 -> 128 a half
+    args = (r.x, r.ids, r.weights, sr.w1, sr.w2)
+    if scheme == "bf16":
+        want = reference.dense_moe(*args, GPT_OSS.gate, sr.b1, sr.b2)
+    else:
+        want = reference.quantized_moe(*args, scheme, GPT_OSS.gate, sr.b1, sr.b2)
+    timer = bench.CpuTimer(1, 0)
+    for path, a in (("ll", (64, 40, None)), ("ht", (None, 0, 128))):
+        res = bench.raw_gemms(GPT_OSS, scheme, weights, r, path, *a, timer)
+        assert res["_out"].shape == r.x.shape
+        assert bench.rel_l2(res["_out"], want) < 1e-2, path
+    plain = bench.raw_gemms(GPT_OSS, scheme, weights[:4], r, "ht", None, 0, 128, timer)
+    assert bench.rel_l2(plain["_out"], want) > 0.05  # the biases count
+    sr.close()
+
+
+def test_expert_weight_bytes_of_gated_and_biased_experts():
+    cfg = _configs.CONFIGS["gpt-oss-20b"]
+    n, bias = 3 * 2880 * 2880, 4 * (2 * 2880 + 2880)
+    assert bench.expert_weight_bytes(cfg, "bf16") == 2 * n + bias
+    assert bench.expert_weight_bytes(cfg, "fp8") == n + 4 * 3 * 23 * 23 + bias  # 23 blocks of 2880
+    assert bench.expert_weight_bytes(cfg, "int8") == n + 4 * (2 * 2880 + 2880) + bias
+    plain = _configs.CONFIGS["gpt-oss-20b-silu"]
+    assert bench.expert_weight_bytes(plain, "bf16") == 2 * n
+
+
+def _rec(shape, scheme, mode, T, graph_ms, eager_ms=None, gmm=None):
+    r = {"shape": shape, "scheme": scheme, "mode": mode, "T": T, "status": "ok", "errors": {}}
+    r.update(graph_ms=graph_ms, eager_ms=eager_ms, ratios={})
+    if gmm is not None:
+        r["ratios"]["graph_over_grouped_mm_graph"] = graph_ms / gmm
+    return r
+
+
+def test_summary_gate_bias_cost_and_targets():
+    oss, plain = "gpt-oss-20b", "gpt-oss-20b-silu"
+    report = {
+        "cases": [
+            _rec(oss, "fp8", "auto", 32, 0.102, 0.2, gmm=0.3),  # 0.34 of grouped_mm: met
+            _rec(plain, "fp8", "auto", 32, 0.1, 0.19),
+            _rec(oss, "bf16", "auto", 32, 0.11, gmm=0.12),  # 0.92 > 1 / 1.3: not met
+            _rec(plain, "bf16", "auto", 32, 0.1),  # 1.1 > 1.03: not met
+            _rec(oss, "bf16", "auto", 4096, 1.0, gmm=1.25),  # above 128: <= 1, met
+            _rec(oss, "int8", "auto", 4096, 1.0, gmm=0.5),  # no int8 target above 128
+            _rec(oss, "fp8", "ll", 32, 0.1, gmm=0.3),  # not the auto layer
+            _rec(oss, "fp8", "ht", 32, 0.2),  # no twin at ht
+            _rec("qwen3-30b-a3b", "fp8", "auto", 32, 0.1, gmm=0.3),
+            {"shape": plain, "scheme": "fp8", "mode": "ht", "T": 32, "status": "skipped"},
+        ]
+    }
+    bench.summarize(report)
+    cost = {(e["scheme"], e["mode"], e["T"]): e for e in report["gate_bias_cost"]}
+    assert set(cost) == {("fp8", "auto", 32), ("bf16", "auto", 32)}
+    e = cost[("fp8", "auto", 32)]
+    assert e["shape"] == oss and e["plain"] == plain and e["max_ratio"] == bench.GATE_BIAS_MAX
+    assert e["ratio"] == e["graph_ratio"] == pytest.approx(1.02) and e["met"] is True
+    assert e["eager_ratio"] == pytest.approx(0.2 / 0.19)
+    assert cost[("bf16", "auto", 32)]["met"] is False
+    assert cost[("bf16", "auto", 32)]["eager_ratio"] is None
+    got = {(t["scheme"], t["T"]): (t["max_ratio"], t["met"]) for t in report["targets"]}
+    assert got == {
+        ("fp8", 32): (0.5, True),
+        ("bf16", 32): (pytest.approx(1 / 1.3), False),
+        ("bf16", 4096): (1.0, True),
+    }
+    assert all(t["shape"] == oss and t["mode"] == "auto" for t in report["targets"])
+    lines = bench.summary_lines(report)
+    assert any(line.startswith("gate_bias_cost gpt-oss-20b / gpt-oss-20b-silu") for line in lines)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_cpu_smoke_gpt_oss_and_gemma4_shapes(tmp_path, monkeypatch):
+    """The tiny gpt-oss / Gemma4 shapes through the script: every path and scheme, the layer
+    built with the config's gate and biases matches transformers' own experts (GptOssExperts,
+    Gemma4TextExperts) on the same weights, the raw GEMMs' operands are the layer's, and the
+    gate / bias cost against a plain twin is recorded."""
+    import dataclasses
+
+    twin = dataclasses.replace(
+        GPT_OSS, name="tiny-gpt-oss-silu", gate="silu", bias=False, hf_experts="qwen3_moe"
+    )
+    monkeypatch.setitem(_configs.CONFIGS, twin.name, twin)
+    monkeypatch.setitem(
+        _configs.CONFIGS, GPT_OSS.name, dataclasses.replace(GPT_OSS, plain=twin.name)
+    )
+    out = tmp_path / "m.json"
+    shapes = f"shape={GPT_OSS.name},{twin.name},{GEMMA4.name}"
+    report = bench.main(["--cpu-smoke", "--out", str(out), "--only", shapes, "ht,auto", "T=1,40"])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["complete"] and len(on_disk["cases"]) == 3 * 3 * 2 * 2
+    for c in on_disk["cases"]:
+        cfg = _configs.CONFIGS[c["shape"]]
+        assert (c["gate"], c["bias"]) == (cfg.gate, cfg.bias)
+        if not _usable(c):
+            continue
+        assert c["status"] == "ok" and not c["errors"], (c["id"], c["errors"])
+        tol = 1e-2 if c["scheme"] != "int8" else 0.12
+        assert c["raw_rel_l2_vs_layer"] < tol, c["id"]
+        assert c["rel_l2_vs_grouped_mm"] < (1e-2 if c["scheme"] == "bf16" else 0.1), c["id"]
+        assert c.get("matches_grouped_mm", True), c["id"]
+    cost = on_disk["gate_bias_cost"]
+    assert {(e["scheme"], e["mode"], e["T"]) for e in cost} == {
+        (q, m, t) for q in bench.SCHEMES for m in ("ht", "auto") for t in (1, 40)
+    }
+    assert all(e["eager_ratio"] > 0 and e["ratio"] is None and e["met"] is None for e in cost)
+    assert on_disk["targets"] == [] and report["gate_bias_cost"] == cost
