@@ -104,6 +104,8 @@ _ALPHA_ATTRS = ("alpha", "swiglu_alpha")
 _LIMIT_ATTRS = ("limit", "swiglu_limit")
 _NEW_OPTIONS: Dict[str, object] = {}  # options of the installed decorator epmoe does not know
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")  # the experts calling convention
+# other spellings of the same arguments (gpt-oss: the router's top-k indices and their weights)
+_CALL_SYNONYMS = {"router_indices": "top_k_index", "routing_weights": "top_k_weights"}
 
 
 def register(fallback: str = "grouped_mm", ll_max_tokens: Optional[int] = None) -> Tuple[str, ...]:
@@ -479,7 +481,7 @@ def _calling_convention(cls: type) -> Optional[str]:
         params = list(inspect.signature(own).parameters)[1:]
     except (TypeError, ValueError):
         return f"{cls.__name__}.forward has no signature to read"
-    if tuple(params[:3]) != _CALL or any(
+    if tuple(_CALL_SYNONYMS.get(p, p) for p in params[:3]) != _CALL or any(
         p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         for p in list(inspect.signature(own).parameters.values())[4:]
     ):
