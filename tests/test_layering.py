@@ -1,6 +1,6 @@
-"""The package's import graph: floors (low to high) base modules, quant and reference -> kernels
-(shared by stages and backends) -> comm -> ops -> layer / compile / graphs -> integrations / cli /
-the package itself; no import goes up a floor and there is no cycle."""
+"""The package's import graph: floors (low to high) base modules, quant, gate and reference ->
+kernels (shared by stages and backends) -> comm -> ops -> layer / compile / graphs -> integrations
+/ cli / the package itself; no import goes up a floor and there is no cycle."""
 
 import ast
 import pathlib
@@ -37,7 +37,9 @@ def _graph():
 
 def floor(name: str) -> int:
     parts = name.split(".")
-    if name in ("epmoe.reference", "epmoe.quant") or (len(parts) == 2 and parts[1].startswith("_")):
+    if name in ("epmoe.reference", "epmoe.quant", "epmoe.gate") or (
+        len(parts) == 2 and parts[1].startswith("_")
+    ):
         return 0 if parts[1] != "__main__" else 5
     return {"kernels": 1, "comm": 2, "ops": 3, "layer": 4, "compile": 4, "graphs": 4}.get(
         parts[1] if len(parts) > 1 else "", 5
