@@ -180,7 +180,8 @@ def silu_and_mul(
             yf = yf + b[:, None, :]
         else:
             if rows_expert is None:
-                raise _checks.fail("silu_and_mul", "m_indices", "the rows' experts", None)
+                want = "int32 [M] (each row's expert) with a bias on a 2-D y"
+                raise _checks.fail("silu_and_mul", "m_indices", want, None)
             _checks.check_ids(rows_expert, bias.shape[0], "silu_and_mul", "m_indices")
             ids = rows_expert.long()
             yf = yf + torch.where((ids >= 0)[:, None], b[ids.clamp(min=0)], 0.0)

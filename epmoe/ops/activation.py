@@ -286,6 +286,9 @@ def _int8_warps(elements, thread_elems: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ ops
+_ROWS_WANTED = "int32 [M_sum] (each row's expert) with a bias on a 2-D y"
+
+
 def _gate_ok(spec) -> bool:
     """``spec`` names a gate (the contracts' test; their full check raises parse's ValueError)."""
     try:
@@ -317,11 +320,14 @@ def _act_steps():
     bias_rows = Case(
         "len(y.shape) == 3",
         [Shape("bias", ("y.shape[0]", "y.shape[-1]"))],
-        [Rule("m_indices is not None", "m_indices", "the rows' experts with a bias", "None")],
+        [Rule("m_indices is not None", "m_indices", _ROWS_WANTED, "None")],
+    )
+    spec = Rule(
+        "gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, lambda a: repr(a.gate)
     )
     return (
         Tensor("y", _checks.FLOAT_DTYPES, ndim=(2, 3)),
-        Rule("gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, _got_gate),
+        spec,
         Let("G", "_parse(gate)"),
         Case("G.glu", [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
         *masked_m_steps("y"),
@@ -333,18 +339,13 @@ def _act_steps():
     )
 
 
-def _got_gate(a) -> str:
-    return repr(a.gate)
-
-
 _CONSTS = dict(_gate_ok=_gate_ok, _parse=_gate.parse, SCHEMES=quant.SCHEMES)
-_GATE_BIAS = "gate bias"
 CONTRACT = Contract(
-    OP, f"y masked_m m_indices expert_offsets {_GATE_BIAS}", *_act_steps(), consts=_CONSTS
+    OP, "y masked_m m_indices expert_offsets gate bias", *_act_steps(), consts=_CONSTS
 )
 CONTRACT_QUANT = Contract(
     OPQ,
-    f"y scheme masked_m group_size m_indices scale_layout expert_offsets {_GATE_BIAS}",
+    "y scheme masked_m group_size m_indices scale_layout expert_offsets gate bias",
     *_act_steps(),
     Choice("scheme", ("fp8", "int8")),
     PositiveInt("group_size"),
