@@ -9,7 +9,6 @@ output/reduction dims, ``S`` scale groups per row.
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from epmoe import _checks, quant
 from epmoe import gate as _gate
@@ -160,17 +159,46 @@ def grouped_gemm_masked(
 
 
 # -------------------------------------------------------------------------------------- activation
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """y `[..., 2I]` -> `[..., I]` in y.dtype: silu(gate) * up, gate first, float32 math."""
-    inter = y.shape[-1] // 2
+def silu_and_mul(
+    y: torch.Tensor,
+    gate=None,
+    bias: Optional[torch.Tensor] = None,
+    rows_expert: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """y `[..., W]` -> `[..., I]` in y.dtype: the gate's h in float32 math (``gate`` a
+    :class:`~epmoe.gate.Gate`, its spec, or None: silu(gate) * up, W = 2I, gate columns first).
+
+    bias float `[E_b, W]` is added to y in float32 first: for 2-D y `[M, W]` row r adds
+    bias[rows_expert[r]] (int `[M]`, -1: no bias, the row is padding), for 3-D y `[E, T, W]`
+    y[e] adds bias[e].
+    """
+    g = _gate.get(gate, "silu_and_mul", "gate")
     yf = y.float()
-    return (F.silu(yf[..., :inter]) * yf[..., inter:]).to(y.dtype)
+    if bias is not None:
+        b = bias.float()
+        if y.dim() == 3:
+            yf = yf + b[:, None, :]
+        else:
+            if rows_expert is None:
+                want = "int32 [M] (each row's expert) with a bias on a 2-D y"
+                raise _checks.fail("silu_and_mul", "m_indices", want, None)
+            _checks.check_ids(rows_expert, bias.shape[0], "silu_and_mul", "m_indices")
+            ids = rows_expert.long()
+            yf = yf + torch.where((ids >= 0)[:, None], b[ids.clamp(min=0)], 0.0)
+    return g.reference(yf).to(y.dtype)
 
 
-def silu_and_mul_quant(y: torch.Tensor, scheme, group_size: int = 128):
+def silu_and_mul_quant(
+    y: torch.Tensor,
+    scheme,
+    group_size: int = 128,
+    gate=None,
+    bias: Optional[torch.Tensor] = None,
+    rows_expert: Optional[torch.Tensor] = None,
+):
     """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as the
     unfused pair does)."""
-    return quantize(silu_and_mul(y), scheme, group_size)
+    return quantize(silu_and_mul(y, gate, bias, rows_expert), scheme, group_size)
 
 
 # ---------------------------------------------------------------------------------------- unpermute

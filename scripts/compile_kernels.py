@@ -217,6 +217,8 @@ def cases() -> Dict[str, Callable[[], object]]:
                 (y2, None, None, None, "row"),
             )
         ],  # fmt: skip
+        # every activation and gate field, the bias on both row layouts, int8's two passes
+        "silu_and_mul(_quant) gates and bias": lambda: _gate_launches(y2, y3, mm, mi, offs),
         "permute bf16/fp8 (deepgemm scales)/int8, one kernel and chain": lambda: [
             (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"), p(qi, ids, 8, 128, si, "row"))
             for small in (P.CONFIG.small_entries, 0)
@@ -289,6 +291,40 @@ def cases() -> Dict[str, Callable[[], object]]:
             ok=torch.empty((), dtype=torch.bool),
         ),  # fmt: skip
     }
+
+
+# one gate per activation, every field of epmoe.gate.Gate set somewhere
+_GATES = (
+    "silu:alpha=1.702,limit=7.0,up_offset=1.0",
+    "gelu_tanh:limit=10.0,clamp_after=1",
+    "gelu",
+    "relu",
+    "relu2:glu=0",
+)
+
+
+def _gate_launches(y2, y3, mm, mi, offs):
+    """The three activation kernels for every gate of _GATES with a bias on both row layouts
+    (2-D: each row's expert from m_indices; 3-D masked: e's), the first gate also without one,
+    and the int8 kernel's two passes (I > int8_single_pass_max) with a bias, GLU or not."""
+    bias2 = torch.empty((8, y2.shape[-1]), dtype=torch.float32)  # (any float dtype)
+    bias3 = torch.empty((y3.shape[0], y3.shape[-1]), dtype=torch.bfloat16)
+    out = []
+    for gate in _GATES:
+        layouts = [(y2, None, mi, offs, bias2), (y3, mm, None, None, bias3)]
+        if gate == _GATES[0]:
+            layouts.append((y2, None, None, None, None))
+        for yy, m, i, o, b in layouts:
+            out.append(A._silu_and_mul_triton(yy, m, i, o, gate, b))
+            for scheme, layout in (("fp8", "deepgemm"), ("int8", "row")):
+                out.append(A._silu_and_mul_quant_triton(yy, scheme, m, 128, i, layout, o, gate, b))
+    y_long = torch.empty((2, 3, 20000), dtype=torch.bfloat16)
+    for gate in ("silu:limit=7.0", "relu2:glu=0"):
+        b = torch.empty((2, 20000), dtype=torch.bfloat16)
+        out.append(
+            A._silu_and_mul_quant_triton(y_long, "int8", mm[:2], 128, None, "row", None, gate, b)
+        )
+    return out
 
 
 def _gemv_pair(scheme: str, check: bool, T: int):

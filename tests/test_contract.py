@@ -46,6 +46,7 @@ def _cases():
     x, ids, w = z(4, 256, dtype=bf), z(4, 2, dtype=i64), z(4, 2)
     y2, y3 = z(8, 256, dtype=bf), z(2, 4, 256, dtype=bf)
     mm, mi, offs = z(2, dtype=i32), z(8, dtype=i32), z(3, dtype=i32)
+    b2, b3 = z(3, 256), z(2, 256, dtype=bf)  # expert biases of y2 (rows by m_indices) and y3
     a8, w8, s8, ws8 = z(2, 4, 128, dtype=i8), z(2, 256, 128, dtype=i8), z(2, 4, 1), z(2, 256)
     a8c = z(8, 128, dtype=i8)
     af, wf = z(8, 256, dtype=FP8), z(2, 256, 256, dtype=FP8)
@@ -115,8 +116,19 @@ def _cases():
         Case(
             "silu_and_mul 2-D",
             A.CONTRACT,
-            (y2, None, mi, offs),
+            (y2, None, mi, offs, "silu", b2),
             [
+                ("gate", "swish", r"silu_and_mul: gate expected a gate spec .*, got 'swish'"),
+                ("gate", "relu:limit=0", r"silu_and_mul: gate expected a gate spec"),
+                ("gate", None, r"silu_and_mul: gate expected a gate spec .*, got None"),
+                (
+                    "bias",
+                    b2[:, :128],
+                    r"silu_and_mul: bias expected shape \[\*, 256\], got \[3, 128\]",
+                ),
+                ("bias", b2.int(), r"silu_and_mul: bias expected dtype"),
+                ("bias", b2.to(META), r"silu_and_mul: bias expected device cpu"),
+                ("m_indices", None, r"silu_and_mul: m_indices expected int32 \[M_sum\] .* a bias"),
                 ("y", y2[:, :255], r"silu_and_mul: y.shape\[-1\] expected a multiple of 2 \(gate"),
                 ("y", z(8, dtype=bf), r"silu_and_mul: y expected a 2-D or 3-D tensor"),
                 ("masked_m", mm, r"silu_and_mul: masked_m expected None for a 2-D y"),
@@ -134,8 +146,11 @@ def _cases():
         Case(
             "silu_and_mul 3-D",
             A.CONTRACT,
-            (y3, mm, None, None),
+            (y3, mm, None, None, "gelu_tanh:limit=7", b3),
             [
+                ("bias", b2, r"silu_and_mul: bias expected shape \[2, 256\], got \[3, 256\]"),
+                ("bias", b3[0], r"silu_and_mul: bias expected shape \[\*, 256\], got \[256\]"),
+                ("gate", "gelu_tanh:alpha=2", r"silu_and_mul: gate expected a gate spec"),
                 ("masked_m", mm[:1], r"silu_and_mul: masked_m expected shape \[2\], got \[1\]"),
                 ("m_indices", mi, r"silu_and_mul: m_indices expected None for a 3-D y"),
                 ("expert_offsets", offs, r"silu_and_mul: expert_offsets expected None for a 3-D y"),
@@ -144,13 +159,25 @@ def _cases():
         Case(
             "silu_and_mul_quant",
             A.CONTRACT_QUANT,
-            (y2, "fp8", None, 128, mi, "row", offs),
+            (y2, "fp8", None, 128, mi, "row", offs, "silu:alpha=1.702,limit=7,up_offset=1", b2),
             [
+                ("gate", "silu:beta=1", r"silu_and_mul_quant: gate expected a gate spec"),
+                ("bias", z(3, 512), r"silu_and_mul_quant: bias expected shape \[\*, 256\]"),
+                ("m_indices", None, r"silu_and_mul_quant: m_indices expected int32"),
                 ("scheme", "int4", r"silu_and_mul_quant: scheme expected one of 'fp8', 'int8'"),
                 ("group_size", 0, r"silu_and_mul_quant: group_size expected a positive int, got 0"),
                 ("group_size", 96, r"y.shape\[-1\] // 2 expected a multiple of 96 \(fp8 group\)"),
                 ("scale_layout", "col", r"silu_and_mul_quant: scale_layout expected one of"),
                 ("y", y2.int(), r"silu_and_mul_quant: y expected dtype"),
+            ],
+        ),
+        Case(
+            "silu_and_mul_quant no GLU",
+            A.CONTRACT_QUANT,
+            (y3, "fp8", mm, 128, None, "deepgemm", None, "relu2:glu=0", None),
+            [
+                ("group_size", 96, r"silu_and_mul_quant: y.shape\[-1\] expected a multiple of 96"),
+                ("bias", b2, r"silu_and_mul_quant: bias expected shape \[2, 256\]"),
             ],
         ),
         Case(
