@@ -70,17 +70,20 @@ def check_scatter(out, x, topk_ids, E, C, quant, lo=0, NG=None) -> None:
             assert torch.equal(s[e, c], qs[t]), (quant, t, k, e, c)
 
 
-def gather_oracle(y, rows, w=None) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]], float32 in k order, one loop."""
+def gather_oracle(y, rows, w=None, bias=None, hidden=None) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * (y.view(E*C, H)[r, :Ho] + bias[r // C, :Ho]), r = rows[t,k],
+    float32 in k order, one loop (Ho = hidden or H)."""
     E, C, H = y.shape
-    flat = y.cpu().reshape(E * C, H).float()
+    Ho = H if hidden is None else hidden
+    flat = y.cpu().reshape(E * C, H).float()[:, :Ho]
     rows = rows.cpu()
-    out = torch.zeros((rows.shape[0], H))
+    out = torch.zeros((rows.shape[0], Ho))
     for t in range(rows.shape[0]):
         for k in range(rows.shape[1]):
             r = int(rows[t, k])
             if r >= 0:
-                out[t] += flat[r] * (1.0 if w is None else float(w[t, k]))
+                v = flat[r] if bias is None else flat[r] + bias.cpu()[r // C, :Ho].float()
+                out[t] += v * (1.0 if w is None else float(w[t, k]))
     return out.to(torch.bfloat16)
 
 
