@@ -34,14 +34,26 @@ def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -
 # ----------------------------------------------------------------------------------------- quantize
 # The quantizers' math is in epmoe.quant (quantize_fp8, quantize_int8, dequantize, the weight
 # quantizers, dequantize_weights): each scheme object carries its own.
-def quantize(x: torch.Tensor, scheme, group_size: int = 128):
+def quantize(x: torch.Tensor, scheme, group_size: int = 128, width: Optional[int] = None):
     """x float `[..., H]` -> (codes, float32 scales) of the quantized ``scheme`` (a name or a
-    :class:`~epmoe.quant.QuantScheme`): fp8 groups of ``group_size`` channels, int8 per row."""
+    :class:`~epmoe.quant.QuantScheme`): fp8 groups of ``group_size`` channels, int8 per row.
+    ``width``: the codes' columns Wd >= H (None: H), x zero-extended to them first (codes
+    `[..., Wd]`, scales over the zero-extended groups)."""
     qs = quant.SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
     if qs not in quant.QUANTIZED:
         names = " or ".join(repr(q.name) for q in quant.QUANTIZED)
         raise _checks.fail("quantize", "scheme", names, repr(scheme))
-    return qs.quantize(x, group_size)
+    return qs.quantize(widen(x, width), group_size)
+
+
+def widen(x: torch.Tensor, width: Optional[int]) -> torch.Tensor:
+    """x `[..., H]` zero-extended to `[..., width]` (any dtype; x itself when width is None or
+    H)."""
+    if width is None or width == x.shape[-1]:
+        return x
+    out = x.new_zeros((*x.shape[:-1], width))
+    out[..., : x.shape[-1]] = x
+    return out
 
 
 def quantize_weights(w: torch.Tensor, scheme) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

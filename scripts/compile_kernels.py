@@ -205,6 +205,15 @@ def cases() -> Dict[str, Callable[[], object]]:
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
             Q._quantize_triton(y3, "fp8", 128, mm, "deepgemm"),
         ),
+        "quantize fp8/int8 into wider codes 2d/3d masked/two-pass": lambda: [
+            Q._quantize_triton(xx, sch, 128, m, "deepgemm", wd)
+            for xx, m, wd in (
+                (bf[:, :160], None, 256),
+                (y3[..., :160], mm, 256),
+                (torch.empty((3, 20000), dtype=torch.bfloat16), None, 20096),
+            )
+            for sch in ("fp8", "int8")
+        ],  # fmt: skip
         "quantize int8 2d/3d masked/two-pass": lambda: (
             Q._quantize_triton(bf, "int8"),
             Q._quantize_triton(y3, "int8", 128, mm),
