@@ -336,17 +336,19 @@ def ll_scatter(
     quant: str = "bf16",
     expert_lo: int = 0,
     num_global_experts: Optional[int] = None,
+    width: Optional[int] = None,
 ):
-    """Scatter tokens into the masked `[E, C, H]` layout, quantized per ``quant``.
+    """Scatter tokens into the masked `[E, C, Wd]` layout, quantized per ``quant``.
 
     Args:
         x: bf16 `[T, H]`. topk_ids: int32/int64 `[T, K]`, global id in [0, num_global_experts)
             or -1. Entry (t, k) goes to local expert id - expert_lo when that lies in [0, E),
             else nowhere (another rank's expert).
         num_experts: E. capacity: C, slots per expert. quant: "bf16", "fp8" (1x128 groups) or
-            "int8" (per token). num_global_experts: defaults to E.
+            "int8" (per token). num_global_experts: defaults to E. width: Wd >= H (None: H), x
+            zero-extended to Wd columns first (a zero-padded hidden).
     Returns:
-        (xo `[E, C, H]` (bf16 / float8_e4m3fn / int8), scales float32 `[E, C, G]` (G = H/128,
+        (xo `[E, C, Wd]` (bf16 / float8_e4m3fn / int8), scales float32 `[E, C, G]` (G = Wd/128,
         1, 0), masked_m int32 `[E]` = min(entries, C), rows int32 `[T, K]` = e*C + slot or -1).
         Slots inside an expert follow the flat (t, k) order; entries past C are dropped (and an
         error); rows of xo / scales past masked_m are zero here (unspecified in the contract).
@@ -354,6 +356,7 @@ def ll_scatter(
     E, C = num_experts, capacity
     NG = num_experts if num_global_experts is None else num_global_experts
     T, K = topk_ids.shape
+    x = widen(x, width)
     H = x.shape[1]
     dev = x.device
     ids = topk_ids.long()

@@ -194,6 +194,15 @@ def cases() -> Dict[str, Callable[[], object]]:
             KG._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :320].clone(), b, check)
             for ww, b, check in ((w, ll_b, True), (None, ll_b.float(), True), (w, ll_b, False))
         ],
+        # a layout wider than x (a zero-padded hidden): one chunk, and two-pass int8 / many chunks
+        "ll_scatter bf16/fp8/int8 into a wider layout": lambda: [
+            KS._ll_scatter_triton(xx, ids, 8, 128, q, 0, None, "deepgemm", wd)
+            for xx, wd in (
+                (bf[:, :160], 256),
+                (torch.empty((64, 16000), dtype=torch.bfloat16), 16384),
+            )
+            for q in ("bf16", "fp8", "int8")
+        ],  # fmt: skip
         "ll_scatter / ll_gather, asserting": lambda: [
             (
                 KS._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
