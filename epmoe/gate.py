@@ -99,11 +99,12 @@ class Gate:
         a = self._act(g)
         if self.limit is not None and self.clamp_after:
             a = a.clamp(max=self.limit)
-        return a * (u + self.up_offset)
+        # (no + 0.0: it would turn an up value of -0.0 into +0.0, and so the sign of a zero h)
+        return a * (u + self.up_offset if self.up_offset else u)
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
-        if self.act == "silu":
-            return g * torch.sigmoid(self.alpha * g)
+        if self.act == "silu":  # (alpha 1: torch's own SiLU, the bits the plain SiLU-GLU had)
+            return F.silu(g) if self.alpha == 1.0 else g * torch.sigmoid(self.alpha * g)
         if self.act == "gelu_tanh":
             return F.gelu(g, approximate="tanh")
         if self.act == "gelu":
@@ -127,13 +128,15 @@ def _fmt(v) -> str:
 
 
 SILU = Gate()
+# what a bad spec is told it should have been (parse's ValueError, and the ops' contracts)
+SPEC_EXPECTED = f"a gate spec such as 'silu:alpha=1.702,limit=7' (act in {ACTS}, fields {_FIELDS})"
 
 
 @functools.lru_cache(maxsize=256)
 def parse(spec: str, op: str = "gate", arg: str = "gate") -> Gate:
     """The Gate a spec string names (ValueError naming ``op`` / ``arg`` otherwise)."""
     if not isinstance(spec, str):
-        raise _checks.fail(op, arg, "a gate spec string such as 'silu'", repr(spec))
+        raise _checks.fail(op, arg, SPEC_EXPECTED, repr(spec))
     act, _, rest = spec.partition(":")
     kw = {}
     try:
@@ -144,8 +147,7 @@ def parse(spec: str, op: str = "gate", arg: str = "gate") -> Gate:
             kw[name] = bool(int(value)) if name in ("clamp_after", "glu") else float(value)
         return Gate(act, **kw)
     except ValueError:
-        want = f"a gate spec (act in {ACTS}, fields {_FIELDS})"
-        raise _checks.fail(op, arg, want, repr(spec)) from None
+        raise _checks.fail(op, arg, SPEC_EXPECTED, repr(spec)) from None
 
 
 def get(gate: Union[str, Gate, None], op: str = "gate", arg: str = "gate") -> Gate:
@@ -165,23 +167,24 @@ def _approx(x, OP: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid_mul(g, z, FAST: tl.constexpr):
-    """g * sigmoid(z) in float32: two MUFU instructions on the GPU (ex2, rcp; flush-to-zero only
-    touches exp(-z) < 2^-126, where sigmoid(z) = 1 either way), torch's formula under the
-    interpreter (which runs no PTX)."""
+def _sigmoid_mul(g, z, SCALE: tl.constexpr, FAST: tl.constexpr):
+    """g * sigmoid(SCALE * z) in float32: two MUFU instructions on the GPU (ex2, rcp; SCALE folded
+    into the ex2 argument's constant; flush-to-zero only touches exp(-z) < 2^-126, where
+    sigmoid = 1 either way), torch's formula under the interpreter (which runs no PTX)."""
     if FAST:
-        return g * _approx(1.0 + _approx(z * _NEG_LOG2E, "ex2"), "rcp")
+        return g * _approx(1.0 + _approx(z * (SCALE * _NEG_LOG2E), "ex2"), "rcp")
     else:
-        return g / (1.0 + tl.exp(-z))
+        zs = z * SCALE if SCALE != 1.0 else z  # (SCALE 1: no multiply, the plain SiLU's code)
+        return g / (1.0 + tl.exp(-zs))
 
 
 @triton.jit
 def _act(g, ACT: tl.constexpr, ALPHA: tl.constexpr, FAST: tl.constexpr):
     """The gate's activation of float32 g (codes as in ACTS)."""
     if ACT == 0:  # silu (alpha)
-        return _sigmoid_mul(g, g * ALPHA, FAST)
+        return _sigmoid_mul(g, g, ALPHA, FAST)
     elif ACT == 1:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z)
-        return _sigmoid_mul(g, 1.5957691216057308 * (g + 0.044715 * g * g * g), FAST)
+        return _sigmoid_mul(g, g + 0.044715 * g * g * g, 1.5957691216057308, FAST)
     elif ACT == 2:  # gelu (erf)
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     elif ACT == 3:
@@ -206,4 +209,6 @@ def gate_h(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
         a = _act(g, ACT, ALPHA, FAST)
         if LIMIT > 0 and CLAMP_AFTER:
             a = tl.minimum(a, LIMIT)
-        return a * (u + UP_OFFSET)
+        if UP_OFFSET != 0.0:  # (+ 0.0 would cost an add and turn -0.0 into +0.0)
+            u = u + UP_OFFSET
+        return a * u

@@ -9,7 +9,6 @@ output/reduction dims, ``S`` scale groups per row.
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from epmoe import _checks, quant
 from epmoe import gate as _gate
@@ -35,14 +34,26 @@ def permuted_rows(num_rows: int, top_k: int, num_experts: int, alignment: int) -
 # ----------------------------------------------------------------------------------------- quantize
 # The quantizers' math is in epmoe.quant (quantize_fp8, quantize_int8, dequantize, the weight
 # quantizers, dequantize_weights): each scheme object carries its own.
-def quantize(x: torch.Tensor, scheme, group_size: int = 128):
+def quantize(x: torch.Tensor, scheme, group_size: int = 128, width: Optional[int] = None):
     """x float `[..., H]` -> (codes, float32 scales) of the quantized ``scheme`` (a name or a
-    :class:`~epmoe.quant.QuantScheme`): fp8 groups of ``group_size`` channels, int8 per row."""
+    :class:`~epmoe.quant.QuantScheme`): fp8 groups of ``group_size`` channels, int8 per row.
+    ``width``: the codes' columns Wd >= H (None: H), x zero-extended to them first (codes
+    `[..., Wd]`, scales over the zero-extended groups)."""
     qs = quant.SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
     if qs not in quant.QUANTIZED:
         names = " or ".join(repr(q.name) for q in quant.QUANTIZED)
         raise _checks.fail("quantize", "scheme", names, repr(scheme))
-    return qs.quantize(x, group_size)
+    return qs.quantize(widen(x, width), group_size)
+
+
+def widen(x: torch.Tensor, width: Optional[int]) -> torch.Tensor:
+    """x `[..., H]` zero-extended to `[..., width]` (any dtype; x itself when width is None or
+    H)."""
+    if width is None or width == x.shape[-1]:
+        return x
+    out = x.new_zeros((*x.shape[:-1], width))
+    out[..., : x.shape[-1]] = x
+    return out
 
 
 def quantize_weights(w: torch.Tensor, scheme) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -160,30 +171,83 @@ def grouped_gemm_masked(
 
 
 # -------------------------------------------------------------------------------------- activation
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """y `[..., 2I]` -> `[..., I]` in y.dtype: silu(gate) * up, gate first, float32 math."""
-    inter = y.shape[-1] // 2
+def silu_and_mul(
+    y: torch.Tensor,
+    gate=None,
+    bias: Optional[torch.Tensor] = None,
+    rows_expert: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """y `[..., W]` -> `[..., I]` in y.dtype: the gate's h in float32 math (``gate`` a
+    :class:`~epmoe.gate.Gate`, its spec, or None: silu(gate) * up, W = 2I, gate columns first).
+
+    bias float `[E_b, W]` is added to y in float32 first: for 2-D y `[M, W]` row r adds
+    bias[rows_expert[r]] (int `[M]`, -1: no bias, the row is padding), for 3-D y `[E, T, W]`
+    y[e] adds bias[e].
+    """
+    g = _gate.get(gate, "silu_and_mul", "gate")
     yf = y.float()
-    return (F.silu(yf[..., :inter]) * yf[..., inter:]).to(y.dtype)
+    if bias is not None:
+        b = bias.float()
+        if y.dim() == 3:
+            yf = yf + b[:, None, :]
+        else:
+            if rows_expert is None:
+                want = "int32 [M] (each row's expert) with a bias on a 2-D y"
+                raise _checks.fail("silu_and_mul", "m_indices", want, None)
+            _checks.check_ids(rows_expert, bias.shape[0], "silu_and_mul", "m_indices")
+            ids = rows_expert.long()
+            yf = yf + torch.where((ids >= 0)[:, None], b[ids.clamp(min=0)], 0.0)
+    return g.reference(yf).to(y.dtype)
 
 
-def silu_and_mul_quant(y: torch.Tensor, scheme, group_size: int = 128):
+def silu_and_mul_quant(
+    y: torch.Tensor,
+    scheme,
+    group_size: int = 128,
+    gate=None,
+    bias: Optional[torch.Tensor] = None,
+    rows_expert: Optional[torch.Tensor] = None,
+):
     """silu_and_mul then :func:`quantize`; the activation is rounded to y.dtype first (as the
     unfused pair does)."""
-    return quantize(silu_and_mul(y), scheme, group_size)
+    return quantize(silu_and_mul(y, gate, bias, rows_expert), scheme, group_size)
 
 
 # ---------------------------------------------------------------------------------------- unpermute
-def unpermute(y: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k [inv_perm[t,k] >= 0] * w[t,k] * y[inv_perm[t,k]].
+def unpermute(
+    y: torch.Tensor,
+    inv_perm: torch.Tensor,
+    topk_weights: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    m_indices: Optional[torch.Tensor] = None,
+    hidden: Optional[int] = None,
+) -> torch.Tensor:
+    """out[t] = sum_k [inv_perm[t,k] >= 0] * w[t,k] * (y[r, :Ho] + bias[m_indices[r], :Ho]),
+    r = inv_perm[t,k].
 
-    float32 sum, y.dtype `[M, H]` out.
+    float32 sum, y.dtype `[M, Ho]` out; Ho = ``hidden`` (None: y's columns). bias: float
+    `[E, Hb >= Ho]` or None; m_indices: int32 `[M_sum]`, the expert of each row of y (rows of
+    -1, or any id outside [0, E), add no bias), needed with a bias.
     """
     _checks.check_ids(inv_perm, y.shape[0], "unpermute", "inv_perm")
+    cols = y.shape[1] if hidden is None else hidden
     valid = inv_perm >= 0
-    rows = y[inv_perm.clamp(min=0).long()].float()  # [M, K, H]
+    r = inv_perm.clamp(min=0).long()
+    rows = y[r, :cols].float()  # [M, K, Ho]
+    if bias is not None:
+        rows = rows + _expert_bias(bias, m_indices[r].long(), cols)
+    rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # (a -1 entry reads nothing)
     w = torch.where(valid, topk_weights.float(), 0.0)
     return (rows * w.unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def _expert_bias(bias: torch.Tensor, e: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 rows bias[e, :cols] for expert ids ``e`` (any shape), zero where e is outside
+    [0, E)."""
+    E = bias.shape[0]
+    has = (e >= 0) & (e < E)
+    b = bias[e.clamp(0, max(E - 1, 0)), :cols].float() if E else e.new_zeros((*e.shape, cols))
+    return torch.where(has.unsqueeze(-1), b.float(), 0.0)
 
 
 # ---------------------------------------------------------------------------- per-choice GEMVs
@@ -335,17 +399,19 @@ def ll_scatter(
     quant: str = "bf16",
     expert_lo: int = 0,
     num_global_experts: Optional[int] = None,
+    width: Optional[int] = None,
 ):
-    """Scatter tokens into the masked `[E, C, H]` layout, quantized per ``quant``.
+    """Scatter tokens into the masked `[E, C, Wd]` layout, quantized per ``quant``.
 
     Args:
         x: bf16 `[T, H]`. topk_ids: int32/int64 `[T, K]`, global id in [0, num_global_experts)
             or -1. Entry (t, k) goes to local expert id - expert_lo when that lies in [0, E),
             else nowhere (another rank's expert).
         num_experts: E. capacity: C, slots per expert. quant: "bf16", "fp8" (1x128 groups) or
-            "int8" (per token). num_global_experts: defaults to E.
+            "int8" (per token). num_global_experts: defaults to E. width: Wd >= H (None: H), x
+            zero-extended to Wd columns first (a zero-padded hidden).
     Returns:
-        (xo `[E, C, H]` (bf16 / float8_e4m3fn / int8), scales float32 `[E, C, G]` (G = H/128,
+        (xo `[E, C, Wd]` (bf16 / float8_e4m3fn / int8), scales float32 `[E, C, G]` (G = Wd/128,
         1, 0), masked_m int32 `[E]` = min(entries, C), rows int32 `[T, K]` = e*C + slot or -1).
         Slots inside an expert follow the flat (t, k) order; entries past C are dropped (and an
         error); rows of xo / scales past masked_m are zero here (unspecified in the contract).
@@ -353,6 +419,7 @@ def ll_scatter(
     E, C = num_experts, capacity
     NG = num_experts if num_global_experts is None else num_global_experts
     T, K = topk_ids.shape
+    x = widen(x, width)
     H = x.shape[1]
     dev = x.device
     ids = topk_ids.long()
@@ -391,23 +458,33 @@ def ll_scatter(
 
 
 def ll_gather(
-    y: torch.Tensor, rows: torch.Tensor, topk_weights: Optional[torch.Tensor] = None
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    hidden: Optional[int] = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]] (rows -1 skipped; w = 1 when
-    topk_weights is None), float32 sum in k order, rounded once to bf16 `[T, H]`.
+    """out[t] = sum_k w[t,k] * (y.view(E*C, H)[r, :Ho] + bias[r // C, :Ho]), r = rows[t,k] (rows
+    -1 skipped; w = 1 when topk_weights is None, no bias when None), float32 sum in k order,
+    rounded once to bf16 `[T, Ho]`; Ho = ``hidden`` (None: H).
 
-    y bf16 `[E, C, H]`; rows int32/int64 `[T, K]` in [0, E*C) or -1; topk_weights float32 `[T, K]`.
+    y bf16 `[E, C, H]`; rows int32/int64 `[T, K]` in [0, E*C) or -1; topk_weights float32 `[T, K]`;
+    bias float `[E, Hb >= Ho]`.
     """
     E, C, H = y.shape
+    cols = H if hidden is None else hidden
     R = E * C
     ok = ((rows >= -1) & (rows < R)).all()
     _checks.check_values(ok, "ll_gather", "rows", f"rows in [0, {R}) or -1")
     live = (rows >= 0) & (rows < R)
-    g = y.reshape(R, H)[rows.clamp(0, max(R - 1, 0)).long()].float()  # [T, K, H]
+    r = rows.clamp(0, max(R - 1, 0)).long()
+    g = y.reshape(R, H)[r, :cols].float()  # [T, K, Ho]
+    if bias is not None:
+        g = g + _expert_bias(bias, r // C, cols)
     g = torch.where(live.unsqueeze(-1), g, 0.0)  # rows past masked_m may hold anything
     if topk_weights is not None:
         g = g * torch.where(live, topk_weights.float(), 0.0).unsqueeze(-1)
-    out = torch.zeros((rows.shape[0], H), dtype=torch.float32, device=y.device)
+    out = torch.zeros((rows.shape[0], cols), dtype=torch.float32, device=y.device)
     for k in range(rows.shape[1]):  # k ascending, as the kernel sums
         out = out + g[:, k]
     return out.to(torch.bfloat16)

@@ -106,6 +106,8 @@ def _asserting():
 
 
 def _arg_type(v) -> str:
+    if v is None:  # (an argument the variant does not use: Triton makes it a constexpr)
+        return "constexpr"
     if isinstance(v, torch.Tensor):
         return "*" + _DTYPES[v.dtype]
     if isinstance(v, bool):
@@ -138,7 +140,7 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     for i, name in enumerate(names):
         v = values[name]
         is_int = isinstance(v, int) and not isinstance(v, bool)
-        if i in fn.constexprs:
+        if i in fn.constexprs or v is None:
             sig[name] = "constexpr"
             constexprs[(i,)] = v
         elif is_int and v == 1 and name not in keep:
@@ -175,6 +177,7 @@ def cases() -> Dict[str, Callable[[], object]]:
     ]
     ll_y = torch.randn((8, 128, 512), generator=g).to(torch.bfloat16)
     ll_rows = torch.zeros((64, 4), dtype=torch.int32)
+    ll_b = torch.randn((8, 512), generator=g).to(torch.bfloat16)
     return {
         "ll_scatter bf16/fp8/int8 (row, deepgemm, two-pass int8), ll_gather": lambda: (
             [
@@ -184,8 +187,22 @@ def cases() -> Dict[str, Callable[[], object]]:
                 for lay in ("row", "deepgemm")
             ]
             + [KG._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :512].clone()) for ww in (w, None)]
-            + [KG._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone(), False)]
+            + [KG._ll_gather_launch(ll_y, ll_rows, w, bf[:, :512].clone(), check=False)]
         ),
+        # a down-projection bias (bf16, fp32) and a padded hidden (the first 320 of 512 columns)
+        "ll_gather with a bias / narrower output": lambda: [
+            KG._ll_gather_launch(ll_y, ll_rows, ww, bf[:, :320].clone(), b, check)
+            for ww, b, check in ((w, ll_b, True), (None, ll_b.float(), True), (w, ll_b, False))
+        ],
+        # a layout wider than x (a zero-padded hidden): one chunk, and two-pass int8 / many chunks
+        "ll_scatter bf16/fp8/int8 into a wider layout": lambda: [
+            KS._ll_scatter_triton(xx, ids, 8, 128, q, 0, None, "deepgemm", wd)
+            for xx, wd in (
+                (bf[:, :160], 256),
+                (torch.empty((64, 16000), dtype=torch.bfloat16), 16384),
+            )
+            for q in ("bf16", "fp8", "int8")
+        ],  # fmt: skip
         "ll_scatter / ll_gather, asserting": lambda: [
             (
                 KS._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),
@@ -197,6 +214,15 @@ def cases() -> Dict[str, Callable[[], object]]:
             Q._quantize_triton(bf, "fp8", 128, None, "deepgemm"),
             Q._quantize_triton(y3, "fp8", 128, mm, "deepgemm"),
         ),
+        "quantize fp8/int8 into wider codes 2d/3d masked/two-pass": lambda: [
+            Q._quantize_triton(xx, sch, 128, m, "deepgemm", wd)
+            for xx, m, wd in (
+                (bf[:, :160], None, 256),
+                (y3[..., :160], mm, 256),
+                (torch.empty((3, 20000), dtype=torch.bfloat16), None, 20096),
+            )
+            for sch in ("fp8", "int8")
+        ],  # fmt: skip
         "quantize int8 2d/3d masked/two-pass": lambda: (
             Q._quantize_triton(bf, "int8"),
             Q._quantize_triton(y3, "int8", 128, mm),
@@ -217,6 +243,8 @@ def cases() -> Dict[str, Callable[[], object]]:
                 (y2, None, None, None, "row"),
             )
         ],  # fmt: skip
+        # every activation and gate field, the bias on both row layouts, int8's two passes
+        "silu_and_mul(_quant) gates and bias": lambda: _gate_launches(y2, y3, mm, mi, offs),
         "permute bf16/fp8 (deepgemm scales)/int8, one kernel and chain": lambda: [
             (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"), p(qi, ids, 8, 128, si, "row"))
             for small in (P.CONFIG.small_entries, 0)
@@ -248,6 +276,11 @@ def cases() -> Dict[str, Callable[[], object]]:
         ],
         "unpermute": lambda: U._unpermute_triton(y2, inv, w),
         "unpermute, no row check": lambda: U._unpermute_triton(y2, inv, w, False),
+        # a down-projection bias (bf16, fp32) by permute's m_indices, a padded hidden
+        "unpermute with a bias / narrower output": lambda: [
+            U._unpermute_triton(y2, inv, w, check, b, mi, 320)
+            for check, b in ((False, ll_b), (True, ll_b.float()))
+        ],
         # as a CUDA launch makes it: the rows asserted inside (debug build)
         "unpermute, asserting": lambda: [
             U._unpermute_triton(y2, inv, w) for _ in _within(_asserting())
@@ -289,6 +322,40 @@ def cases() -> Dict[str, Callable[[], object]]:
             ok=torch.empty((), dtype=torch.bool),
         ),  # fmt: skip
     }
+
+
+# one gate per activation, every field of epmoe.gate.Gate set somewhere
+_GATES = (
+    "silu:alpha=1.702,limit=7.0,up_offset=1.0",
+    "gelu_tanh:limit=10.0,clamp_after=1",
+    "gelu",
+    "relu",
+    "relu2:glu=0",
+)
+
+
+def _gate_launches(y2, y3, mm, mi, offs):
+    """The three activation kernels for every gate of _GATES with a bias on both row layouts
+    (2-D: each row's expert from m_indices; 3-D masked: e's), the first gate also without one,
+    and the int8 kernel's two passes (I > int8_single_pass_max) with a bias, GLU or not."""
+    bias2 = torch.empty((8, y2.shape[-1]), dtype=torch.float32)  # (any float dtype)
+    bias3 = torch.empty((y3.shape[0], y3.shape[-1]), dtype=torch.bfloat16)
+    out = []
+    for gate in _GATES:
+        layouts = [(y2, None, mi, offs, bias2), (y3, mm, None, None, bias3)]
+        if gate == _GATES[0]:
+            layouts.append((y2, None, None, None, None))
+        for yy, m, i, o, b in layouts:
+            out.append(A._silu_and_mul_triton(yy, m, i, o, gate, b))
+            for scheme, layout in (("fp8", "deepgemm"), ("int8", "row")):
+                out.append(A._silu_and_mul_quant_triton(yy, scheme, m, 128, i, layout, o, gate, b))
+    y_long = torch.empty((2, 3, 20000), dtype=torch.bfloat16)
+    for gate in ("silu:limit=7.0", "relu2:glu=0"):
+        b = torch.empty((2, 20000), dtype=torch.bfloat16)
+        out.append(
+            A._silu_and_mul_quant_triton(y_long, "int8", mm[:2], 128, None, "row", None, gate, b)
+        )
+    return out
 
 
 def _gemv_pair(scheme: str, check: bool, T: int):

@@ -46,6 +46,7 @@ def _cases():
     x, ids, w = z(4, 256, dtype=bf), z(4, 2, dtype=i64), z(4, 2)
     y2, y3 = z(8, 256, dtype=bf), z(2, 4, 256, dtype=bf)
     mm, mi, offs = z(2, dtype=i32), z(8, dtype=i32), z(3, dtype=i32)
+    b2, b3 = z(3, 256), z(2, 256, dtype=bf)  # expert biases of y2 (rows by m_indices) and y3
     a8, w8, s8, ws8 = z(2, 4, 128, dtype=i8), z(2, 256, 128, dtype=i8), z(2, 4, 1), z(2, 256)
     a8c = z(8, 128, dtype=i8)
     af, wf = z(8, 256, dtype=FP8), z(2, 256, 256, dtype=FP8)
@@ -56,7 +57,7 @@ def _cases():
         Case(
             "quantize",
             Q.CONTRACT,
-            (x, "fp8", 128, None, "row"),
+            (x, "fp8", 128, None, "row", None),
             [
                 ("scheme", "int4", r"quantize: scheme expected one of 'fp8', 'int8', got 'int4'"),
                 ("x", x.int(), r"quantize: x expected dtype torch.bfloat16 or .*, got torch.int32"),
@@ -69,12 +70,24 @@ def _cases():
                     r"quantize: scale_layout expected one of 'row', 'deepgemm'",
                 ),
                 ("masked_m", mm, r"quantize: masked_m expected None for a 2-D x, got a tensor"),
+                ("width", 255, r"quantize: width expected None or an int >= H = 256 \(x's col"),
+                ("width", True, r"quantize: width expected None or an int >= H = 256"),
+                ("width", 320, r"quantize: width expected a multiple of 128 \(fp8 group_size\)"),
+            ],
+        ),
+        Case(
+            "quantize width",
+            Q.CONTRACT,
+            (x[:, :160], "fp8", 128, None, "row", 256),
+            [
+                ("width", None, r"quantize: x.shape\[-1\] expected a multiple of 128"),
+                ("width", 159, r"quantize: width expected None or an int >= H = 160"),
             ],
         ),
         Case(
             "quantize masked",
             Q.CONTRACT,
-            (y3, "int8", 128, mm, "deepgemm"),
+            (y3, "int8", 128, mm, "deepgemm", None),
             [
                 ("masked_m", mm[:1], r"quantize: masked_m expected shape \[2\], got \[1\]"),
                 ("masked_m", mm.float(), r"quantize: masked_m expected dtype torch.int32 or"),
@@ -102,7 +115,7 @@ def _cases():
         Case(
             "unpermute",
             U.CONTRACT,
-            (y2, rows, w),
+            (y2, rows, w, None, None, None),
             [
                 ("y", y3, r"unpermute: y expected a 2-D tensor, got shape \(2, 4, 256\)"),
                 ("y", y2.int(), r"unpermute: y expected dtype"),
@@ -110,13 +123,43 @@ def _cases():
                 ("inv_perm", rows[0], r"unpermute: inv_perm expected a 2-D tensor"),
                 ("topk_weights", w[:, :1], r"unpermute: topk_weights expected shape \[4, 2\], got"),
                 ("topk_weights", w.to(META), r"unpermute: topk_weights expected device cpu"),
+                ("hidden", 0, r"unpermute: hidden expected None or an int in \[1, 256\] \(y's"),
+                ("hidden", 257, r"unpermute: hidden expected None or an int in \[1, 256\]"),
+                ("hidden", True, r"unpermute: hidden expected None or an int in \[1, 256\]"),
+            ],
+        ),
+        Case(
+            "unpermute bias",
+            U.CONTRACT,
+            (y2, rows, w, z(3, 256, dtype=bf), mi, 200),
+            [
+                ("bias", z(3, 256, dtype=i32), r"unpermute: bias expected dtype torch.bfloat16"),
+                ("bias", z(256), r"unpermute: bias expected a 2-D tensor"),
+                ("bias", z(3, 199), r"unpermute: bias expected at least 200 columns \(the out"),
+                ("bias", z(3, 256, device="meta"), r"unpermute: bias expected device cpu"),
+                ("m_indices", None, r"unpermute: m_indices expected permute's m_indices with a"),
+                ("m_indices", mi[:7], r"unpermute: m_indices expected shape \[8\], got \[7\]"),
+                ("m_indices", mi.long(), r"unpermute: m_indices expected dtype torch.int32"),
+                ("m_indices", mi.to(META), r"unpermute: m_indices expected device cpu"),
+                ("hidden", 257, r"unpermute: hidden expected None or an int in \[1, 256\]"),
             ],
         ),
         Case(
             "silu_and_mul 2-D",
             A.CONTRACT,
-            (y2, None, mi, offs),
+            (y2, None, mi, offs, "silu", b2),
             [
+                ("gate", "swish", r"silu_and_mul: gate expected a gate spec .*, got 'swish'"),
+                ("gate", "relu:limit=0", r"silu_and_mul: gate expected a gate spec"),
+                ("gate", None, r"silu_and_mul: gate expected a gate spec .*, got None"),
+                (
+                    "bias",
+                    b2[:, :128],
+                    r"silu_and_mul: bias expected shape \[\*, 256\], got \[3, 128\]",
+                ),
+                ("bias", b2.int(), r"silu_and_mul: bias expected dtype"),
+                ("bias", b2.to(META), r"silu_and_mul: bias expected device cpu"),
+                ("m_indices", None, r"silu_and_mul: m_indices expected int32 \[M_sum\] .* a bias"),
                 ("y", y2[:, :255], r"silu_and_mul: y.shape\[-1\] expected a multiple of 2 \(gate"),
                 ("y", z(8, dtype=bf), r"silu_and_mul: y expected a 2-D or 3-D tensor"),
                 ("masked_m", mm, r"silu_and_mul: masked_m expected None for a 2-D y"),
@@ -134,8 +177,11 @@ def _cases():
         Case(
             "silu_and_mul 3-D",
             A.CONTRACT,
-            (y3, mm, None, None),
+            (y3, mm, None, None, "gelu_tanh:limit=7", b3),
             [
+                ("bias", b2, r"silu_and_mul: bias expected shape \[2, 256\], got \[3, 256\]"),
+                ("bias", b3[0], r"silu_and_mul: bias expected shape \[\*, 256\], got \[256\]"),
+                ("gate", "gelu_tanh:alpha=2", r"silu_and_mul: gate expected a gate spec"),
                 ("masked_m", mm[:1], r"silu_and_mul: masked_m expected shape \[2\], got \[1\]"),
                 ("m_indices", mi, r"silu_and_mul: m_indices expected None for a 3-D y"),
                 ("expert_offsets", offs, r"silu_and_mul: expert_offsets expected None for a 3-D y"),
@@ -144,13 +190,25 @@ def _cases():
         Case(
             "silu_and_mul_quant",
             A.CONTRACT_QUANT,
-            (y2, "fp8", None, 128, mi, "row", offs),
+            (y2, "fp8", None, 128, mi, "row", offs, "silu:alpha=1.702,limit=7,up_offset=1", b2),
             [
+                ("gate", "silu:beta=1", r"silu_and_mul_quant: gate expected a gate spec"),
+                ("bias", z(3, 512), r"silu_and_mul_quant: bias expected shape \[\*, 256\]"),
+                ("m_indices", None, r"silu_and_mul_quant: m_indices expected int32"),
                 ("scheme", "int4", r"silu_and_mul_quant: scheme expected one of 'fp8', 'int8'"),
                 ("group_size", 0, r"silu_and_mul_quant: group_size expected a positive int, got 0"),
                 ("group_size", 96, r"y.shape\[-1\] // 2 expected a multiple of 96 \(fp8 group\)"),
                 ("scale_layout", "col", r"silu_and_mul_quant: scale_layout expected one of"),
                 ("y", y2.int(), r"silu_and_mul_quant: y expected dtype"),
+            ],
+        ),
+        Case(
+            "silu_and_mul_quant no GLU",
+            A.CONTRACT_QUANT,
+            (y3, "fp8", mm, 128, None, "deepgemm", None, "relu2:glu=0", None),
+            [
+                ("group_size", 96, r"silu_and_mul_quant: y.shape\[-1\] expected a multiple of 96"),
+                ("bias", b2, r"silu_and_mul_quant: bias expected shape \[2, 256\]"),
             ],
         ),
         Case(
@@ -261,7 +319,7 @@ def _cases():
         Case(
             "ll_scatter",
             LS.CONTRACT,
-            (x, ids, 2, 4, "fp8", 2, 4, "row"),
+            (x, ids, 2, 4, "fp8", 2, 4, "row", None),
             [
                 ("x", x.float(), r"ll_scatter: x expected dtype torch.bfloat16, got torch.float32"),
                 ("x", z(4, dtype=bf), r"ll_scatter: x expected a 2-D tensor"),
@@ -283,12 +341,24 @@ def _cases():
                     3,
                     r"num_global_experts expected at least expert_lo \+ num_",
                 ),
+                ("width", 255, r"ll_scatter: width expected None or an int >= H = 256 \(x's"),
+                ("width", 256.0, r"ll_scatter: width expected None or an int >= H = 256"),
+                ("width", 320, r"ll_scatter: width expected a multiple of 128 \(fp8 groups\)"),
+            ],
+        ),
+        Case(
+            "ll_scatter width",
+            LS.CONTRACT,
+            (x[:, :160], ids, 2, 4, "fp8", 0, None, "deepgemm", 384),
+            [
+                ("width", None, r"ll_scatter: x.shape\[1\] expected a multiple of 128 \(fp8"),
+                ("width", 159, r"ll_scatter: width expected None or an int >= H = 160"),
             ],
         ),
         Case(
             "ll_scatter raw",
             LS.CONTRACT,
-            (x.float(), ids, 2, 4, "bf16", 0, None, "row"),
+            (x.float(), ids, 2, 4, "bf16", 0, None, "row", 300),
             [
                 ("x", x.double(), r"ll_scatter: x expected dtype torch.bfloat16 or torch.int8 or"),
             ],
@@ -296,16 +366,34 @@ def _cases():
         Case(
             "ll_gather",
             LG.CONTRACT_OUT,
-            (yl, rows, w, z(4, 256, dtype=bf)),
+            (yl, rows, w, z(4, 256, dtype=bf), None),
             [
                 ("y", yl.float(), r"ll_gather: y expected dtype torch.bfloat16"),
                 ("y", y2, r"ll_gather: y expected a 3-D tensor"),
                 ("rows", rows.float(), r"ll_gather: rows expected dtype torch.int32 or"),
                 ("rows", rows.to(META), r"ll_gather: rows expected device cpu"),
                 ("topk_weights", w[:3], r"ll_gather: topk_weights expected shape \[4, 2\]"),
-                ("out", z(4, 128, dtype=bf), r"ll_gather: out expected shape \[4, 256\]"),
+                ("out", z(3, 256, dtype=bf), r"ll_gather: out expected shape \[4, \*\]"),
+                ("out", z(4, 257, dtype=bf), r"ll_gather: out expected \[4, Ho\] with 1 <= Ho <="),
+                ("out", z(4, 0, dtype=bf), r"ll_gather: out expected \[4, Ho\] with 1 <= Ho <="),
                 ("out", z(256, 4, dtype=bf).t(), r"ll_gather: out expected a contiguous tensor"),
                 ("out", z(4, 256, dtype=bf, device="meta"), r"ll_gather: out expected device cpu"),
+                ("bias", z(2, 255), r"ll_gather: bias expected at least 256 columns \(the outp"),
+                ("bias", z(3, 256), r"ll_gather: bias expected shape \[2, \*\], got \[3, 256\]"),
+                ("bias", z(2, 256, dtype=i8), r"ll_gather: bias expected dtype torch.bfloat16"),
+                ("bias", z(2, 256, device="meta"), r"ll_gather: bias expected device cpu"),
+            ],
+        ),
+        Case(
+            "ll_gather hidden",
+            LG.CONTRACT,
+            (yl, rows, None, z(2, 200, dtype=bf), 200),
+            [
+                ("hidden", 0, r"ll_gather: hidden expected None or an int in \[1, 256\] \(y's"),
+                ("hidden", 257, r"ll_gather: hidden expected None or an int in \[1, 256\]"),
+                ("hidden", 200.0, r"ll_gather: hidden expected None or an int in \[1, 256\]"),
+                ("hidden", None, r"ll_gather: bias expected at least 256 columns"),
+                ("bias", z(2, 199), r"ll_gather: bias expected at least 200 columns"),
             ],
         ),
         Case(
@@ -468,10 +556,11 @@ def test_check_takes_fake_tensors():
 
     with FakeTensorMode():
         y, inv, w = z(8, 16, dtype=bf), z(4, 2, dtype=i32), z(4, 2)
-        assert U.CONTRACT.ok(y, inv, w)
-        U.CONTRACT.check(y, inv, w)
+        assert U.CONTRACT.ok(y, inv, w, None, None, None)
+        U.CONTRACT.check(y, inv, w, None, None, None)
+        U.CONTRACT.check(y, inv, w, z(2, 16), z(8, dtype=i32), 8)
         with pytest.raises(ValueError, match=r"unpermute: topk_weights expected shape"):
-            U.CONTRACT.check(y, inv, w[:, :1])
+            U.CONTRACT.check(y, inv, w[:, :1], None, None, None)
 
 
 def test_declarations_build_small_functions():

@@ -1,8 +1,15 @@
 """The masked-layout (LL) scatter: tokens into `[E, C, H]` slots per local expert, quantized on
 the way (ll_scatter's kernel; the torch backend buckets rows per peer with it).
 
-Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``E`` local experts, ``C`` slots per expert
-(capacity), ``G`` scale groups per row. The contract: :mod:`epmoe.ops.ll_scatter`.
+Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``Wd`` the layout's columns (>= H: a
+zero-padded hidden), ``E`` local experts, ``C`` slots per expert (capacity), ``G`` scale groups
+per row. The contract: :mod:`epmoe.ops.ll_scatter`.
+
+The kernel is chosen by the scheme's properties (:class:`epmoe.quant.QuantScheme`), never its
+name: no codes (a copy), scales per ``act_group`` channels (fp8's 1x128 groups), one scale per
+row (int8). Arguments a variant does not use (Wd when the layout is as wide as x) are passed as
+None: Triton makes them constexprs, so that build is the kernel as it was before (same
+parameters, same code).
 """
 
 from typing import Optional, Tuple
@@ -21,7 +28,16 @@ from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
 from epmoe.kernels.ids import _id_offsets
 from epmoe.kernels.scales import alloc_scales
 
-QCODE = {"bf16": 0, "fp8": 1, "int8": 2}
+
+def quant_code(qs: _quant.QuantScheme) -> int:
+    """The kernel's QUANT for scheme ``qs``: 0 no codes (a copy), 1 scales per channel group
+    (fp8 codes, groups of qs.act_group), 2 one scale per row (int8 codes)."""
+    if not qs.quantized:
+        return 0
+    return 1 if qs.act_group is not None else 2
+
+
+QCODE = {name: quant_code(qs) for name, qs in _quant.SCHEMES.items()}  # (by name, for tests)
 # quant="bf16" copies these as they are: the kernel moves same-width integers (no float semantics)
 RAW = {
     torch.bfloat16: torch.int16,
@@ -33,7 +49,6 @@ RAW = {
 }
 
 # ------------------------------------------------------------------------------ launch heuristics
-GROUP = _quant.FP8.act_group  # fp8 channels per scale (DeepGEMM's 1x128 activation groups)
 TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
 INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
 BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
@@ -73,7 +88,8 @@ def _finish_counts(tot, n_bad, mm_ptr, ok_ptr, E, C, NUM_BINS: tl.constexpr, ASS
 @triton.jit
 def _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se, stride_sc,
                  stride_sg, K: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
-    """Stores a token's tile q (and its scales s) to each of its slots rows (-1: none)."""
+    """Stores a token's tile q (and its scales s) to each of its slots rows (-1: none), rows of
+    H columns (the layout's)."""
     for k in tl.static_range(K):
         r = tl.sum(tl.where(kk == k, rows, 0), axis=0)
         live = r >= 0
@@ -89,20 +105,20 @@ def _ll_scatter_kernel(
     # tensors
     x_ptr, ids_ptr, xo_ptr, s_ptr, mm_ptr, rows_ptr, ok_ptr,
     # sizes
-    T, H, C, E, LO, NG, G, CHUNKS,
+    T, H, C, E, LO, NG, G, CHUNKS, WD,
     # strides (elements)
     stride_xt, stride_xh, stride_it, stride_ik, stride_se, stride_sc, stride_sg,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
-    ASSERT: tl.constexpr,
+    ASSERT: tl.constexpr, PAD: tl.constexpr,
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
     W = 128 channels; bf16 / int8: one row piece of W), to each of its slots; a slot is the
     number of entries of the same expert before it in flat (t, k) order, counted by the program
-    itself from the ids (a few KiB, read from L2), so no program waits on another. Chunk 0 also
-    writes rows[t]. The last program writes masked_m and checks the ids and capacities
-    (_finish_counts)."""
+    itself from the ids (a few KiB, read from L2), so no program waits on another. With PAD the
+    slots are WD wide (x's H columns, then zeros). Chunk 0 also writes rows[t]. The last program
+    writes masked_m and checks the ids and capacities (_finish_counts)."""
     pid = tl.program_id(0)
     if pid >= T * CHUNKS:
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
@@ -162,18 +178,21 @@ def _ll_scatter_kernel(
                 amax = tl.max(m, axis=1)
             s = _int8_scale(amax)
             q = _quant_int8(xf, s)
-        _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se, stride_sc,
-                     stride_sg, K, QUANT)  # fmt: skip
+        _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, WD if PAD else H, C, G,
+                     stride_se, stride_sc, stride_sg, K, QUANT)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- host-side launch
-def scatter_tiling(H: int, quant: str) -> Tuple[int, int, int]:
-    """(R, W, chunks) of the scatter: each program copies an [R, W] tile of a row."""
-    if quant == "fp8":
-        groups = H // GROUP
-        r = min(_launch.pow2(max(groups, 1)), TILE // GROUP)
-        return r, GROUP, max(_launch.cdiv(groups, r), 1)
-    limit = INT8_SINGLE_MAX if quant == "int8" else TILE
+def scatter_tiling(H: int, quant) -> Tuple[int, int, int]:
+    """(R, W, chunks) of the scatter of rows of H columns (the layout's) for ``quant`` (a name or
+    a scheme): each program copies an [R, W] tile of a row."""
+    qs = _quant.get(quant, "ll_scatter")
+    if qs.act_group is not None:  # R whole groups a tile: one scale each
+        groups = H // qs.act_group
+        r = min(_launch.pow2(max(groups, 1)), TILE // qs.act_group)
+        return r, qs.act_group, max(_launch.cdiv(groups, r), 1)
+    # one scale per row (int8): the whole row in one tile when it fits (one read for its amax)
+    limit = INT8_SINGLE_MAX if qs.quantized else TILE
     w = min(_launch.pow2(max(H, 1)), limit)
     return 1, w, max(_launch.cdiv(H, w), 1)  # (H = 0: one chunk still writes rows)
 
@@ -184,36 +203,39 @@ def _warps(elements: int) -> int:
 
 @_launch.memo
 def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
-                    in_kernel):  # fmt: skip
-    """The scatter kernel's launch for these sizes, strides and options."""
-    G = _quant.get(quant, "ll_scatter").act_scale_cols(H)
-    R, W, chunks = scatter_tiling(H, quant)
+                    width, in_kernel):  # fmt: skip
+    """The scatter kernel's launch for these sizes, strides and options (width: the layout's
+    columns when wider than x, else None)."""
+    qs = _quant.get(quant, "ll_scatter")
+    wd = H if width is None else width
+    G = qs.act_scale_cols(wd)
+    R, W, chunks = scatter_tiling(wd, qs)
     k_pad = _launch.pow2(max(K, 1))
     # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
     # masked_m program
     return _launch.Prepared(
         _ll_scatter_kernel,
         (T * chunks + 1,),
-        (T, H, C, E, expert_lo, NG, G, chunks, *x_strides, *id_strides, *s_strides),
+        (T, H, C, E, expert_lo, NG, G, chunks, width, *x_strides, *id_strides, *s_strides),
         dict(
-            K=K, K_PAD=k_pad, QUANT=QCODE[quant], R=R, W=W, SINGLE=chunks == 1,
+            K=K, K_PAD=k_pad, QUANT=quant_code(qs), R=R, W=W, SINGLE=chunks == 1,
             BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
-            num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
+            PAD=width is not None, num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
 
 
 def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
-            num_global_experts=None, scale_layout="row"):  # fmt: skip
+            num_global_experts=None, scale_layout="row", width=None):  # fmt: skip
     """ll_scatter's 4 outputs (xo, scales, masked_m, rows), allocated: the launch fills them, the
     op's fake returns them."""
     T, K = topk_ids.shape
-    H = x.shape[1]
+    wd = x.shape[1] if width is None else width
     E, C, dev = num_experts, capacity, x.device
     qs = _quant.get(quant, "ll_scatter")
-    G = qs.act_scale_cols(H)
+    G = qs.act_scale_cols(wd)
     return (
-        torch.empty((E, C, H), dtype=qs.act_dtype if qs.quantized else x.dtype, device=dev),
+        torch.empty((E, C, wd), dtype=qs.act_dtype if qs.quantized else x.dtype, device=dev),
         alloc_scales((E, C), G, scale_layout if G else "row", dev),
         torch.empty((E,), dtype=torch.int32, device=dev),
         torch.empty((T, K), dtype=torch.int32, device=dev),
@@ -229,14 +251,15 @@ def _ll_scatter_triton(
     expert_lo: int = 0,
     num_global_experts: Optional[int] = None,
     scale_layout: str = "row",
+    width: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ll_scatter on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, K = topk_ids.shape
     E, C = num_experts, capacity
     NG = num_experts if num_global_experts is None else num_global_experts
-    xo, s, masked_m, rows = outputs(x, topk_ids, E, C, quant, expert_lo, NG, scale_layout)
+    xo, s, masked_m, rows = outputs(x, topk_ids, E, C, quant, expert_lo, NG, scale_layout, width)
     xk, xok = x, xo
-    if quant == "bf16" and x.dtype is not torch.bfloat16:  # raw copy: integer views
+    if xo.dtype is x.dtype and x.dtype is not torch.bfloat16:  # no codes, not bf16: raw bytes
         xk, xok = x.view(RAW[x.dtype]), xo.view(RAW[x.dtype])
     # Direct CUDA launches (eager, the dispatcher, graph capture of either) assert the ids and
     # capacities inside the kernel (ok unused); otherwise (torch.compile, the interpreter) it
@@ -247,7 +270,7 @@ def _ll_scatter_triton(
     )  # (unused)
     launch = _scatter_launch(
         T, K, x.shape[1], C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
-        in_kernel,
+        None if xo.shape[2] == x.shape[1] else xo.shape[2], in_kernel,
     )  # fmt: skip
     launch(xk, topk_ids, xok, s, masked_m, rows, ok)
     if not in_kernel:

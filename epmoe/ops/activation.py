@@ -1,13 +1,23 @@
-"""Stage: SiLU-and-mul between the two grouped GEMMs, optionally fused with the next quantize.
+"""Stage: the gate activation between the two grouped GEMMs (SiLU-and-mul by default),
+optionally fused with the next quantize.
+
+Shape legend: ``E`` local experts, ``T`` rows per expert (3-D), ``M_sum`` rows (2-D), ``I``
+intermediate size, ``W`` y's width: 2I for a GLU gate (gate columns, then up), I without.
 
 Contract:
-- ``h = silu_and_mul(y, masked_m=None, m_indices=None, expert_offsets=None)``: y bf16/fp16/fp32
-  `[..., 2I]` (`[M_sum, 2I]` or `[E, T, 2I]`) -> `[..., I]`, silu(y[..., :I]) * y[..., I:] (gate
-  first), float32 math, y.dtype out.
+- ``h = silu_and_mul(y, masked_m=None, m_indices=None, expert_offsets=None, gate="silu",
+  bias=None)``: y bf16/fp16/fp32 `[..., W]` (`[M_sum, W]` or `[E, T, W]`) -> y.dtype `[..., I]`:
+  g, u = y's gate and up values (+ the bias row of the row's expert, added in float32), h =
+  the gate's h (:class:`epmoe.gate.Gate`: silu(g) * u by default) in float32, rounded to y.dtype.
+- gate: str, a gate spec (:func:`epmoe.gate.parse`: "silu", "silu:alpha=1.702,limit=7,
+  up_offset=1", "relu2:glu=0", ...); a bad spec is a ValueError before any kernel.
+- bias: optional bf16/fp16/fp32 `[E_b, W]` (gate then up halves for a GLU gate): row r adds
+  bias[m_indices[r]] for 2-D y (m_indices required, ids < E_b: not checked), bias[e] for 3-D y
+  (E_b == E).
 - ``q, s = silu_and_mul_quant(y, scheme, masked_m=None, group_size=128, m_indices=None,
-  scale_layout="row", expert_offsets=None)``: same, then the quantize rules of
-  :mod:`epmoe.ops.quantize` applied to the y.dtype-rounded activation (identical to the unfused
-  pair); ``scale_layout`` as in quantize.
+  scale_layout="row", expert_offsets=None, gate="silu", bias=None)``: same, then the quantize
+  rules of :mod:`epmoe.ops.quantize` applied to the y.dtype-rounded activation (identical to the
+  unfused pair); ``scale_layout`` as in quantize; fp8: I a multiple of group_size.
 - masked_m: int32 `[E]` for 3-D y: rows t >= masked_m[e] are unspecified and never read.
 - m_indices: int32 `[M_sum]` for 2-D y (the permute layout): rows with m_indices == -1 (alignment
   padding, unused tail) are unspecified and never read.
@@ -15,9 +25,11 @@ Contract:
   tail of the static M_sum bound, about half of it at workload W) are unspecified and never
   touched; a fixed number of programs loops over the rows below it.
 
-CUDA-graph safe (fixed grid from shapes only). The fused kernel uses the same SiLU code as the
-unfused one and the quantizer of :mod:`epmoe.ops.quantize`, so ``silu_and_mul_quant(y)`` equals
-``quantize(silu_and_mul(y))`` bit for bit on the same backend.
+CUDA-graph safe (fixed grid from shapes only); no alignment needed (any strides). The fused
+kernels use the same gate code as the unfused one and the quantizer of :mod:`epmoe.ops.quantize`,
+so ``silu_and_mul_quant(y, ...)`` equals ``quantize(silu_and_mul(y, ...))`` bit for bit on the
+same backend. The gate is a kernel constexpr: the default "silu" without bias compiles to the
+plain SiLU-GLU kernels.
 """
 
 from typing import Optional, Tuple
@@ -25,10 +37,12 @@ from typing import Optional, Tuple
 import torch
 
 from epmoe import _checks, _config, _launch, quant, reference
+from epmoe import gate as _gate
 from epmoe._contract import (
     Case,
     Choice,
     Contract,
+    Let,
     Multiple,
     PositiveInt,
     Rule,
@@ -40,11 +54,10 @@ from epmoe._stage import stage
 from epmoe.ops import quantize as _quantize
 
 # kernels and jit helpers by name (tests and scripts reach them as attributes of this module)
-from epmoe.ops._activation_kernels import (  # noqa: F401 - _approx etc. are re-exported
-    _approx,
+from epmoe.ops._activation_kernels import (  # noqa: F401 - _gate_rounded etc. are re-exported
+    _gate_rounded,
     _live_rows,
     _silu_h,
-    _silu_mul,
     _silu_mul_fp8_kernel,
     _silu_mul_int8_kernel,
     _silu_mul_kernel,
@@ -68,7 +81,7 @@ OPQ = "silu_and_mul_quant"
 # ------------------------------------------------------------------------------ launch config
 @_config.frozen
 class ActivationConfig:
-    """Launch parameters of the SiLU kernels; warps and masked slots come from the quantize
+    """Launch parameters of the activation kernels; warps and masked slots come from the quantize
     module's config (design notes: docs/kernels.md)."""
 
     silu_tile: int = 2048  # outputs per silu_and_mul program and row: 8 KiB of bf16 input
@@ -95,12 +108,12 @@ CONFIG = ActivationConfig()
 
 
 def override(**fields):
-    """Context manager: the SiLU kernels launch with these CONFIG fields inside the block
+    """Context manager: the activation kernels launch with these CONFIG fields inside the block
     (sweeps, scripts/compile_kernels.py, tests)."""
     return _config.override(__name__, **fields)
 
 
-# SiLU with the MUFU ex2 / rcp instructions (see _silu_mul); the interpreter runs no PTX
+# sigmoids with the MUFU ex2 / rcp instructions (see epmoe.gate); the interpreter runs no PTX
 _FAST_MATH = not _launch._INTERPRET
 
 
@@ -133,11 +146,24 @@ def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig)
     return slots
 
 
+def _inter(g: _gate.Gate, width: int) -> int:
+    """I, the gate's output channels, of y's width W (2I for GLU, I without)."""
+    return width // 2 if g.glu else width
+
+
+def _bias_args(b_strides) -> Tuple[Tuple[int, int], dict]:
+    """(bias strides, HAS_BIAS meta) of a launch; ``b_strides`` None: no bias (the kernel never
+    reads its placeholder)."""
+    return (b_strides or (0, 0)), dict(HAS_BIAS=b_strides is not None)
+
+
 @_launch.memo
-def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
-    """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous);
-    ``qcfg`` as in :func:`_silu_quant_launch`."""
-    inter = shape[-1] // 2
+def _silu_launch(shape, y_strides, kind, has_rows, spec, b_strides, cfg, qcfg):
+    """The silu_and_mul kernel's launch for y of this shape and strides (h contiguous), gate
+    ``spec`` and bias strides ``b_strides`` (None: no bias); ``qcfg`` as in
+    :func:`_silu_quant_launch`."""
+    g = _gate.parse(spec, OP)
+    inter = _inter(g, shape[-1])
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     she, sht = (T * inter if len(shape) == 3 else 0), inter
     block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
@@ -145,13 +171,15 @@ def _silu_launch(shape, y_strides, kind, has_rows, cfg, qcfg):
     slots = _slots(E, T, kind, block_m, has_rows, cfg)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
+    b_tail, b_meta = _bias_args(b_strides)
     return _launch.Prepared(
         _silu_mul_kernel,
         (slots, E, _launch.cdiv(inter, block)),
-        (T, inter, slots, sye, syt, syh, she, sht),
+        (T, inter, slots, sye, syt, syh, she, sht, *b_tail),
         dict(
             BLOCK=block, BLOCK_M=block_m, HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows,
             STAGES=cfg.row_stages, FAST=_FAST_MATH, num_warps=_warps(block * block_m),
+            **b_meta, **g.meta(),
         ),
     )  # fmt: skip
 
@@ -161,37 +189,45 @@ def _silu_and_mul_triton(
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
     expert_offsets: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """silu_and_mul on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
-    h = _output(y, masked_m, m_indices, expert_offsets)
+    h = _output(y, masked_m, m_indices, expert_offsets, gate)
     bound, kind = _bound(y, masked_m, expert_offsets)
     has_rows = m_indices is not None
-    launch = _silu_launch(tuple(y.shape), y.stride(), kind, has_rows, CONFIG, _quantize.CONFIG)
-    launch(y, h, bound, m_indices if has_rows else y)
+    b_strides = None if bias is None else bias.stride()
+    launch = _silu_launch(
+        tuple(y.shape), y.stride(), kind, has_rows, gate, b_strides, CONFIG, _quantize.CONFIG
+    )
+    launch(y, h, bound, m_indices if has_rows else y, y if bias is None else bias)
     return h
 
 
 @_launch.memo
-def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, has_rows, cfg,
-                       qcfg):  # fmt: skip
+def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, has_rows, spec,
+                       b_strides, cfg, qcfg):  # fmt: skip
     """The fused silu_and_mul + quantize kernel's launch for y of this shape and strides (q
-    contiguous, scales of these strides). ``qcfg``: the quantize config in force, which the slot
-    and warp counts read (a key of the cache only)."""
-    inter = shape[-1] // 2
+    contiguous, scales of these strides), gate ``spec`` and bias strides ``b_strides`` (None: no
+    bias). ``qcfg``: the quantize config in force, which the slot and warp counts read (a key of
+    the cache only)."""
+    g = _gate.parse(spec, OPQ)
+    inter = _inter(g, shape[-1])
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     sqe, sqt = (T * inter if len(shape) == 3 else 0), inter
     _, _, (sse, sst, ssg) = dims(shape, s_strides)
+    b_tail, b_meta = _bias_args(b_strides)
     flags = dict(HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows, STAGES=cfg.row_stages,
-                 FAST=_FAST_MATH)  # fmt: skip
+                 FAST=_FAST_MATH, **b_meta, **g.meta())  # fmt: skip
     masked = kind == _MASKED
-    if scheme == "fp8":
+    if quant.get(scheme, OPQ, "scheme").act_group is not None:  # grouped scales: fp8's kernel
         groups = inter // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = _slots(E, T, kind, block_m, has_rows, cfg)
         return _launch.Prepared(
             _silu_mul_fp8_kernel,
             (slots, E, _launch.cdiv(groups, gpp)),
-            (T, inter, groups, slots, sye, syt, syh, sqe, sqt, sse, sst, ssg),
+            (T, inter, groups, slots, sye, syt, syh, sqe, sqt, sse, sst, ssg, *b_tail),
             dict(
                 GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
                 num_warps=_warps(block_m * gpp * block_g), **flags,
@@ -203,10 +239,10 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
         warps = _warps(block * block_m)
     else:
         warps = _int8_warps(block * block_m, cfg.int8_thread_elems)
-    return _launch.Prepared(
+    return _launch.Prepared(  # one scale per row: int8's kernel
         _silu_mul_int8_kernel,
         (slots, E),
-        (T, inter, slots, sye, syt, syh, sqe, sqt, sse, sst),
+        (T, inter, slots, sye, syt, syh, sqe, sqt, sse, sst, *b_tail),
         dict(BLOCK=block, BLOCK_M=block_m, SINGLE_PASS=single, num_warps=warps, **flags),
     )
 
@@ -219,17 +255,22 @@ def _silu_and_mul_quant_triton(
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
     expert_offsets: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     shape = tuple(y.shape)
-    q, s = _outputs_quant(y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets)
+    q, s = _outputs_quant(
+        y, scheme, masked_m, group_size, m_indices, scale_layout, expert_offsets, gate
+    )
     bound, kind = _bound(y, masked_m, expert_offsets)
     has_rows = m_indices is not None
+    b_strides = None if bias is None else bias.stride()
     launch = _silu_quant_launch(
-        scheme, group_size, shape, y.stride(), s.stride(), kind, has_rows, CONFIG,
-        _quantize.CONFIG,
+        scheme, group_size, shape, y.stride(), s.stride(), kind, has_rows, gate, b_strides,
+        CONFIG, _quantize.CONFIG,
     )  # fmt: skip
-    launch(y, q, s, bound, m_indices if has_rows else y)
+    launch(y, q, s, bound, m_indices if has_rows else y, y if bias is None else bias)
     return q, s
 
 
@@ -245,8 +286,20 @@ def _int8_warps(elements, thread_elems: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ ops
+_ROWS_WANTED = "int32 [M_sum] (each row's expert) with a bias on a 2-D y"
+
+
+def _gate_ok(spec) -> bool:
+    """``spec`` names a gate (the contracts' test; their full check raises parse's ValueError)."""
+    try:
+        _gate.parse(spec)
+    except (ValueError, TypeError):  # (TypeError: an unhashable non-string)
+        return False
+    return True
+
+
 def _act_steps():
-    """The contract steps of y and its row arguments, shared by both ops."""
+    """The contract steps of y, its row arguments, the gate and the bias, shared by both ops."""
     rows = [
         Case(
             f"{name} is not None",
@@ -263,47 +316,71 @@ def _act_steps():
         "[E + 1] with E >= 0",
         lambda a: list(a.expert_offsets.shape),
     )
+    # a 2-D y finds each row's bias through m_indices; a 3-D y has one bias row per expert
+    bias_rows = Case(
+        "len(y.shape) == 3",
+        [Shape("bias", ("y.shape[0]", "y.shape[-1]"))],
+        [Rule("m_indices is not None", "m_indices", _ROWS_WANTED, "None")],
+    )
+    spec = Rule(
+        "gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, lambda a: repr(a.gate)
+    )
     return (
         Tensor("y", _checks.FLOAT_DTYPES, ndim=(2, 3)),
-        Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)"),
+        spec,
+        Let("G", "_parse(gate)"),
+        Case("G.glu", [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
         *masked_m_steps("y"),
         *rows,
         Case("m_indices is not None", [Shape("m_indices", ("y.shape[0]",))]),
         Case("expert_offsets is not None", [offsets_len]),
+        Tensor("bias", _checks.FLOAT_DTYPES, shape=(None, "y.shape[-1]"), optional=True),
+        Case("bias is not None", [bias_rows]),
     )
 
 
-CONTRACT = Contract(OP, "y masked_m m_indices expert_offsets", *_act_steps())
+_CONSTS = dict(_gate_ok=_gate_ok, _parse=_gate.parse, SCHEMES=quant.SCHEMES)
+CONTRACT = Contract(
+    OP, "y masked_m m_indices expert_offsets gate bias", *_act_steps(), consts=_CONSTS
+)
 CONTRACT_QUANT = Contract(
     OPQ,
-    "y scheme masked_m group_size m_indices scale_layout expert_offsets",
+    "y scheme masked_m group_size m_indices scale_layout expert_offsets gate bias",
     *_act_steps(),
     Choice("scheme", ("fp8", "int8")),
     PositiveInt("group_size"),
     Choice("scale_layout", SCALE_LAYOUTS),
-    Case(
-        "scheme == 'fp8'",
-        [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
+    Case(  # grouped scales (fp8): I whole groups
+        "SCHEMES[scheme].act_group is not None",
+        [
+            Case(
+                "G.glu",
+                [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
+                [Multiple("y.shape[-1]", "y.shape[-1]", "group_size", "(fp8 group)")],
+            )
+        ],
     ),
+    consts=_CONSTS,
 )
 
 
-def _output(y, masked_m=None, m_indices=None, expert_offsets=None):
+def _output(y, masked_m=None, m_indices=None, expert_offsets=None, gate="silu", bias=None):
     """silu_and_mul's h, allocated (the CUDA launch fills it; the fake returns it)."""
-    return torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    inter = _inter(_gate.parse(gate, OP), y.shape[-1])
+    return torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
 
 
-def _reference(y, masked_m=None, m_indices=None, expert_offsets=None):
-    return reference.silu_and_mul(y)
+def _reference(y, masked_m=None, m_indices=None, expert_offsets=None, gate="silu", bias=None):
+    return reference.silu_and_mul(y, gate, bias, m_indices)
 
 
 def _outputs_quant(
     y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
-    expert_offsets=None,
+    expert_offsets=None, gate="silu", bias=None,
 ):  # fmt: skip
     """silu_and_mul_quant's (q, s), allocated (the CUDA launch fills them; the fake returns
     them)."""
-    lead, inter = tuple(y.shape[:-1]), y.shape[-1] // 2
+    lead, inter = tuple(y.shape[:-1]), _inter(_gate.parse(gate, OPQ), y.shape[-1])
     qs = quant.get(scheme, OPQ, "scheme")
     q = torch.empty((*lead, inter), dtype=qs.act_dtype, device=y.device)
     return q, alloc_scales(lead, qs.act_scale_cols(inter, group_size), scale_layout, y.device)
@@ -311,9 +388,9 @@ def _outputs_quant(
 
 def _reference_quant(
     y, scheme, masked_m=None, group_size=128, m_indices=None, scale_layout="row",
-    expert_offsets=None,
+    expert_offsets=None, gate="silu", bias=None,
 ):  # fmt: skip
-    q, s = reference.silu_and_mul_quant(y, scheme, group_size)
+    q, s = reference.silu_and_mul_quant(y, scheme, group_size, gate, bias, m_indices)
     return q, as_layout(s, scale_layout)
 
 
@@ -323,15 +400,23 @@ def silu_and_mul(
     masked_m: Optional[torch.Tensor] = None,
     m_indices: Optional[torch.Tensor] = None,
     expert_offsets: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """silu(gate) * up in y.dtype.
+    """The gate's activation, silu(gate) * up by default, in y.dtype.
 
     Args:
-        y: bf16/fp16/fp32 `[M_sum, 2I]` or `[E, T, 2I]`, gate columns first.
+        y: bf16/fp16/fp32 `[M_sum, W]` or `[E, T, W]`: W = 2I, gate columns first, for a GLU
+            gate; W = I without.
         masked_m: optional int32 `[E]` live rows per expert (3-D y); other rows unspecified.
         m_indices: optional int32 `[M_sum]` expert per row (2-D y); rows with -1 unspecified.
         expert_offsets: optional int32 `[E + 1]` (permute's, 2-D y); rows >= expert_offsets[-1]
             (the unused tail of the static bound) are unspecified and never touched.
+        gate: the gate's spec string (:func:`epmoe.gate.parse`), e.g. "silu",
+            "silu:alpha=1.702,limit=7,up_offset=1", "relu2:glu=0".
+        bias: optional bf16/fp16/fp32 `[E_b, W]` added to y (float32) before the gate: row r of
+            a 2-D y adds bias[m_indices[r]] (m_indices required), y[e] of a 3-D y bias[e]
+            (E_b == E).
     Returns:
         y.dtype `[..., I]`.
     """
@@ -351,11 +436,14 @@ def silu_and_mul_quant(
     m_indices: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
     expert_offsets: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused silu_and_mul + quantize.
 
     Args:
-        y: bf16/fp16/fp32 `[M_sum, 2I]` or `[E, T, 2I]`, gate columns first.
+        y: bf16/fp16/fp32 `[M_sum, W]` or `[E, T, W]` (W = 2I, gate columns first, or I
+            without GLU).
         scheme: "fp8" (per token per ``group_size`` channels) or "int8" (per token).
         masked_m: optional int32 `[E]` live rows per expert (3-D y); other rows unspecified.
         group_size: fp8 channels per scale (I must be a multiple).
@@ -363,6 +451,8 @@ def silu_and_mul_quant(
         scale_layout: "row" or "deepgemm" (see :mod:`epmoe.ops.quantize`).
         expert_offsets: optional int32 `[E + 1]` (permute's, 2-D y); rows >= expert_offsets[-1]
             are unspecified and never touched. With m_indices this is the fast HT path.
+        gate: the gate's spec string, as in :func:`silu_and_mul`.
+        bias: optional bf16/fp16/fp32 `[E_b, W]`, as in :func:`silu_and_mul`.
     Returns:
         (q float8_e4m3fn/int8 `[..., I]`, s float32 `[..., I // group_size]` (fp8) or `[..., 1]`).
     """

@@ -1,11 +1,16 @@
 """Stage: quantize activations (FP8 e4m3 per token per group, INT8 per token).
 
-Contract: ``q, s = quantize(x, scheme, group_size=128, masked_m=None, scale_layout="row")``
+Contract: ``q, s = quantize(x, scheme, group_size=128, masked_m=None, scale_layout="row",
+width=None)``
 
 - x: bf16/fp16/fp32 `[M, H]` or `[E, T, H]` (any strides).
-- fp8: q float8_e4m3fn like x, s float32 `[..., H // group_size]`,
+- width: Wd, the codes' columns (None: H); Wd >= H (fp8: a multiple of group_size; H then need
+  not be one). x is quantized as if zero-extended to Wd columns: codes past H are 0, a group
+  that x ends inside has the scale of its zero-extended values, groups past H the floor 1e-10
+  (a hidden size zero-padded to the GEMMs' multiple; the padded weight columns are 0 too).
+- fp8: q float8_e4m3fn `[..., Wd]`, s float32 `[..., Wd // group_size]`,
   s = max(amax(group) / 448, 1e-10), q = x * (1 / s) (clamped to +-448, round to nearest even).
-- int8: q int8 like x, s float32 `[..., 1]`, s = max(amax(row) / 127, 1e-10),
+- int8: q int8 `[..., Wd]`, s float32 `[..., 1]`, s = max(amax(row) / 127, 1e-10),
   q = round-half-away(x * (1 / s)) clamped to [-127, 127].
 - masked_m: int32 `[E]` for 3-D input; rows t >= masked_m[e] are unspecified (the kernels never
   read or write them).
@@ -27,7 +32,16 @@ import triton
 import triton.language as tl
 
 from epmoe import _checks, _config, _launch, quant, reference
-from epmoe._contract import Case, Choice, Contract, Multiple, PositiveInt, Tensor, masked_m_steps
+from epmoe._contract import (
+    Case,
+    Choice,
+    Contract,
+    Multiple,
+    PositiveInt,
+    Rule,
+    Tensor,
+    masked_m_steps,
+)
 from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _EPS,
     _FP8_MAX,
@@ -45,6 +59,8 @@ from epmoe.kernels.scales import alloc_scales, as_layout  # noqa: F401 (stages i
 
 OP = "quantize"
 SCALE_LAYOUTS = ("row", "deepgemm")
+SCHEMES = tuple(s.name for s in quant.QUANTIZED)  # (bf16 has no codes to make)
+GROUPED = tuple(s.name for s in quant.QUANTIZED if s.act_group)  # scales per channel group
 
 
 # ------------------------------------------------------------------------------ launch config
@@ -105,8 +121,9 @@ def _quant_fp8_kernel(
     stride_se, stride_st, stride_sg,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PAD: tl.constexpr,
 ):  # fmt: skip
+    """NUM_GROUPS groups of q's row; with PAD (q wider than x) x's H columns read, the rest 0."""
     slot = tl.program_id(0)
     e = tl.program_id(1)
     rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
@@ -120,8 +137,11 @@ def _quant_fp8_kernel(
         live = t < bound
         t64 = t.to(tl.int64)
         m = cmask & live[:, None]
+        xm = m
+        if PAD:  # (columns past x's end: zeros, quantized as such)
+            xm = m & (cols < H)
         x_row = x_ptr + e64 * stride_xe + t64 * stride_xt
-        x = tl.load(x_row[:, None] + cols * stride_xh, mask=m, other=0.0)
+        x = tl.load(x_row[:, None] + cols * stride_xh, mask=xm, other=0.0)
         q, s = _quant_fp8_groups(x.to(tl.float32))
         tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
         s_off = e64 * stride_se + t64 * stride_st + groups * stride_sg
@@ -133,13 +153,14 @@ def _quant_int8_kernel(
     # tensors
     x_ptr, q_ptr, s_ptr, mm_ptr,
     # sizes
-    T, H, NUM_SLOTS,
+    T, H, NUM_SLOTS, WD,
     # strides (elements)
     stride_xe, stride_xt, stride_xh, stride_qe, stride_qt, stride_se, stride_st,
     # meta
     BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr, PAD: tl.constexpr,
 ):  # fmt: skip
+    """Rows of H values; with PAD (q wider than x: WD columns, else None) codes past H are 0."""
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
@@ -157,7 +178,10 @@ def _quant_int8_kernel(
             m = live[:, None] & (offs[None, :] < H)
             x = tl.load(x_row + offs[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
             s = _int8_scale(tl.max(tl.abs(x), axis=1))
-            tl.store(q_row + offs[None, :], _quant_int8(x, s), mask=m)
+            qm = m
+            if PAD:  # (x's zeros past H: zero codes)
+                qm = live[:, None] & (offs[None, :] < WD)
+            tl.store(q_row + offs[None, :], _quant_int8(x, s), mask=qm)
         else:
             amax = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
@@ -166,11 +190,14 @@ def _quant_int8_kernel(
                 x = tl.load(x_row + c * stride_xh, mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
             s = _int8_scale(tl.max(amax, axis=1))
-            for h0 in range(0, H, BLOCK_H):
+            for h0 in range(0, WD if PAD else H, BLOCK_H):
                 c = h0 + offs[None, :]
                 m = live[:, None] & (c < H)
                 x = tl.load(x_row + c * stride_xh, mask=m, other=0.0).to(tl.float32)
-                tl.store(q_row + c, _quant_int8(x, s), mask=m)
+                qm = m
+                if PAD:
+                    qm = live[:, None] & (c < WD)
+                tl.store(q_row + c, _quant_int8(x, s), mask=qm)
         tl.store(s_ptr + e64 * stride_se + t64 * stride_st, s, mask=live)
 
 
@@ -229,11 +256,14 @@ def launch_quant(
     group_size: int,
     masked_m: Optional[torch.Tensor],
 ) -> None:
-    """Quantize x `[M, H]` / `[E, T, H]` into preallocated q (contiguous) and s (any strides)."""
+    """Quantize x `[M, H]` / `[E, T, H]` into preallocated q (contiguous, ``[..., Wd >= H]``:
+    zero codes past H) and s (any strides)."""
     masked = masked_m is not None
+    wd = q.shape[-1]
     launch = _quant_launch(
-        scheme, group_size, tuple(x.shape), x.stride(), q.stride(), s.stride(), masked, CONFIG
-    )
+        scheme, group_size, tuple(x.shape), x.stride(), q.stride(), s.stride(), masked, CONFIG,
+        None if wd == x.shape[-1] else wd,
+    )  # fmt: skip
     launch(x, q, s, masked_m if masked else x)  # (x: a placeholder pointer, never read)
 
 
@@ -246,15 +276,18 @@ def dims(shape, strides) -> Tuple[int, int, Tuple[int, int, int]]:
 
 
 @_launch.memo
-def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, masked, cfg):
-    """The quantize kernel's launch for x of this shape and these strides."""
+def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, masked, cfg,
+                  width=None):  # fmt: skip
+    """The quantize kernel's launch for x of this shape and these strides (width: q's columns
+    when wider than x, else None)."""
     E, T, (sxe, sxt, sxh) = dims(shape, x_strides)
     H = shape[-1]
+    wd = H if width is None else width
     _, _, (sqe, sqt, _) = dims(shape, q_strides)
     _, _, (sse, sst, ssg) = dims(shape, s_strides)
     # no `if` on sizes (they may be symbolic under torch.compile): an empty grid launches nothing
-    if quant.get(scheme, OP, "scheme") is quant.FP8:
-        groups = H // group_size
+    if quant.get(scheme, OP, "scheme").act_group is not None:  # scales per channel group
+        groups = wd // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
         slots = num_slots(E, T, masked, block_m)
         return _launch.Prepared(
@@ -263,17 +296,19 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
             (T, H, groups, slots, sxe, sxt, sxh, sqe, sqt, sse, sst, ssg),
             dict(
                 GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,
-                HAS_MASK=masked, num_warps=_warps(block_m * gpp * block_g),
+                HAS_MASK=masked, PAD=width is not None, num_warps=_warps(block_m * gpp * block_g),
             ),
         )  # fmt: skip
-    block, block_m, single = int8_tiling(H, masked, cfg)
+    # one scale per row (int8); width None: a constexpr, no kernel parameter (the kernel as it was)
+    block, block_m, single = int8_tiling(wd, masked, cfg)
     slots = num_slots(E, T, masked, block_m)
     return _launch.Prepared(
         _quant_int8_kernel,
         (slots, E),
-        (T, H, slots, sxe, sxt, sxh, sqe, sqt, sse, sst),
+        (T, H, slots, width, sxe, sxt, sxh, sqe, sqt, sse, sst),
         dict(
             BLOCK_H=block, BLOCK_M=block_m, SINGLE_PASS=single, HAS_MASK=masked,
+            PAD=width is not None,
             num_warps=_warps(block_m * block) if masked else cfg.int8_warps,
         ),
     )  # fmt: skip
@@ -285,9 +320,10 @@ def _quantize_triton(
     group_size: int = 128,
     masked_m: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    width: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Allocate outputs and launch the kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    q, s = _outputs(x, scheme, group_size, masked_m, scale_layout)
+    q, s = _outputs(x, scheme, group_size, masked_m, scale_layout, width)
     launch_quant(x, q, s, scheme, group_size, masked_m)
     return q, s
 
@@ -295,29 +331,43 @@ def _quantize_triton(
 # ------------------------------------------------------------------------------------------ op
 CONTRACT = Contract(
     OP,
-    "x scheme group_size masked_m scale_layout",
-    Choice("scheme", ("fp8", "int8")),
+    "x scheme group_size masked_m scale_layout width",
+    Choice("scheme", SCHEMES),
     Tensor("x", _checks.FLOAT_DTYPES, ndim=(2, 3)),
     PositiveInt("group_size"),
     Choice("scale_layout", SCALE_LAYOUTS),
+    Rule(
+        "width is None or (type(width) is int and width >= x.shape[-1])",
+        "width",
+        lambda a: f"None or an int >= H = {a.x.shape[-1]} (x's columns)",
+        lambda a: repr(a.width),
+    ),
     Case(
-        "scheme == 'fp8'",
-        [Multiple("x.shape[-1]", "x.shape[-1]", "group_size", "(fp8 group_size)")],
+        "scheme in GROUPED",
+        [
+            Case(
+                "width is None",
+                [Multiple("x.shape[-1]", "x.shape[-1]", "group_size", "(fp8 group_size)")],
+                [Multiple("width", "width", "group_size", "(fp8 group_size)")],
+            )
+        ],
     ),
     *masked_m_steps("x"),
+    consts=dict(GROUPED=GROUPED),
 )
 
 
-def _reference(x, scheme, group_size, masked_m, scale_layout="row"):
-    q, s = reference.quantize(x, scheme, group_size)
+def _reference(x, scheme, group_size, masked_m, scale_layout="row", width=None):
+    q, s = reference.quantize(x, scheme, group_size, width)
     return q, as_layout(s, scale_layout)
 
 
-def _outputs(x, scheme, group_size=128, masked_m=None, scale_layout="row"):
+def _outputs(x, scheme, group_size=128, masked_m=None, scale_layout="row", width=None):
     """The op's (q, s), allocated (the CUDA launch fills them; the fake returns them)."""
     qs = quant.get(scheme, OP, "scheme")
-    q = torch.empty(x.shape, dtype=qs.act_dtype, device=x.device)
-    groups = qs.act_scale_cols(x.shape[-1], group_size)
+    wd = x.shape[-1] if width is None else width
+    q = torch.empty((*x.shape[:-1], wd), dtype=qs.act_dtype, device=x.device)
+    groups = qs.act_scale_cols(wd, group_size)
     return q, alloc_scales(tuple(x.shape[:-1]), groups, scale_layout, x.device)
 
 
@@ -328,16 +378,20 @@ def quantize(
     group_size: int = 128,
     masked_m: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
+    width: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations; see the module docstring for the contract.
 
     Args:
         x: bf16/fp16/fp32 `[M, H]` or `[E, T, H]`.
         scheme: "fp8" or "int8".
-        group_size: channels per fp8 scale (H must be a multiple); ignored for int8.
+        group_size: channels per fp8 scale (the codes' width must be a multiple); ignored for
+            int8.
         masked_m: optional int32 `[E]` rows per expert for 3-D x.
         scale_layout: "row" (contiguous s) or "deepgemm" (MN-major, TMA-aligned s).
+        width: Wd >= H, the codes' columns (None: H), x zero-extended to them (a zero-padded
+            hidden size): codes past H are 0, scales over x's values.
     Returns:
-        (q float8_e4m3fn/int8 like x (contiguous), s float32 `[..., H // group_size]` (fp8) or
-        `[..., 1]` (int8)).
+        (q float8_e4m3fn/int8 `[..., Wd]` (contiguous), s float32 `[..., Wd // group_size]`
+        (fp8) or `[..., 1]` (int8)).
     """

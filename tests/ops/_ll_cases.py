@@ -44,17 +44,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def check_scatter(out, x, topk_ids, E, C, quant, lo=0, NG=None) -> None:
+def check_scatter(out, x, topk_ids, E, C, quant, lo=0, NG=None, width=None) -> None:
     """Exact: rows and masked_m against the oracle; every written slot of xo and scales against
-    reference.quantize of its source token (bytes). Rows past masked_m are not compared."""
+    reference.quantize of its source token (bytes; with ``width``: the token zero-extended to
+    width columns). Rows past masked_m are not compared."""
     xo, s, mm, rows = (t.cpu() for t in out)
     x, topk_ids = x.cpu(), topk_ids.cpu()
     want_rows, counts = naive_slots(topk_ids, E, C, lo, NG)
     assert torch.equal(rows, want_rows), (rows, want_rows)
     assert mm.dtype == torch.int32 and torch.equal(mm, counts.clamp(max=C).int()), (mm, counts)
-    H = x.shape[1]
+    H = x.shape[1] if width is None else width
     G = {"bf16": 0, "fp8": H // 128, "int8": 1}[quant]
     assert xo.shape == (E, C, H) and s.shape == (E, C, G)
+    if width is not None:  # zero-extended by hand (not reference.widen: an oracle of its own)
+        x = torch.cat([x, torch.zeros((x.shape[0], width - x.shape[1]), dtype=x.dtype)], dim=1)
     if quant == "bf16":
         q, qs = x, torch.empty((x.shape[0], 0))
     else:
@@ -70,17 +73,20 @@ def check_scatter(out, x, topk_ids, E, C, quant, lo=0, NG=None) -> None:
             assert torch.equal(s[e, c], qs[t]), (quant, t, k, e, c)
 
 
-def gather_oracle(y, rows, w=None) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * y.view(E*C, H)[rows[t,k]], float32 in k order, one loop."""
+def gather_oracle(y, rows, w=None, bias=None, hidden=None) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * (y.view(E*C, H)[r, :Ho] + bias[r // C, :Ho]), r = rows[t,k],
+    float32 in k order, one loop (Ho = hidden or H)."""
     E, C, H = y.shape
-    flat = y.cpu().reshape(E * C, H).float()
+    Ho = H if hidden is None else hidden
+    flat = y.cpu().reshape(E * C, H).float()[:, :Ho]
     rows = rows.cpu()
-    out = torch.zeros((rows.shape[0], H))
+    out = torch.zeros((rows.shape[0], Ho))
     for t in range(rows.shape[0]):
         for k in range(rows.shape[1]):
             r = int(rows[t, k])
             if r >= 0:
-                out[t] += flat[r] * (1.0 if w is None else float(w[t, k]))
+                v = flat[r] if bias is None else flat[r] + bias.cpu()[r // C, :Ho].float()
+                out[t] += v * (1.0 if w is None else float(w[t, k]))
     return out.to(torch.bfloat16)
 
 

@@ -1,9 +1,9 @@
 """silu_and_mul(_quant) Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 
 silu_and_mul is compared with the reference at the dtype tolerance (exp may differ in the last
-bit between backends). The fused kernel is compared byte for byte with the reference quantizer
-applied to the unfused kernel's output: same activation bits, then exactly the reference
-quantization.
+bit between backends), for every gate kind and with the expert bias. The fused kernel is
+compared byte for byte with the reference quantizer applied to the unfused kernel's output: same
+activation bits, then exactly the reference quantization.
 """
 
 import os
@@ -18,7 +18,11 @@ import torch  # noqa: E402
 from epmoe import reference  # noqa: E402
 from tests.ops import _stage_cases as C  # noqa: E402
 
-pytestmark = pytest.mark.interpret
+pytestmark = [
+    pytest.mark.interpret,
+    # (exp(-z) of a large negative gate is inf under numpy, as on the GPU: h = g / inf = -0.0)
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
 A = C.activation_mod
 
 
@@ -30,27 +34,50 @@ def _live(y, masked_m=None, m_indices=None):
     return torch.ones(y.shape[0], dtype=torch.bool)
 
 
-def _check_silu(y, masked_m=None, m_indices=None):
+def _check_silu(y, masked_m=None, m_indices=None, gate="silu", bias=None, offsets=None):
     live = _live(y, masked_m, m_indices)
-    ref = reference.silu_and_mul(y)
+    ref = reference.silu_and_mul(y, gate, bias, m_indices)
     for byte in C.POISON_BYTES:
         with C.poisoned_empty(byte):
-            h = A._silu_and_mul_triton(y, masked_m, m_indices)
+            h = A._silu_and_mul_triton(y, masked_m, m_indices, offsets, gate, bias)
         assert h.dtype == y.dtype and h.shape == ref.shape
         C.assert_close(h[live], ref[live])
     return h
 
 
-def _check_quant(y, scheme, masked_m=None, group_size=128, m_indices=None, layout="row"):
+def _check_quant(
+    y, scheme, masked_m=None, group_size=128, m_indices=None, layout="row", gate="silu", bias=None
+):
     live = _live(y, masked_m, m_indices)
-    h = A._silu_and_mul_triton(y, masked_m, m_indices)
+    h = A._silu_and_mul_triton(y, masked_m, m_indices, None, gate, bias)
+    C.assert_close(h[live], reference.silu_and_mul(y, gate, bias, m_indices)[live])
     rq, rs = reference.quantize(h, scheme, group_size)
     for byte in C.POISON_BYTES:
         with C.poisoned_empty(byte):
-            q, s = A._silu_and_mul_quant_triton(y, scheme, masked_m, group_size, m_indices, layout)
+            q, s = A._silu_and_mul_quant_triton(
+                y, scheme, masked_m, group_size, m_indices, layout, None, gate, bias
+            )
         C.assert_equal(q[live], rq[live], "q")
         C.assert_equal(s[live], rs[live], "s")
     return q, s
+
+
+# every activation, each gate field set somewhere (limit before and after, up offset, alpha),
+# and no gate half (NemotronH's relu2)
+GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",
+    "silu:limit=3,clamp_after=1",
+    "gelu_tanh:limit=5",
+    "gelu",
+    "relu:up_offset=-0.5",
+    "relu2",
+    "relu2:glu=0",
+)
+
+
+def _width(gate, inter):
+    """y's width for ``inter`` outputs."""
+    return inter if gate.endswith("glu=0") else 2 * inter
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -164,3 +191,76 @@ def test_expert_offsets_skip_the_tail(scheme, monkeypatch):
                 C.assert_equal(s[live], rs[live], "s")
         tail = out[8:].reshape(-1).view(torch.uint8)
         assert bool((tail == byte).all()), "a row past expert_offsets[-1] was written"
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gates_2d(gate, dtype, monkeypatch):
+    C.set_config(monkeypatch, A, silu_tile=64)  # I = 100: two column chunks, the last one masked
+    y = torch.randn((5, _width(gate, 100)), generator=torch.Generator().manual_seed(10)) * 4
+    _check_silu(y.to(dtype), gate=gate)
+
+
+@pytest.mark.parametrize("gate", ["silu", *GATES])
+def test_gate_bias_rows(gate, monkeypatch):
+    """The bias row of each row's expert: m_indices on a 2-D y (with expert_offsets: the HT path),
+    e on a 3-D masked y; float32 and bf16 biases."""
+    C.set_config(monkeypatch, A, silu_block_m=4)  # 4-row blocks over 6 rows, ids prefetched
+    C.set_config(monkeypatch, A, row_programs=1)
+    C.set_config(monkeypatch, A, offsets_programs=1)
+    gen = torch.Generator().manual_seed(11)
+    w = _width(gate, 64)
+    y2 = (torch.randn((6, w), generator=gen) * 3).to(torch.bfloat16)
+    b = torch.randn((3, w), generator=gen) * 2
+    mi = torch.tensor([2, -1, 0, 0, 1, -1], dtype=torch.int32)
+    _check_silu(y2, m_indices=mi, gate=gate, bias=b)
+    offs = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    _check_silu(y2, m_indices=mi, gate=gate, bias=b.to(torch.bfloat16), offsets=offs)
+    y3 = (torch.randn((3, 4, w), generator=gen) * 3).to(torch.bfloat16)
+    mm = torch.tensor([0, 4, 2], dtype=torch.int32)
+    _check_silu(y3, masked_m=mm, gate=gate, bias=b.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("gate", GATES)
+def test_gate_bias_quant(scheme, gate, monkeypatch):
+    C.set_config(monkeypatch, A, fp8_block_m=4)
+    C.set_config(monkeypatch, A, int8_row_tile=256)  # int8: 2-row blocks (I = 128)
+    C.set_config(monkeypatch, A, row_programs=1)
+    gen = torch.Generator().manual_seed(12)
+    w = _width(gate, 128)
+    b = torch.randn((4, w), generator=gen)
+    y2 = (torch.randn((7, w), generator=gen) * 3).to(torch.bfloat16)
+    mi = torch.tensor([1, 1, -1, 0, -1, 3, 2], dtype=torch.int32)
+    _check_quant(y2, scheme, m_indices=mi, gate=gate, bias=b)
+    y3 = (torch.randn((4, 3, w), generator=gen) * 3).to(torch.bfloat16)
+    mm = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
+    _check_quant(y3, scheme, masked_m=mm, layout="deepgemm", gate=gate, bias=b.to(torch.float16))
+    _check_quant(y3, scheme, masked_m=mm, gate=gate)  # no bias
+
+
+@pytest.mark.parametrize("gate", ["silu:alpha=1.702,limit=7,up_offset=1", "relu2:glu=0"])
+def test_gate_bias_int8_two_pass(gate, monkeypatch):
+    C.set_config(monkeypatch, A, int8_single_pass_max=64)
+    C.set_config(monkeypatch, A, int8_chunk=32)
+    gen = torch.Generator().manual_seed(13)
+    w = _width(gate, 100)
+    y3 = (torch.randn((2, 3, w), generator=gen) * 3).to(torch.bfloat16)
+    b = torch.randn((2, w), generator=gen).to(torch.bfloat16)
+    _check_quant(y3, "int8", masked_m=torch.tensor([3, 1]), gate=gate, bias=b)
+    y2 = (torch.randn((3, w), generator=gen) * 3).to(torch.bfloat16)
+    mi = torch.tensor([1, -1, 0], dtype=torch.int32)
+    _check_quant(y2, "int8", m_indices=mi, gate=gate, bias=b)
+
+
+def test_no_glu_reads_only_its_columns():
+    """Without a gate half, y [.., I] is read as the up values alone: a y view narrower than
+    its rows (the next columns poisoned) gives the result of its own columns."""
+    gen = torch.Generator().manual_seed(14)
+    base = torch.randn((5, 256), generator=gen).to(torch.bfloat16)
+    base[:, 128:] = float("nan")
+    y = base[:, :128]
+    h = _check_silu(y, gate="relu2:glu=0")
+    assert not h.isnan().any()
+    q, _ = _check_quant(y, "fp8", gate="relu2:glu=0")
+    assert q.shape == (5, 128)

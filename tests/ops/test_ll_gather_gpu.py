@@ -37,3 +37,27 @@ def test_gather_matches_reference(K, H):
     assert torch.equal(out, ll_gather(y, rows, w))
     disp = torch.ops.epmoe.ll_gather.default(y, rows, w)
     assert torch.equal(disp, out)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H,hidden", [(7168, None), (2944, 2880), (512, 1)])
+def test_gather_bias_hidden_matches_reference(bias_dtype, H, hidden):
+    """A down-projection bias (by the slot's expert) and a narrower output (a padded hidden)."""
+    gen = torch.Generator().manual_seed(3)
+    E, C, T, K = 16, 64, 100, 8
+    y = torch.randn((E, C + 3, H), generator=gen).bfloat16().cuda()[:, 3:]  # strided slots
+    rows = torch.randint(-1, E * C, (T, K), generator=gen, dtype=torch.int32).cuda()
+    w = random_weights(T, K, gen).cuda()
+    b = torch.randn((E, H), generator=gen).to(bias_dtype).cuda()
+    cols = H if hidden is None else hidden
+    # unweighted: sums in k order, no products: exact
+    assert torch.equal(
+        ll_gather(y, rows, bias=b, hidden=hidden), reference.ll_gather(y, rows, None, b, hidden)
+    )
+    ref = reference.ll_gather(y, rows, w, b, hidden)
+    assert ref.shape == (T, cols)
+    assert_close(ll_gather(y, rows, w, bias=b, hidden=hidden), ref)
+    out = torch.empty((T, cols), dtype=torch.bfloat16, device="cuda")
+    assert ll_gather_out(y, rows, w, out, b) is out
+    assert torch.equal(out, ll_gather(y, rows, w, bias=b, hidden=hidden))
+    assert torch.equal(torch.ops.epmoe.ll_gather.default(y, rows, w, True, b, hidden), out)

@@ -218,3 +218,69 @@ def test_compiled_equals_eager(quant):
     torch._dynamo.reset()
     for a, b in zip(step(x, topk, w), torch.compile(step, fullgraph=True)(x, topk, w), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("H,width", [(160, 256), (256, 384), (128, 128)])
+def test_scatter_width_zero_extends(quant, H, width):
+    """A layout wider than x (a zero-padded hidden): each slot is x's row zero-extended, quantized
+    as such (fp8: x need not fill whole groups); rows and masked_m as without it."""
+    gen = torch.Generator().manual_seed(13)
+    T, K, E, C = 10, 3, 4, 10
+    x = L.tokens(T, H, gen, stride_pad=8)
+    topk = L.ids(T, K, E, gen, col_major=True)
+    out = ll_scatter(x, topk, E, C, quant, width=width)
+    L.check_scatter(out, x, topk, E, C, quant, width=width)
+    plain = ll_scatter(L.tokens(T, width, gen), topk, E, C, quant)
+    assert torch.equal(out[2], plain[2]) and torch.equal(out[3], plain[3])
+    live = torch.arange(C)[None, :] < out[2][:, None]
+    assert (out[0][live][:, H:].float() == 0).all()
+
+
+@pytest.mark.parametrize("dtype", L.RAW_DTYPES)
+def test_scatter_raw_copies_width(dtype):
+    """Raw copies into a wider layout: the bytes, then zero bytes."""
+    gen = torch.Generator().manual_seed(21)
+    T, K, H, E, C = 9, 3, 70, 4, 9
+    x = L.raw_tokens(T, H, dtype, gen)
+    topk = L.ids(T, K, E, gen, col_major=True)
+    xo, s, mm, rows = ll_scatter(x, topk, E, C, width=96)
+    assert xo.dtype == dtype and xo.shape == (E, C, 96)
+    wide = torch.zeros((T, 96), dtype=dtype)
+    wide.view(torch.uint8)[:, : H * x.element_size()] = x.contiguous().view(torch.uint8)
+    L.check_raw_scatter((xo, s, mm, rows), wide, topk, E, C)
+
+
+def test_scatter_width_errors():
+    x = torch.zeros((3, 160), dtype=torch.bfloat16)
+    topk = torch.zeros((3, 2), dtype=torch.int64)
+    for quant, width, msg in [
+        ("bf16", 159, r"ll_scatter: width expected None or an int >= H = 160 \(x's columns\)"),
+        ("int8", True, "ll_scatter: width expected None or an int >= H = 160"),
+        ("fp8", 256.0, "ll_scatter: width expected None or an int >= H = 160"),
+        ("fp8", 200, "ll_scatter: width expected a multiple of 128"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            ll_scatter(x, topk, 2, 4, quant, width=width)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_opcheck_scatter_width(quant):
+    gen = torch.Generator().manual_seed(14)
+    x = L.tokens(8, 160, gen)
+    topk = L.ids(8, 3, 8, gen, col_major=True)
+    for args in (
+        (x, topk, 4, 8, quant, 4, 8, "row", 256),
+        (x, topk.int(), 8, 8, quant, 0, None, "deepgemm", 384),
+    ):
+        opcheck(torch.ops.epmoe.ll_scatter.default, args)
+
+
+def test_roundtrip_width_and_hidden():
+    """ll_gather(ll_scatter(x, width), hidden=H) with weights 1 restores (#entries) * x."""
+    gen = torch.Generator().manual_seed(15)
+    x = L.tokens(7, 100, gen)
+    topk = L.ids(7, 2, 4, gen)
+    xo, _, _, rows = ll_scatter(x, topk, 4, 7, width=128)
+    n = (topk >= 0).sum(1, keepdim=True).float()
+    assert torch.equal(ll_gather(xo, rows, hidden=100), (x.float() * n).bfloat16())

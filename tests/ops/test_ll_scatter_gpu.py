@@ -219,3 +219,30 @@ def test_scatter_raw_copies(dtype, H):
     L.check_raw_scatter(out, x, topk, E, T)
     peers = torch.where(topk[:, :P] >= 0, torch.arange(P, device="cuda"), -1)  # ranks as experts
     L.check_raw_scatter(ll_scatter(x, peers, P, T), x, peers, P, T)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize(
+    "T,K,H,width,E,layout",
+    [
+        (128, 8, 2880, 2944, 32, "deepgemm"),  # a padded hidden: a partial fp8 group
+        (37, 6, 160, 256, 16, "row"),  # K padded to 8, one chunk
+        (64, 4, 16000, 16384, 8, "deepgemm"),  # many chunks; int8 the two-read path
+    ],
+)
+def test_scatter_width_matches_contract(quant, T, K, H, width, E, layout):
+    """A layout wider than x: each slot x's row zero-extended, quantized as such, byte-exact."""
+    x, topk, _ = _inputs(T, K, H, E, seed=T + H, col_major=True)
+    out = ll_scatter(x, topk, E, T, quant, scale_layout=layout, width=width)
+    L.check_scatter(out, x, topk, E, T, quant, width=width)
+    _, s_ref, _, _ = reference.ll_scatter(x.cpu(), topk.cpu(), E, T, quant, 0, None, width)
+    live = torch.arange(T)[None, :] < out[2].cpu()[:, None]
+    assert torch.equal(out[1].cpu()[live], s_ref[live])
+    assert (out[0].cpu()[live][:, H:].float() == 0).all()
+    disp = torch.ops.epmoe.ll_scatter.default(x, topk, E, T, quant, 0, None, layout, width)
+
+    def written(t):  # (xo / scales: the live slots; masked_m, rows: all)
+        return L.as_bytes(t.cpu()[live] if t.dim() == 3 else t.cpu())
+
+    for a, b in zip(out, disp, strict=True):
+        assert torch.equal(written(a), written(b))

@@ -33,12 +33,12 @@ def blocks(request, monkeypatch):
     return request.param
 
 
-def _scatter(x, topk, E, C, quant, lo=0, NG=None, layout="row"):
+def _scatter(x, topk, E, C, quant, lo=0, NG=None, layout="row", width=None):
     out = None
     for byte in POISON_BYTES:
         with poisoned_empty(byte):
-            out = KS._ll_scatter_triton(x, topk, E, C, quant, lo, NG, layout)
-        L.check_scatter(out, x, topk, E, C, quant, lo, NG)
+            out = KS._ll_scatter_triton(x, topk, E, C, quant, lo, NG, layout, width)
+        L.check_scatter(out, x, topk, E, C, quant, lo, NG, width)
     return out
 
 
@@ -124,6 +124,52 @@ def test_roundtrip(blocks):
     KG._ll_gather_launch(xo, rows, w, out)
     keep = torch.where(topk >= 0, w, 0.0)
     want = torch.zeros((6, 256))
+    for k in range(4):
+        want += x.float() * keep[:, k : k + 1]
+    assert torch.equal(out, want.bfloat16())
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_scatter_width(quant, blocks):
+    """A layout wider than x (a zero-padded hidden): H = 160 into 256 (fp8: a partial group then
+    a zero one), 640 into 768 (small blocks: several chunks; int8 the two-read path), strided
+    ids; every written slot x's row zero-extended, never the poison."""
+    gen = torch.Generator().manual_seed(8)
+    T, K, E, C = 9, 3, 5, 9
+    topk = L.ids(T, K, E, gen, col_major=True)
+    for H, width, layout in ((160, 256, "row"), (640, 768, "deepgemm")):
+        x = L.tokens(T, H, gen, stride_pad=16)
+        xo, s, mm, rows = _scatter(x, topk, E, C, quant, layout=layout, width=width)
+        assert xo.shape == (E, C, width)
+        live = torch.arange(C)[None, :] < mm[:, None]
+        assert (xo[live][:, H:].float() == 0).all()
+    _scatter(x[:0], topk[:0], E, C, quant, width=768)  # zero tokens: masked_m, nothing else
+
+
+def test_scatter_raw_copies_width(blocks):
+    gen = torch.Generator().manual_seed(9)
+    T, K, H, E, C = 9, 3, 300, 4, 9
+    x = L.raw_tokens(T, H, torch.float8_e4m3fn, gen)
+    topk = L.ids(T, K, E, gen, col_major=True)
+    wide = torch.zeros((T, 384), dtype=x.dtype)
+    wide.view(torch.uint8)[:, :H] = x.view(torch.uint8)
+    for byte in POISON_BYTES:
+        with poisoned_empty(byte):
+            out = KS._ll_scatter_triton(x, topk, E, C, "bf16", 0, None, "row", 384)
+        L.check_raw_scatter(out, wide, topk, E, C)
+
+
+def test_roundtrip_width_hidden(blocks):
+    """ll_gather(ll_scatter(x, width), hidden=H): the padded columns dropped, x weighted back."""
+    gen = torch.Generator().manual_seed(10)
+    x = L.tokens(6, 200, gen)
+    topk = L.ids(6, 4, 8, gen)
+    w = random_weights(6, 4, gen)
+    xo, _, _, rows = KS._ll_scatter_triton(x, topk, 8, 6, "bf16", 0, None, "row", 256)
+    out = torch.empty((6, 200), dtype=torch.bfloat16)
+    KG._ll_gather_launch(xo, rows, w, out)
+    keep = torch.where(topk >= 0, w, 0.0)
+    want = torch.zeros((6, 200))
     for k in range(4):
         want += x.float() * keep[:, k : k + 1]
     assert torch.equal(out, want.bfloat16())

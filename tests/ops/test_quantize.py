@@ -97,3 +97,69 @@ def test_quantize_opcheck(seed):
 def test_quantize_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         ops.quantize(*args)
+
+
+def _zero_extended(x, width):
+    return torch.cat([x, x.new_zeros((*x.shape[:-1], width - x.shape[-1]))], dim=-1)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("shape,width", [((5, 160), 256), ((2, 3, 100), 128), ((4, 256), 512)])
+def test_width_zero_extends(scheme, shape, width, seed):
+    """Codes `[..., width]` of x zero-extended: zero codes past H, scales over x's values (fp8:
+    the group x ends inside scaled by its zero-extended values; groups past H the floor)."""
+    x = (torch.randn(shape) * 3).bfloat16()
+    q, s = ops.quantize(x, scheme, width=width)
+    rq, rs = reference.quantize(_zero_extended(x, width), scheme)
+    assert q.shape == (*shape[:-1], width) and s.shape == rs.shape
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert (q[..., shape[-1] :].float() == 0).all()
+    if scheme == "int8":  # one scale per row: the same as without the padding
+        assert torch.equal(s, ops.quantize(x, scheme)[1])
+    elif shape[-1] % 128 == 0:  # whole groups of x: its own scales, then the floor
+        assert torch.equal(s[..., : shape[-1] // 128], ops.quantize(x, scheme)[1])
+        assert (s[..., shape[-1] // 128 :] == 1e-10).all()
+    # width == H: the default
+    q2, s2 = ops.quantize(_zero_extended(x, width), scheme, width=width)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+def test_width_masked_and_deepgemm(seed):
+    x = torch.randn(3, 5, 160).bfloat16()
+    m = torch.tensor([0, 2, 5], dtype=torch.int32)
+    for scheme in ("fp8", "int8"):
+        q, s = ops.quantize(x, scheme, masked_m=m, scale_layout="deepgemm", width=256)
+        rq, rs = reference.quantize(_zero_extended(x, 256), scheme)
+        for e, n in enumerate(m.tolist()):
+            assert torch.equal(q[e, :n].view(torch.uint8), rq[e, :n].view(torch.uint8))
+            assert torch.equal(s[e, :n], rs[e, :n])
+        assert s.stride() == (s.shape[-1] * 8, 1, 8)
+
+
+def test_width_opcheck(seed):
+    x = torch.randn(4, 160).bfloat16()
+    opcheck(torch.ops.epmoe.quantize.default, (x, "fp8", 128, None, "row", 256))
+    opcheck(torch.ops.epmoe.quantize.default, (x, "int8", 128, None, "deepgemm", 200))
+    x3 = torch.randn(2, 3, 160).bfloat16()
+    m = torch.tensor([1, 3], dtype=torch.int32)
+    opcheck(torch.ops.epmoe.quantize.default, (x3, "fp8", 128, m, "row", 384))
+
+
+@pytest.mark.parametrize(
+    "scheme,width,match",
+    [
+        (
+            "fp8",
+            128,
+            r"quantize: width expected None or an int >= H = 160 \(x's columns\), got 128",
+        ),
+        ("int8", 159, "quantize: width expected None or an int >= H = 160"),
+        ("fp8", 200, r"quantize: width expected a multiple of 128"),
+        ("fp8", True, "quantize: width expected None or an int >= H"),
+        ("int8", 256.0, "quantize: width expected None or an int >= H"),
+        ("fp8", None, r"quantize: x.shape\[-1\] expected a multiple of 128"),
+    ],
+)
+def test_width_bad_input(scheme, width, match):
+    with pytest.raises(ValueError, match=match):
+        ops.quantize(torch.zeros(2, 160), scheme, width=width)

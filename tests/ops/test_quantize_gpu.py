@@ -13,16 +13,16 @@ pytestmark = pytest.mark.gpu
 Q = C.quantize_mod
 
 
-def _check(x_cpu, scheme, group_size=128, masked_m=None, layout="row", x_dev=None):
+def _check(x_cpu, scheme, group_size=128, masked_m=None, layout="row", x_dev=None, width=None):
     """Run the op on CUDA under both poison patterns; compare written rows with the reference."""
     x = x_dev if x_dev is not None else x_cpu.cuda()
     mm = None if masked_m is None else masked_m.cuda()
-    rq, rs = reference.quantize(x_cpu, scheme, group_size)
+    rq, rs = reference.quantize(x_cpu, scheme, group_size, width)
     lead = x_cpu.shape[:-1]
     rows = C.masked_rows(*(lead if x.dim() == 3 else (1, lead[0])), masked_m).reshape(lead)
     for byte in C.POISON_BYTES:
         with C.poisoned_empty(byte):
-            q, s = quantize(x, scheme, group_size, mm, scale_layout=layout)
+            q, s = quantize(x, scheme, group_size, mm, scale_layout=layout, width=width)
         torch.cuda.synchronize()
         C.assert_equal(q.cpu()[rows], rq[rows], "q")
         C.assert_equal(s.cpu()[rows], rs[rows], "s")
@@ -125,3 +125,24 @@ def test_cuda_graph_replay(scheme):
         rows = C.masked_rows(16, 32, mm)
         C.assert_equal(q.cpu()[rows], rq[rows], f"q replay {trial}")
         C.assert_equal(s.cpu()[rows], rs[rows], f"s replay {trial}")
+
+
+@pytest.mark.parametrize("layout", ["row", "deepgemm"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("m,h,width", [(300, 2880, 2944), (37, 160, 256), (5, 20000, 20096)])
+def test_width_matches_reference(m, h, width, scheme, layout):
+    """Codes wider than x (a zero-padded hidden): zero codes past H, byte-exact scales."""
+    x = (torch.randn((m, h), generator=torch.Generator().manual_seed(m + h)) * 5).bfloat16()
+    q, _ = _check(x, scheme, layout=layout, width=width)
+    assert q.shape == (m, width) and (q[:, h:].float() == 0).all()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_width_masked_3d_and_opcheck(scheme):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn((8, 64, 2880), generator=gen).to(torch.bfloat16)
+    masked_m = torch.tensor([0, 64, 5, 1, 8, 63, 2, 100], dtype=torch.int32)
+    _check(x, scheme, masked_m=masked_m, layout="deepgemm", width=2944)
+    args = (x.cuda(), scheme, 128, masked_m.cuda(), "deepgemm", 2944)
+    opcheck(torch.ops.epmoe.quantize.default, args, utils=NO_VALUE_COMPARE)
+    opcheck(torch.ops.epmoe.quantize.default, (x[0].cuda(), scheme, 128, None, "row", 3072))

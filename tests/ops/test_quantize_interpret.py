@@ -17,14 +17,14 @@ pytestmark = pytest.mark.interpret
 Q = C.quantize_mod
 
 
-def _run(x, scheme, group_size=128, masked_m=None, layout="row"):
+def _run(x, scheme, group_size=128, masked_m=None, layout="row", width=None):
     """Run the kernels under both poison patterns; compare written rows with the reference."""
-    rq, rs = reference.quantize(x, scheme, group_size)
+    rq, rs = reference.quantize(x, scheme, group_size, width)
     lead = x.shape[:-1]
     rows = C.masked_rows(*(lead if x.dim() == 3 else (1, lead[0])), masked_m).reshape(lead)
     for byte in C.POISON_BYTES:
         with C.poisoned_empty(byte):
-            q, s = Q._quantize_triton(x, scheme, group_size, masked_m, layout)
+            q, s = Q._quantize_triton(x, scheme, group_size, masked_m, layout, width)
         assert q.is_contiguous()
         C.assert_equal(q[rows], rq[rows], "q")
         C.assert_equal(s[rows], rs[rows], "s")
@@ -112,3 +112,36 @@ def test_op_cpu_deepgemm_layout():
 def test_bad_scale_layout():
     with pytest.raises(ValueError, match="quantize: scale_layout expected one of"):
         quantize(torch.zeros(2, 128), "fp8", scale_layout="col")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_width_matches_reference(scheme, dtype):
+    """Codes wider than x (a zero-padded hidden): H = 160 into 256 columns (fp8: a partial group,
+    then zeros), 256 into 512 (a whole group of zeros), strided x."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn((5, 160), generator=gen) * 4).to(dtype)
+    q, s = _run(x, scheme, width=256)
+    assert q.shape == (5, 256) and (q[:, 160:].float() == 0).all()
+    _run(x[:0], scheme, width=256)
+    base = torch.randn((3, 512), generator=gen).to(dtype)
+    _run(base[:, ::2], scheme, width=512, layout="deepgemm")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_width_3d_masked(scheme):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn((4, 6, 160), generator=gen).to(torch.bfloat16)
+    masked_m = torch.tensor([0, 6, 3, 9], dtype=torch.int32)
+    _run(x, scheme, masked_m=masked_m, layout="deepgemm", width=384)
+
+
+def test_width_odd_group_and_two_pass(monkeypatch):
+    """group 96 with H = 200 into 288; int8 rows past the single-pass limit (two passes)."""
+    gen = torch.Generator().manual_seed(13)
+    _run(torch.randn((3, 200), generator=gen), "fp8", group_size=96, width=288)
+    C.set_config(monkeypatch, Q, int8_single_pass_max=64)
+    C.set_config(monkeypatch, Q, int8_chunk=32)
+    x = torch.randn((3, 150), generator=gen) * 3
+    _run(x, "int8", width=200)
+    _run(x.reshape(3, 2, 75), "int8", masked_m=torch.tensor([1, 2, 0]), width=100)

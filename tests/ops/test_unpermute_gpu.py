@@ -98,3 +98,38 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     C.assert_close(out, reference.unpermute(y2, inv2, w2))
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h,hidden", [(7168, None), (2944, 2880), (512, 1)])
+def test_bias_hidden_matches_reference(bias_dtype, h, hidden):
+    """bias[m_indices[row]] before the weighting (m_indices -1: none), the first Ho columns."""
+    gen = torch.Generator().manual_seed(5)
+    y, inv, w = _inputs(300, 8, 1024, h, torch.bfloat16, gen)
+    b = torch.randn((16, h), generator=gen).to(bias_dtype)
+    m_idx = torch.randint(-1, 16, (1024,), generator=gen, dtype=torch.int32)
+    ref = reference.unpermute(y, inv, w, b, m_idx, hidden)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            out = unpermute(
+                y.cuda(), inv.cuda(), w.cuda(), bias=b.cuda(), m_indices=m_idx.cuda(), hidden=hidden
+            )
+        torch.cuda.synchronize()
+        assert out.shape == ref.shape
+        C.assert_close(out, ref)
+    args = (y.cuda(), inv.cuda(), w.cuda(), True, b.cuda(), m_idx.cuda(), hidden)
+    C.assert_equal(torch.ops.epmoe.unpermute.default(*args), out, "dispatcher")
+    opcheck(torch.ops.epmoe.unpermute.default, args)
+
+
+def test_round_trip_with_permute_bias():
+    """K = 1, unit weights, a bias by permute's m_indices: x + bias[id] (0 for id -1)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn((700, 1024), generator=gen).to(torch.bfloat16).cuda()
+    ids = C.routing(700, 1, 16, gen, local=0.8).cuda()
+    b = torch.randn((16, 1024), generator=gen).cuda()
+    p = permute(x, ids, 16, 128)
+    w = torch.ones((700, 1), device="cuda")
+    back = unpermute(p.x, p.inv_perm, w, bias=b, m_indices=p.m_indices, hidden=1000)
+    want = torch.where(ids >= 0, x.float() + b[ids.clamp(min=0).squeeze(1)], 0.0)[:, :1000]
+    assert torch.equal(back, want.to(torch.bfloat16))
