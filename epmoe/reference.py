@@ -9,6 +9,7 @@ output/reduction dims, ``S`` scale groups per row.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from epmoe import _checks, quant
 from epmoe import gate as _gate
