@@ -264,20 +264,31 @@ def _choice_weights(w: torch.Tensor, s: Optional[torch.Tensor], ids: torch.Tenso
     return wf.reshape(*ids.shape, *w.shape[1:])
 
 
+def _plus_bias(y: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """y float32 `[T, K, N]` plus each choice's expert's bias row `[N]` (expert 0 for -1); y
+    itself without a bias (no + 0.0: it would turn -0.0 into 0.0)."""
+    return y if bias is None else y + bias.float()[ids.clamp(min=0).long()]
+
+
 def gemv_gate_up(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     w1: torch.Tensor,
     w1_scales: Optional[torch.Tensor] = None,
+    gate="silu",
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """x bf16 `[T, H]`, topk_ids `[T, K]` local expert or -1, w1 `[E, 2I, H]` (bf16, or fp8 /
-    int8 with their scales) -> bf16 `[T, K, I]`: silu_and_mul of the bf16-rounded product of x,
-    quantized per the weights' scheme, with each choice's expert; rows of -1 choices zero."""
+    """x bf16 `[T, H]` (H <= w1.shape[2]: zero-extended to it), topk_ids `[T, K]` local expert or
+    -1, w1 `[E, W, Hp]` (W = 2I gate rows then up rows, or I without glu; bf16, or fp8 / int8
+    with their scales), gate a :mod:`epmoe.gate` spec or Gate, bias float `[E, W]` or None ->
+    bf16 `[T, K, I]`: the gate of the bf16-rounded products of x, quantized per the weights'
+    scheme, with each choice's expert, plus the bias in float32; rows of -1 choices zero."""
+    g = _gate.get(gate, "gemv_gate_up")
     scheme = quant.of_dtype(w1.dtype)
-    xf = _quantized_rows(x, scheme)  # [T, H]
-    wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, 2I, H]
-    y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16)
-    h = silu_and_mul(y)
+    xf = _quantized_rows(F.pad(x, (0, w1.shape[2] - x.shape[1])), scheme)  # [T, Hp]
+    wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, W, Hp]
+    y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16).float()
+    h = g.reference(_plus_bias(y, bias, topk_ids))
     return torch.where((topk_ids >= 0).unsqueeze(-1), h, 0.0).to(torch.bfloat16)
 
 
@@ -287,18 +298,22 @@ def gemv_down(
     topk_weights: torch.Tensor,
     w2: torch.Tensor,
     w2_scales: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    hidden: Optional[int] = None,
 ) -> torch.Tensor:
     """h bf16 `[T, K, I]`, topk_ids `[T, K]` local expert or -1, topk_weights float `[T, K]`, w2
-    `[E, H, I]` -> bf16 `[T, H]`: sum_k w[t,k] * bf16(h^[t,k] . W2[e]^T) over live choices in
-    float32 (k order), h^ = h quantized per the weights' scheme."""
+    `[E, Hw, I]`, bias float `[E, Hw]` or None, hidden None (Hw) or <= Hw -> bf16 `[T, hidden]`:
+    sum_k w[t,k] * (bf16(h^[t,k] . W2[e]^T) + bias[e]) over live choices in float32 (k order),
+    h^ = h quantized per the weights' scheme; the first ``hidden`` columns."""
     scheme = quant.of_dtype(w2.dtype)
     hf = _quantized_rows(h, scheme)  # [T, K, I]
-    wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, H, I]
+    wf = _choice_weights(w2, w2_scales, topk_ids)  # [T, K, Hw, I]
     y = torch.einsum("tki,tkni->tkn", hf, wf).to(torch.bfloat16).float()
+    y = _plus_bias(y, bias, topk_ids)[..., :hidden]
     live = topk_ids >= 0
     y = torch.where(live.unsqueeze(-1), y, 0.0)  # a -1 row of h is never read (NaN * 0 is NaN)
     w = torch.where(live, topk_weights.float(), 0.0)
-    out = torch.zeros((h.shape[0], w2.shape[1]), dtype=torch.float32, device=h.device)
+    out = torch.zeros((h.shape[0], y.shape[-1]), dtype=torch.float32, device=h.device)
     for k in range(h.shape[1]):  # k ascending, as unpermute sums
         out = out + w[:, k : k + 1] * y[:, k]
     return out.to(torch.bfloat16)

@@ -38,7 +38,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from epmoe import _checks, _launch, reference  # noqa: E402
+from epmoe import _checks, _launch, gate, reference  # noqa: E402
 
 Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
@@ -298,6 +298,18 @@ def cases() -> Dict[str, Callable[[], object]]:
             for sch in ("bf16", "fp8", "int8")
             for _ in _within(_asserting())
         ],
+        # every gate kind on bf16, gpt-oss's and a gate without a gate half on fp8 / int8 (the
+        # gate math is one code for every scheme), with biases, x narrower than the padded
+        # weights and an output of its first columns
+        "gemv gate_up / down, gates + biases, padded H": lambda: [
+            _gemv_pair(sch, False, 4, spec, padded=True)
+            for sch, specs in (
+                ("bf16", GEMV_GATES),
+                ("fp8", GEMV_GATES[::5]),
+                ("int8", GEMV_GATES[::5]),
+            )
+            for spec in specs
+        ],  # fmt: skip
         "range check": lambda: _launch.kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
@@ -341,36 +353,50 @@ def _gate_launches(y2, y3, mm, mi, offs):
     bias2 = torch.empty((8, y2.shape[-1]), dtype=torch.float32)  # (any float dtype)
     bias3 = torch.empty((y3.shape[0], y3.shape[-1]), dtype=torch.bfloat16)
     out = []
-    for gate in _GATES:
+    for spec in _GATES:
         layouts = [(y2, None, mi, offs, bias2), (y3, mm, None, None, bias3)]
-        if gate == _GATES[0]:
+        if spec == _GATES[0]:
             layouts.append((y2, None, None, None, None))
         for yy, m, i, o, b in layouts:
-            out.append(A._silu_and_mul_triton(yy, m, i, o, gate, b))
+            out.append(A._silu_and_mul_triton(yy, m, i, o, spec, b))
             for scheme, layout in (("fp8", "deepgemm"), ("int8", "row")):
-                out.append(A._silu_and_mul_quant_triton(yy, scheme, m, 128, i, layout, o, gate, b))
+                out.append(A._silu_and_mul_quant_triton(yy, scheme, m, 128, i, layout, o, spec, b))
     y_long = torch.empty((2, 3, 20000), dtype=torch.bfloat16)
-    for gate in ("silu:limit=7.0", "relu2:glu=0"):
+    for spec in ("silu:limit=7.0", "relu2:glu=0"):
         b = torch.empty((2, 20000), dtype=torch.bfloat16)
         out.append(
-            A._silu_and_mul_quant_triton(y_long, "int8", mm[:2], 128, None, "row", None, gate, b)
+            A._silu_and_mul_quant_triton(y_long, "int8", mm[:2], 128, None, "row", None, spec, b)
         )
     return out
 
 
-def _gemv_pair(scheme: str, check: bool, T: int):
+GEMV_GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1", "silu:limit=7,clamp_after=1", "gelu_tanh", "gelu",
+    "relu", "relu2:glu=0",
+)  # fmt: skip
+
+
+def _gemv_pair(scheme: str, check: bool, T: int, spec: str = "silu", padded: bool = False):
+    """Qwen3's expert sizes; ``padded``: biases, x of 2000 channels on weights of 2048 and an
+    output of the first 2000 columns."""
     E, H, I, K = 128, 2048, 768, 8
+    W = gate.parse(spec).width(I)
     dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[scheme]
     s1 = s2 = None
     if scheme == "fp8":
-        s1, s2 = torch.empty((E, 2 * I // 128, H // 128)), torch.empty((E, H // 128, I // 128))
+        s1, s2 = torch.empty((E, W // 128, H // 128)), torch.empty((E, H // 128, I // 128))
     elif scheme == "int8":
-        s1, s2 = torch.empty((E, 2 * I)), torch.empty((E, H))
-    x = torch.empty((T, H), dtype=torch.bfloat16)
+        s1, s2 = torch.empty((E, W)), torch.empty((E, H))
+    hx = 2000 if padded else H
+    b1, b2 = (torch.empty((E, W), dtype=torch.bfloat16), torch.empty((E, H))) if padded else (
+        None, None)  # fmt: skip
+    x = torch.empty((T, hx), dtype=torch.bfloat16)
     ids = torch.zeros((T, K), dtype=torch.int64)
-    h = GV._gemv_gate_up_triton(x, ids, torch.empty((E, 2 * I, H), dtype=dt), s1, check)
+    w1 = torch.empty((E, W, H), dtype=dt)
+    h = GV._gemv_gate_up_triton(x, ids, w1, s1, check, spec, b1)
     w2 = torch.empty((E, H, I), dtype=dt)
-    return h, GV._gemv_down_triton(h, ids, torch.rand((T, K)), w2, s2, check)
+    hidden = hx if padded else None
+    return h, GV._gemv_down_triton(h, ids, torch.rand((T, K)), w2, s2, check, b2, hidden)
 
 
 def resources(compiled) -> str:

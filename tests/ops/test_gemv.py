@@ -1,11 +1,13 @@
 """gemv_gate_up / gemv_down on CPU (the reference path) against a float64 oracle, opcheck, errors.
 
 The oracle is written from the contract in epmoe/ops/gemv.py's docstring and shares nothing with
-epmoe.reference's gemv functions or silu_and_mul: it takes the activation codes and scales from
-reference.quantize (the contract says "quantized exactly as quantize does"), dequantizes them and
-the weights itself (code * scale per 128 channels / 128 x 128 block, per row / output channel),
-and computes in float64, rounding to bf16 exactly where the contract does (g and u, h, each
-choice's down product, the output).
+epmoe.reference's gemv functions, silu_and_mul or Gate.reference: it takes the activation codes
+and scales from reference.quantize (the contract says "quantized exactly as quantize does"),
+dequantizes them and the weights itself (code * scale per 128 channels / 128 x 128 block, per
+row / output channel), writes each gate's formula itself (from the gate's fields), and computes
+in float64, rounding to bf16 exactly where the contract does (g and u, h, each choice's down
+product, the output). Biases are added after those roundings, x narrower than the weights is
+zero-extended, and ``hidden`` keeps the first output columns.
 """
 
 import math
@@ -13,7 +15,7 @@ import math
 import pytest
 import torch
 
-from epmoe import ops, reference
+from epmoe import gate, ops, reference
 from tests import _tol
 from tests._opcheck import opcheck
 from tests._routing import random_ids, random_weights
@@ -49,14 +51,38 @@ def _deq_weights(w: torch.Tensor, s) -> torch.Tensor:
     return (b * s.double()[:, :, None, :, None]).reshape(E, N, Kd)
 
 
-def _silu(g: torch.Tensor) -> torch.Tensor:
-    return g / (1.0 + torch.exp(-g))
+def _act(g: torch.Tensor, act: str, alpha: float) -> torch.Tensor:
+    """float64 activations, from their textbook formulas."""
+    if act == "silu":
+        return g / (1.0 + torch.exp(-alpha * g))
+    if act == "gelu_tanh":
+        return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    if act == "gelu":
+        return 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0)))
+    r = g.clamp(min=0.0)
+    return r * r if act == "relu2" else r
 
 
-def oracle_gate_up(x, ids, w1, s1, scheme):
+def _gate(y: torch.Tensor, spec: str) -> torch.Tensor:
+    """float64 h of y `[W]` (gate half, then up half) for the gate ``spec`` names."""
+    gt = gate.parse(spec)
+    if not gt.glu:
+        return _act(y, gt.act, gt.alpha)
+    g, u = y.chunk(2)
+    if gt.limit is not None:
+        u = u.clamp(-gt.limit, gt.limit)
+        g = g if gt.clamp_after else g.clamp(max=gt.limit)
+    a = _act(g, gt.act, gt.alpha)
+    if gt.limit is not None and gt.clamp_after:
+        a = a.clamp(max=gt.limit)
+    return a * (u + gt.up_offset)
+
+
+def oracle_gate_up(x, ids, w1, s1, scheme, spec="silu", bias=None):
     T, K = ids.shape
-    inter = w1.shape[1] // 2
-    xd, wd = _deq_rows(x, scheme), _deq_weights(w1, s1)
+    inter = w1.shape[1] // 2 if gate.parse(spec).glu else w1.shape[1]
+    xp = torch.nn.functional.pad(x, (0, w1.shape[2] - x.shape[1]))  # zero-extended to the weights
+    xd, wd = _deq_rows(xp, scheme), _deq_weights(w1, s1)
     h = torch.zeros((T, K, inter), dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -64,11 +90,13 @@ def oracle_gate_up(x, ids, w1, s1, scheme):
             if e < 0:
                 continue
             y = (wd[e] @ xd[t]).to(bf16).double()  # g and u rounded to bf16
-            h[t, k] = _silu(y[:inter]) * y[inter:]
+            if bias is not None:
+                y = y + bias[e].double()
+            h[t, k] = _gate(y, spec)
     return h.to(bf16)
 
 
-def oracle_down(h, ids, tw, w2, s2, scheme):
+def oracle_down(h, ids, tw, w2, s2, scheme, bias=None, hidden=None):
     T, K = ids.shape
     hd, wd = _deq_rows(h, scheme), _deq_weights(w2, s2)
     out = torch.zeros((T, w2.shape[1]), dtype=torch.float64)
@@ -76,8 +104,9 @@ def oracle_down(h, ids, tw, w2, s2, scheme):
         for k in range(K):
             e = int(ids[t, k])
             if e >= 0:
-                out[t] += float(tw[t, k]) * (wd[e] @ hd[t, k]).to(bf16).double()
-    return out.to(bf16)
+                y = (wd[e] @ hd[t, k]).to(bf16).double()
+                out[t] += float(tw[t, k]) * (y if bias is None else y + bias[e].double())
+    return out[:, :hidden].to(bf16)
 
 
 # -------------------------------------------------------------------------------------- inputs
@@ -212,6 +241,15 @@ def test_opcheck(scheme):
     opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2))
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_opcheck_gate_bias_hidden(scheme):
+    x, ids, tw, (w1, s1, w2, s2), b1, b2 = _gate_problem(scheme, "relu2:glu=0", 6, 3, 2, 4)
+    h = ops.gemv_gate_up(x, ids, w1, s1, gate="relu2:glu=0", bias=b1)
+    opcheck(torch.ops.epmoe.gemv_gate_up.default, (x[:, :200], ids, w1, s1, True, "relu2:glu=0",
+                                                   b1))  # fmt: skip
+    opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2, True, b2, 200))
+
+
 def test_opcheck_unchecked_int32_ids():
     """check=False (the layer's gemv_down after gemv_gate_up checked the ids), int32 ids."""
     x, ids, tw, (w1, s1, w2, s2) = _problem("int8", 3, 2, 4, 128, 128, seed=6)
@@ -219,6 +257,115 @@ def test_opcheck_unchecked_int32_ids():
     h = ops.gemv_gate_up(x, ids, w1, s1)
     opcheck(torch.ops.epmoe.gemv_gate_up.default, (x, ids, w1, s1, False))
     opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2, False))
+
+
+# ---------------------------------------------------------------- gates, biases, padded sizes
+GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
+    "silu:limit=7,clamp_after=1",
+    "gelu_tanh",
+    "gelu",
+    "relu",
+    "relu2:glu=0",  # NemotronH: no gate half
+)
+
+
+def _gate_problem(scheme, spec, seed, T=4, K=3, E=6, H=256, I=128, bias_dtype=bf16):  # noqa: E741
+    """Weights of the gate's width (2I, or I without glu), x large enough that a limit of 7
+    clamps, and biases b1 `[E, W]`, b2 `[E, H]`."""
+    gen = torch.Generator().manual_seed(seed)
+    W = gate.parse(spec).width(I)
+    w1 = torch.randn((E, W, H), generator=gen) / math.sqrt(H)
+    w2 = torch.randn((E, H, I), generator=gen) / math.sqrt(I)
+    w = (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
+    x = (torch.randn((T, H), generator=gen) * 4).to(bf16)
+    b1 = torch.randn((E, W), generator=gen).to(bias_dtype)
+    b2 = (torch.randn((E, H), generator=gen) / 4).to(bias_dtype)
+    return x, random_ids(T, K, E, 0.25, gen), random_weights(T, K, gen), w, b1, b2
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("spec", GATES)
+def test_gates_and_biases(scheme, spec):
+    x, ids, tw, (w1, s1, w2, s2), b1, b2 = _gate_problem(scheme, spec, seed=len(spec))
+    h = ops.gemv_gate_up(x, ids, w1, s1, gate=spec, bias=b1)
+    assert h.shape == (*ids.shape, w2.shape[2])
+    _tol.assert_close(h, oracle_gate_up(x, ids, w1, s1, scheme, spec, b1))
+    assert (h[ids < 0] == 0).all()  # (a skipped choice adds no bias)
+    plain = ops.gemv_gate_up(x, ids, w1, s1, gate=spec)
+    _tol.assert_close(plain, oracle_gate_up(x, ids, w1, s1, scheme, spec))
+    assert not torch.equal(plain, h)
+    out = ops.gemv_down(h, ids, tw, w2, s2, bias=b2)
+    _tol.assert_close(out, oracle_down(h, ids, tw, w2, s2, scheme, b2))
+    assert torch.equal(torch.ops.epmoe.gemv_gate_up(x, ids, w1, s1, True, spec, b1), h)
+    assert torch.equal(torch.ops.epmoe.gemv_down(h, ids, tw, w2, s2, True, b2), out)
+
+
+def test_the_limit_clamps():
+    """The gpt-oss gate's limit is reached on these inputs (so the tests above exercise it)."""
+    spec = GATES[0]
+    x, ids, _, (w1, s1, *_), b1, _ = _gate_problem("bf16", spec, seed=len(spec))
+    clamped = ops.gemv_gate_up(x, ids, w1, s1, gate=spec, bias=b1)
+    free = ops.gemv_gate_up(x, ids, w1, s1, gate="silu:alpha=1.702,up_offset=1", bias=b1)
+    assert (clamped != free).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32])
+def test_bias_dtypes(bias_dtype):
+    x, ids, tw, (w1, s1, w2, s2), b1, b2 = _gate_problem("int8", "silu", 3, bias_dtype=bias_dtype)
+    h = ops.gemv_gate_up(x, ids, w1, s1, bias=b1)
+    _tol.assert_close(h, oracle_gate_up(x, ids, w1, s1, "int8", "silu", b1))
+    out = ops.gemv_down(h, ids, tw, w2, s2, bias=b2)
+    _tol.assert_close(out, oracle_down(h, ids, tw, w2, s2, "int8", b2))
+
+
+def _padded(scheme, gen, E=4, H=160, Hp=256, I=128):  # noqa: E741
+    """Weights of hidden size H zero-padded to Hp (as the layer pads them for fp8), quantized
+    after the padding; biases b1 `[E, 2I]`, b2 `[E, Hp]` (zeros past H)."""
+    w1 = torch.zeros((E, 2 * I, Hp))
+    w1[..., :H] = torch.randn((E, 2 * I, H), generator=gen) / math.sqrt(H)
+    w2 = torch.zeros((E, Hp, I))
+    w2[:, :H] = torch.randn((E, H, I), generator=gen) / math.sqrt(I)
+    b2 = torch.zeros((E, Hp))
+    b2[:, :H] = torch.randn((E, H), generator=gen)
+    w = (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
+    return w, torch.randn((E, 2 * I), generator=gen).to(bf16), b2
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_padded_hidden(scheme):
+    """x `[T, 160]` on weights padded to H = 256: x zero-extended; out `[T, hidden]`, the first
+    columns (fp8: its activation group at the edge half zeros)."""
+    gen = torch.Generator().manual_seed(9)
+    (w1, s1, w2, s2), b1, b2 = _padded(scheme, gen)
+    x = (torch.randn((3, 160), generator=gen) * 2).to(bf16)
+    ids, tw = random_ids(3, 2, 4, 0.25, gen), random_weights(3, 2, gen)
+    h = ops.gemv_gate_up(x, ids, w1, s1, gate="gelu_tanh", bias=b1)
+    _tol.assert_close(h, oracle_gate_up(x, ids, w1, s1, scheme, "gelu_tanh", b1))
+    out = ops.gemv_down(h, ids, tw, w2, s2, bias=b2, hidden=160)
+    assert out.shape == (3, 160) and out.is_contiguous()
+    _tol.assert_close(out, oracle_down(h, ids, tw, w2, s2, scheme, b2, hidden=160))
+    full = ops.gemv_down(h, ids, tw, w2, s2, bias=b2)
+    assert full.shape == (3, 256) and (full[:, 160:] == 0).all()
+    assert torch.equal(full[:, :160], out)
+    assert torch.equal(ops.gemv_down(h, ids, tw, w2, s2, bias=b2, hidden=256), full)
+    one = ops.gemv_down(h, ids, tw, w2, s2, hidden=1)  # the narrowest output
+    assert torch.equal(one, ops.gemv_down(h, ids, tw, w2, s2)[:, :1])
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_padding_changes_nothing(scheme):
+    """bf16 / int8 run H = 160 as it is: zero-padded weights (int8: the same per-channel scales)
+    give the same h and out, up to summation order."""
+    gen = torch.Generator().manual_seed(10)
+    (w1, s1, w2, s2), b1, b2 = _padded(scheme, gen)
+    x = (torch.randn((3, 160), generator=gen) * 2).to(bf16)
+    ids, tw = random_ids(3, 2, 4, 0.25, gen), random_weights(3, 2, gen)
+    h = ops.gemv_gate_up(x, ids, w1, s1, bias=b1)
+    _tol.assert_close(h, ops.gemv_gate_up(x, ids, w1[..., :160].contiguous(), s1, bias=b1))
+    out = ops.gemv_down(h, ids, tw, w2, s2, bias=b2, hidden=160)
+    s2_160 = None if s2 is None else s2[:, :160]
+    _tol.assert_close(out, ops.gemv_down(h, ids, tw, w2[:, :160], s2_160, bias=b2[:, :160]))
 
 
 # --------------------------------------------------------------------------------- bad input
@@ -230,12 +377,14 @@ def _good(scheme="bf16", T=3, K=2, E=4, H=256, I=128):  # noqa: E741
 
 def _up(a, **kw):
     a = {**a, **kw}
-    return ops.gemv_gate_up(a["x"], a["ids"], a["w1"], a["s1"])
+    opt = {k: a[k] for k in ("gate", "bias") if k in a}
+    return ops.gemv_gate_up(a["x"], a["ids"], a["w1"], a["s1"], **opt)
 
 
 def _down(a, **kw):
     a = {**a, **kw}
-    return ops.gemv_down(a["h"], a["ids"], a["tw"], a["w2"], a["s2"])
+    opt = {k: a[k] for k in ("bias", "hidden") if k in a}
+    return ops.gemv_down(a["h"], a["ids"], a["tw"], a["w2"], a["s2"], **opt)
 
 
 BF, F8, I8 = _good(), _good("fp8"), _good("int8")
@@ -249,8 +398,26 @@ BAD = [
      "torch.int64, got torch.float32"),
     (_up, BF, dict(w1=BF["w1"][:, :255]), r"gemv_gate_up: w1 expected shape \[E, 2I, H\] \(an "
      r"even row count: gate rows, then up rows\), got \[4, 255, 256\]"),
-    (_up, BF, dict(w1=BF["w1"][:, :, :128]), r"gemv_gate_up: w1 expected shape \[\*, \*, 256\], "
-     r"got \[4, 256, 128\]"),
+    (_up, BF, dict(w1=BF["w1"][:, :, :128]), r"gemv_gate_up: x expected at most 128 columns "
+     r"\(w1's H\), got 256"),
+    (_up, BF, dict(gate="swish"), r"gemv_gate_up: gate expected a gate spec \(act in \('silu', "
+     r"'gelu_tanh', 'gelu', 'relu', 'relu2'\), e\.g\. 'silu:alpha=1\.702,limit=7,up_offset=1'\), "
+     r"got 'swish'"),
+    (_up, BF, dict(gate="silu:beta=2"), r"gemv_gate_up: gate expected a gate spec .*, got "
+     r"'silu:beta=2'"),
+    (_up, BF, dict(gate="relu:alpha=2"), r"gemv_gate_up: gate expected a gate spec"),
+    (_up, BF, dict(gate="silu:limit=-1"), r"gemv_gate_up: gate expected a gate spec"),
+    (_up, BF, dict(gate="relu2:glu=0", w1=BF["w1"][:, :255, :], bias=torch.zeros((4, 256))),
+     r"gemv_gate_up: bias expected shape \[4, 255\], got \[4, 256\]"),
+    (_up, BF, dict(bias=torch.zeros((4, 128))), r"gemv_gate_up: bias expected shape \[4, 256\], "
+     r"got \[4, 128\]"),
+    (_up, BF, dict(bias=torch.zeros((4, 256), dtype=torch.int32)), "gemv_gate_up: bias expected "
+     "dtype torch.bfloat16 or torch.float16 or torch.float32, got torch.int32"),
+    (_up, BF, dict(bias=torch.zeros((4, 256), device="meta")), r"gemv_gate_up: bias expected "
+     r"device cpu \(same as the first input\), got meta"),
+    (_up, F8, dict(gate="relu2:glu=0", w1=torch.zeros((4, 192, 256), dtype=FP8),
+                   s1=torch.ones((4, 1, 2))),
+     r"gemv_gate_up: I expected a multiple of 128 for fp8 \(128-channel blocks\), got 192"),
     (_up, BF, dict(w1=BF["w1"].float()), "gemv_gate_up: w1 expected dtype torch.bfloat16 or "
      "torch.float8_e4m3fn or torch.int8, got torch.float32"),
     (_up, BF, dict(s1=I8["s1"]), "gemv_gate_up: w1_scales expected None for bf16 weights, got a "
@@ -292,6 +459,18 @@ BAD = [
      r"gemv_down: I expected a multiple of 128 for fp8 \(128-channel blocks\), got 192"),
     (_down, F8, dict(w2=torch.zeros((4, 320, 128), dtype=FP8), s2=torch.ones((4, 2, 1))),
      r"gemv_down: H expected a multiple of 128 for fp8 \(128-channel blocks\), got 320"),
+    (_down, BF, dict(bias=torch.zeros((4, 128))), r"gemv_down: bias expected shape \[4, 256\], got "
+     r"\[4, 128\]"),
+    (_down, BF, dict(bias=torch.zeros((4, 256), dtype=torch.float64)), "gemv_down: bias expected "
+     "dtype torch.bfloat16 or torch.float16 or torch.float32, got torch.float64"),
+    (_down, BF, dict(bias=torch.zeros((4, 256), device="meta")), r"gemv_down: bias expected device "
+     r"cpu \(same as the first input\), got meta"),
+    (_down, BF, dict(hidden=0), r"gemv_down: hidden expected None or an int in \[1, 256\] \(w2's "
+     r"H\), got 0"),
+    (_down, BF, dict(hidden=257), r"gemv_down: hidden expected None or an int in \[1, 256\] "
+     r"\(w2's H\), got 257"),
+    (_down, BF, dict(hidden=True), r"gemv_down: hidden expected None or an int in \[1, 256\] "
+     r"\(w2's H\), got True"),
 ]  # fmt: skip
 
 

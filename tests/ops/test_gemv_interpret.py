@@ -14,6 +14,11 @@ Small launch configs (``gemv.override``) make several column blocks, k-steps, fp
 step and check-program steps run, with partial last blocks (H, I not multiples of the blocks).
 Outputs come from poisoned memory (tests/ops/_stage_cases.poisoned_empty): an element the
 kernels never write shows.
+
+Gates, biases and padded sizes: every activation (byte-exact for the ones without a
+transcendental function, on exact inputs), gpt-oss's clamped gate, a gate without a gate half,
+bf16 / fp16 / fp32 biases, x narrower than the zero-padded weights (H = 160 on 256) and an
+output of the first ``hidden`` columns.
 """
 
 import os
@@ -25,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
-from epmoe import reference  # noqa: E402
+from epmoe import gate, reference  # noqa: E402
 from epmoe.ops import gemv as G  # noqa: E402
 from tests._routing import random_ids, random_weights  # noqa: E402
 from tests.ops import _stage_cases as C  # noqa: E402
@@ -87,34 +92,39 @@ def exact_weights(E, N, Kd, scheme, gen):
 _SCHEME = {bf16: "bf16", FP8: "fp8", torch.int8: "int8"}
 
 
-def _up(x, ids, w1, s1, check=True, byte=NAN, cfg=None):
+def _up(x, ids, w1, s1, check=True, byte=NAN, cfg=None, spec="silu", bias=None):
     """The gate/up launch from ``byte``-poisoned memory, with ``cfg`` (default: CONFIGS)."""
     cfg = CONFIGS[_SCHEME[w1.dtype]] if cfg is None else cfg
     with G.override(**cfg), C.poisoned_empty(byte):
-        h = G._gemv_gate_up_triton(x, ids, w1, s1, check)
-    assert h.dtype == bf16 and h.shape == (*ids.shape, w1.shape[1] // 2)
+        h = G._gemv_gate_up_triton(x, ids, w1, s1, check, spec, bias)
+    inter = w1.shape[1] // 2 if gate.parse(spec).glu else w1.shape[1]
+    assert h.dtype == bf16 and h.shape == (*ids.shape, inter)
     return h
 
 
-def _down(h, ids, tw, w2, s2, check=True, byte=NAN, cfg=None):
+def _down(h, ids, tw, w2, s2, check=True, byte=NAN, cfg=None, bias=None, hidden=None):
     cfg = CONFIGS[_SCHEME[w2.dtype]] if cfg is None else cfg
     with G.override(**cfg), C.poisoned_empty(byte):
-        out = G._gemv_down_triton(h, ids, tw, w2, s2, check)
-    assert out.dtype == bf16 and out.shape == (ids.shape[0], w2.shape[1])
+        out = G._gemv_down_triton(h, ids, tw, w2, s2, check, bias, hidden)
+    assert out.dtype == bf16 and out.shape == (ids.shape[0], hidden or w2.shape[1])
     return out
 
 
-def _mostly_equal(actual, expected, what, max_frac=0.01):
-    """Within the bf16 tolerance, and byte-equal but for a small fraction (rounding flips)."""
+def _mostly_equal(actual, expected, what, max_frac=0.01, floor=0.0):
+    """Within the bf16 tolerance, and byte-equal but for a small fraction (rounding flips) of the
+    elements above ``floor`` in magnitude."""
     C.assert_close(actual, expected)
-    if actual.numel():
-        frac = (actual.view(torch.int16) != expected.view(torch.int16)).float().mean().item()
+    big = expected.float().abs() >= floor
+    if big.any():
+        differ = actual.view(torch.int16)[big] != expected.view(torch.int16)[big]
+        frac = differ.float().mean().item()
         assert frac <= max_frac, f"{what}: {frac:.2%} of the elements differ"
 
 
-def _random_problem(scheme, T, K, E, H, I, seed, p_none=0.25):  # noqa: E741
+def _random_problem(scheme, T, K, E, H, I, seed, p_none=0.25, width=None):  # noqa: E741
+    """Random x, ids, weights and quantized weights (w1 of ``width`` rows, default 2I)."""
     gen = torch.Generator().manual_seed(seed)
-    w1 = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+    w1 = torch.randn((E, width or 2 * I, H), generator=gen) / H**0.5
     w2 = torch.randn((E, H, I), generator=gen) / I**0.5
     x = (torch.randn((T, H), generator=gen) * 2).to(bf16)
     ids, tw = random_ids(T, K, E, p_none, gen), random_weights(T, K, gen)
@@ -242,3 +252,92 @@ def test_int32_strided_inputs():
     tw16 = tw.to(bf16)
     C.assert_equal(_down(h, ids32, tw16.t().contiguous().t(), w2, s2), _down(h, ids, tw16, w2, s2),
                    "out")  # fmt: skip
+
+
+# ------------------------------------------------------------------ gates, biases, padded sizes
+GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
+    "silu:limit=7,clamp_after=1",
+    "gelu_tanh",
+    "gelu",
+    "relu",
+    "relu2:glu=0",  # NemotronH: no gate half
+)
+QUANT_GATES = (GATES[0], GATES[-1])  # (the gate math is the same code for every scheme)
+
+
+def _biases(E, W, H, dtype, gen, m=3):
+    """b1 `[E, W]`, b2 `[E, H]`: small integers times 2**-m (exact in any float dtype)."""
+    return tuple((_small_ints((E, n), gen) * 2.0**-m).to(dtype) for n in (W, H))
+
+
+@pytest.mark.parametrize(
+    "scheme,spec", [("bf16", g) for g in GATES] + [(q, g) for q in ("fp8", "int8") for g in
+                                                   QUANT_GATES]
+)  # fmt: skip
+def test_gates_with_bias(scheme, spec):
+    """Random data, -1 routing, a bias on each GEMV; x scaled so a limit of 7 clamps."""
+    H, I = SIZES[scheme]  # noqa: E741
+    W = gate.parse(spec).width(I)
+    x, ids, tw, (w1, s1, w2, s2) = _random_problem(scheme, 3, 3, 6, H, I, seed=8, width=W)
+    x = (x.float() * 3).to(bf16)
+    b1, b2 = _biases(6, W, H, bf16, torch.Generator().manual_seed(9))
+    h = _up(x, ids, w1, s1, spec=spec, bias=b1)
+    # (torch's tanh GELU, 0.5 g (1 + tanh(z)), loses the far negative tail to cancellation that
+    # the kernel's g sigmoid(2z) keeps: bytes compared above it)
+    floor = 1e-3 if spec == "gelu_tanh" else 0.0
+    _mostly_equal(h, reference.gemv_gate_up(x, ids, w1, s1, spec, b1), "h", floor=floor)
+    assert (h[ids < 0] == 0).all()  # (a skipped choice reads no bias)
+    out = _down(h, ids, tw, w2, s2, bias=b2)
+    _mostly_equal(out, reference.gemv_down(h, ids, tw, w2, s2, b2), "out")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("spec", ["relu", "relu2:glu=0"])
+def test_exact_gates_and_biases_byte_exact(scheme, spec):
+    """Exact inputs and biases, gates without a transcendental function: h and out equal the
+    reference byte for byte; a bias dtype per scheme (bf16, fp16, fp32)."""
+    gen = torch.Generator().manual_seed(10)
+    H, I = SIZES[scheme]  # noqa: E741
+    W = gate.parse(spec).width(I)
+    w1, s1 = exact_weights(4, W, H, scheme, gen)
+    w2, s2 = exact_weights(4, H, I, scheme, gen)
+    x = exact_rows((2, H), scheme, gen)
+    ids = torch.tensor([[1, -1, 1], [3, 0, 2]])
+    tw = random_weights(2, 3, gen)
+    h_exact = exact_rows((2, 3, I), scheme, gen)
+    dtype = {"bf16": bf16, "fp8": torch.float16, "int8": torch.float32}[scheme]
+    b1, b2 = _biases(4, W, H, dtype, gen)
+    h_ref = reference.gemv_gate_up(x, ids, w1, s1, spec, b1)
+    C.assert_equal(_up(x, ids, w1, s1, spec=spec, bias=b1), h_ref, "h")
+    out_ref = reference.gemv_down(h_exact, ids, tw, w2, s2, b2)
+    C.assert_equal(_down(h_exact, ids, tw, w2, s2, bias=b2), out_ref, "out")
+    assert h_ref.float().abs().amax() > 0.1 and (h_ref[0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_padded_hidden(scheme):
+    """x `[T, 160]` on weights zero-padded to H = 256 (fp8: the activation group at the edge half
+    zeros, one gate/up step of two groups), out `[T, 160]`: the first columns, 3 down column
+    blocks (the last partial); biases on both."""
+    gen = torch.Generator().manual_seed(12)
+    E, H, Hp, I = 4, 160, 256, 128  # noqa: E741
+    w1 = torch.zeros((E, 2 * I, Hp))
+    w1[..., :H] = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+    w2 = torch.zeros((E, Hp, I))
+    w2[:, :H] = torch.randn((E, H, I), generator=gen) / I**0.5
+    (w1, s1), (w2, s2) = (
+        reference.quantize_weights(w1, scheme),
+        reference.quantize_weights(w2, scheme),
+    )
+    x = (torch.randn((3, H), generator=gen) * 2).to(bf16)
+    x[2] = 0.0
+    ids, tw = random_ids(3, 3, E, 0.25, gen), random_weights(3, 3, gen)
+    b1, b2 = _biases(E, 2 * I, Hp, torch.float32, gen)
+    cfg = dict(CONFIGS[scheme], **{f"down_{scheme}": (64, 128, 4)})
+    h = _up(x, ids, w1, s1, cfg=cfg, spec="gelu_tanh", bias=b1)
+    _mostly_equal(h, reference.gemv_gate_up(x, ids, w1, s1, "gelu_tanh", b1), "h", floor=1e-3)
+    out = _down(h, ids, tw, w2, s2, cfg=cfg, bias=b2, hidden=H)
+    _mostly_equal(out, reference.gemv_down(h, ids, tw, w2, s2, b2, H), "out")
+    full = _down(h, ids, tw, w2, s2, cfg=cfg, bias=b2)
+    C.assert_equal(full[:, :H], out, "out")
