@@ -42,7 +42,6 @@ from epmoe._contract import (
     Case,
     Choice,
     Contract,
-    Let,
     Multiple,
     PositiveInt,
     Rule,
@@ -149,6 +148,11 @@ def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig)
 def _inter(g: _gate.Gate, width: int) -> int:
     """I, the gate's output channels, of y's width W (2I for GLU, I without)."""
     return width // 2 if g.glu else width
+
+
+def _out_width(spec: str, width: int, op: str) -> int:
+    """I of y's width for the gate ``spec`` (the default's without a parse: host time per call)."""
+    return width // 2 if spec == "silu" else _inter(_gate.parse(spec, op), width)
 
 
 def _bias_args(b_strides) -> Tuple[Tuple[int, int], dict]:
@@ -289,6 +293,10 @@ def _int8_warps(elements, thread_elems: int) -> int:
 _ROWS_WANTED = "int32 [M_sum] (each row's expert) with a bias on a 2-D y"
 
 
+# the gate has a gate half (y is [..., 2I]); the default's test is one string compare (host time)
+_GLU = "gate == 'silu' or _parse(gate).glu"
+
+
 def _gate_ok(spec) -> bool:
     """``spec`` names a gate (the contracts' test; their full check raises parse's ValueError)."""
     try:
@@ -328,8 +336,7 @@ def _act_steps():
     return (
         Tensor("y", _checks.FLOAT_DTYPES, ndim=(2, 3)),
         spec,
-        Let("G", "_parse(gate)"),
-        Case("G.glu", [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
+        Case(_GLU, [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
         *masked_m_steps("y"),
         *rows,
         Case("m_indices is not None", [Shape("m_indices", ("y.shape[0]",))]),
@@ -354,7 +361,7 @@ CONTRACT_QUANT = Contract(
         "SCHEMES[scheme].act_group is not None",
         [
             Case(
-                "G.glu",
+                _GLU,
                 [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
                 [Multiple("y.shape[-1]", "y.shape[-1]", "group_size", "(fp8 group)")],
             )
@@ -366,7 +373,7 @@ CONTRACT_QUANT = Contract(
 
 def _output(y, masked_m=None, m_indices=None, expert_offsets=None, gate="silu", bias=None):
     """silu_and_mul's h, allocated (the CUDA launch fills it; the fake returns it)."""
-    inter = _inter(_gate.parse(gate, OP), y.shape[-1])
+    inter = _out_width(gate, y.shape[-1], OP)
     return torch.empty((*y.shape[:-1], inter), dtype=y.dtype, device=y.device)
 
 
@@ -380,7 +387,7 @@ def _outputs_quant(
 ):  # fmt: skip
     """silu_and_mul_quant's (q, s), allocated (the CUDA launch fills them; the fake returns
     them)."""
-    lead, inter = tuple(y.shape[:-1]), _inter(_gate.parse(gate, OPQ), y.shape[-1])
+    lead, inter = tuple(y.shape[:-1]), _out_width(gate, y.shape[-1], OPQ)
     qs = quant.get(scheme, OPQ, "scheme")
     q = torch.empty((*lead, inter), dtype=qs.act_dtype, device=y.device)
     return q, alloc_scales(lead, qs.act_scale_cols(inter, group_size), scale_layout, y.device)

@@ -244,3 +244,26 @@ def test_fast_path_takes_plain_tensors_only():
     assert not direct(y, None, None, torch.nn.Parameter(offs, requires_grad=False), "silu", None)
     assert not direct(y, None, mi, None, "silu", torch.nn.Parameter(b))
     assert not direct(y, None, mi, None, "swish", None)
+
+
+@pytest.mark.parametrize("use_compile", [False, True])
+def test_gate_bias_under_compile(use_compile, seed):
+    """The gate spec and the bias through torch.compile(fullgraph=True): the same bytes as eager
+    (on CPU the op stays one opaque node calling the reference), fake shapes per glu."""
+    y = (torch.randn(6, 256) * 3).bfloat16()
+    b = torch.randn(2, 256)
+    mi = torch.tensor([0, 1, -1, 1, 0, 0], dtype=torch.int32)
+
+    def fn(y, b, mi):
+        h = ops.silu_and_mul(y, m_indices=mi, gate="silu:alpha=1.702,limit=7,up_offset=1", bias=b)
+        q, s = ops.silu_and_mul_quant(y, "fp8", m_indices=mi, gate="relu2:glu=0", bias=b)
+        return h, q, s
+
+    run = torch.compile(fn, fullgraph=True) if use_compile else fn
+    h, q, s = run(y, b, mi)
+    h2, q2, s2 = fn(y, b, mi)
+    assert h.shape == (6, 128) and q.shape == (6, 256) and s.shape == (6, 2)
+    live = mi >= 0
+    assert torch.equal(h[live], h2[live])
+    assert torch.equal(q[live].view(torch.uint8), q2[live].view(torch.uint8))
+    assert torch.equal(s[live], s2[live])
