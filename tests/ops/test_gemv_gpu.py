@@ -1,12 +1,14 @@
 """Per-choice GEMVs on CUDA (Triton kernels) against the CPU reference: every scheme, the decode
 shapes of Qwen3-30B-A3B, -1 and repeated experts, bad ids asserted / flagged, a CUDA graph replay,
-opcheck and torch.compile on CUDA inputs, the layer's gemv path against reference.quantized_moe."""
+opcheck and torch.compile on CUDA inputs, the layer's gemv path against reference.quantized_moe;
+every gate kind with biases, x narrower than zero-padded weights and an output of the first
+``hidden`` columns (gpt-oss's 2880 on 2944)."""
 
 import pytest
 import torch
 
 import epmoe
-from epmoe import reference
+from epmoe import gate, reference
 from epmoe.ops import gemv
 from tests._opcheck import opcheck
 from tests._tol import LAYER_VS_QUANT_AWARE, rel_l2
@@ -16,8 +18,18 @@ pytestmark = pytest.mark.gpu
 SCHEMES = ("bf16", "fp8", "int8")
 
 
-def _weights(E, H, I, scheme, gen):
-    w1 = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
+    "silu:limit=7,clamp_after=1",
+    "gelu_tanh",
+    "gelu",
+    "relu",
+    "relu2:glu=0",  # NemotronH: no gate half
+)
+
+
+def _weights(E, H, I, scheme, gen, width=None):
+    w1 = torch.randn((E, width or 2 * I, H), generator=gen) / H**0.5
     w2 = torch.randn((E, H, I), generator=gen) / I**0.5
     return (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
 
@@ -144,6 +156,130 @@ def test_layer_gemv_path(scheme, T):
         out = layer(*_cuda(x, ids, tw))
     assert rec.names == epmoe.layer.GEMV_STAGES
     ref = reference.quantized_moe(x, ids, tw, w1, w2, scheme)
+    assert rel_l2(out.cpu(), ref) < LAYER_VS_QUANT_AWARE
+    compiled = torch.compile(layer, fullgraph=True)(*_cuda(x, ids, tw))
+    assert torch.equal(compiled, out)
+
+
+# ------------------------------------------------------------------ gates, biases, padded sizes
+def _biases(E, W, H, gen, dtype=torch.bfloat16):
+    return torch.randn((E, W), generator=gen).to(dtype), (
+        torch.randn((E, H), generator=gen) / 4
+    ).to(dtype)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("spec", GATES)
+def test_gates_and_biases(scheme, spec):
+    """Qwen3's decode shapes, x scaled so a limit of 7 clamps; -1 choices stay zero."""
+    gen = torch.Generator().manual_seed(8)
+    E, H, I, K, T = 128, 2048, 768, 8, 4  # noqa: E741
+    W = gate.parse(spec).width(I)
+    w1, s1, w2, s2 = _weights(E, H, I, scheme, gen, W)
+    b1, b2 = _biases(E, W, H, gen)
+    x = (torch.randn((T, H), generator=gen) * 3).bfloat16()
+    ids, tw = _routing(T, E, K, gen)
+    h_ref = reference.gemv_gate_up(x, ids, w1, s1, spec, b1)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            h = gemv.gemv_gate_up(*_cuda(x, ids, w1, s1), gate=spec, bias=b1.cuda())
+            torch.cuda.synchronize()
+        C.assert_close(h.cpu(), h_ref)
+    assert (h.cpu()[ids < 0] == 0).all()
+    out_ref = reference.gemv_down(h.cpu(), ids, tw, w2, s2, b2)
+    for byte in C.POISON_BYTES:
+        with C.poisoned_empty(byte):
+            out = gemv.gemv_down(h, *_cuda(ids, tw, w2, s2), bias=b2.cuda())
+            torch.cuda.synchronize()
+        C.assert_close(out.cpu(), out_ref)
+
+
+def _padded(scheme, gen, E=16, H=2880, Hp=2944, I=256):  # noqa: E741
+    """gpt-oss's H = 2880 zero-padded to 2944 (23 fp8 blocks), quantized after the padding;
+    biases b1 `[E, 2I]` (fp32), b2 `[E, Hp]` (fp32, zeros past H)."""
+    w1 = torch.zeros((E, 2 * I, Hp))
+    w1[..., :H] = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
+    w2 = torch.zeros((E, Hp, I))
+    w2[:, :H] = torch.randn((E, H, I), generator=gen) / I**0.5
+    b2 = torch.zeros((E, Hp))
+    b2[:, :H] = torch.randn((E, H), generator=gen) / 4
+    w = (*reference.quantize_weights(w1, scheme), *reference.quantize_weights(w2, scheme))
+    return w, torch.randn((E, 2 * I), generator=gen), b2
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_padded_hidden(scheme, T):
+    """x `[T, 2880]` on weights padded to 2944 (fp8: the activation group at the edge zero-filled
+    past 2880), out `[T, 2880]`: the first columns of the padded call's output."""
+    gen = torch.Generator().manual_seed(9)
+    (w1, s1, w2, s2), b1, b2 = _padded(scheme, gen)
+    spec = GATES[0]
+    x = (torch.randn((T, 2880), generator=gen) * 2).bfloat16()
+    ids, tw = _routing(T, 16, 4, gen)
+    h = gemv.gemv_gate_up(*_cuda(x, ids, w1, s1), gate=spec, bias=b1.cuda())
+    C.assert_close(h.cpu(), reference.gemv_gate_up(x, ids, w1, s1, spec, b1))
+    with C.poisoned_empty(C.POISON_BYTES[0]):
+        out = gemv.gemv_down(h, *_cuda(ids, tw, w2, s2), bias=b2.cuda(), hidden=2880)
+        torch.cuda.synchronize()
+    assert out.shape == (T, 2880)
+    C.assert_close(out.cpu(), reference.gemv_down(h.cpu(), ids, tw, w2, s2, b2, 2880))
+    full = gemv.gemv_down(h, *_cuda(ids, tw, w2, s2), bias=b2.cuda())
+    assert torch.equal(full[:, :2880], out) and (full[:, 2880:] == 0).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gate_bias_hidden_graph_replay_compile_opcheck(scheme):
+    """gpt-oss's gate with biases and a hidden output: CUDA graph replay and torch.compile give
+    the eager bytes (Inductor copies the gate's jit helpers from epmoe.gate); opcheck."""
+    gen = torch.Generator().manual_seed(10)
+    (w1, s1, w2, s2), b1, b2 = _padded(scheme, gen, E=8, H=200, Hp=256, I=128)
+    w1, s1, w2, s2, b1, b2 = _cuda(w1, s1, w2, s2, b1, b2)
+    spec = GATES[0]
+    x = torch.randn((2, 200), generator=gen).bfloat16().cuda()
+    ids, tw = _cuda(*_routing(2, 8, 4, gen))
+
+    def run(x, ids, tw):
+        h = gemv.gemv_gate_up(x, ids, w1, s1, gate=spec, bias=b1)
+        return gemv.gemv_down(h, ids, tw, w2, s2, bias=b2, hidden=200)
+
+    eager = run(x, ids, tw)
+    g = torch.cuda.CUDAGraph()
+    static = [x.clone(), ids.clone(), tw.clone()]
+    run(*static)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out = run(*static)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    compiled = torch.compile(run, fullgraph=True)(x, ids, tw)
+    assert torch.equal(compiled, eager)
+    opcheck(torch.ops.epmoe.gemv_gate_up.default, (x, ids, w1, s1, True, spec, b1))
+    h = gemv.gemv_gate_up(x, ids, w1, s1, gate=spec, bias=b1)
+    opcheck(torch.ops.epmoe.gemv_down.default, (h, ids, tw, w2, s2, True, b2, 200))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("spec", [GATES[0], GATES[-1]])
+def test_layer_gemv_path_gates_and_biases(scheme, spec):
+    gen = torch.Generator().manual_seed(11)
+    E, H, I, K, T = 16, 200, 72, 4, 2  # noqa: E741 (fp8: padded to 256 / 128 at load)
+    W = gate.parse(spec).width(I)
+    w1 = torch.randn((E, W, H), generator=gen) * 3 / H**0.5
+    w2 = torch.randn((E, H, I), generator=gen) / I**0.5
+    b1, b2 = torch.randn((E, W), generator=gen), torch.randn((E, H), generator=gen) / 10
+    x = torch.randn((T, H), generator=gen).bfloat16()
+    ids, tw = _routing(T, E, K, gen)
+    layer = epmoe.EPMoE(E, H, I, K, quant=scheme, mode="auto", backend="local", device="cuda",
+                        gate=spec, bias=True)  # fmt: skip
+    layer.load_weights(w1.cuda(), w2.cuda(), b1=b1.cuda(), b2=b2.cuda())
+    assert layer.path(T) == "gemv"
+    with layer.record_stages() as rec:
+        out = layer(*_cuda(x, ids, tw))
+    assert rec.names == epmoe.layer.GEMV_STAGES
+    assert out.shape == (T, H)
+    ref = reference.quantized_moe(x, ids, tw, w1, w2, scheme, spec, b1, b2)
     assert rel_l2(out.cpu(), ref) < LAYER_VS_QUANT_AWARE
     compiled = torch.compile(layer, fullgraph=True)(*_cuda(x, ids, tw))
     assert torch.equal(compiled, out)
