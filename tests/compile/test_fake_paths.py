@@ -223,8 +223,9 @@ for scheme in ("bf16", "fp8", "int8"):
 
 # per-choice GEMVs (one rank, mode "auto", a few tokens): one launch each, no size thresholds in
 # the launch code; the ids checked by an extra program writing a flag, or not at all (the layer's
-# chained gemv_down)
-_GEMV_QUANT = {str(dt).replace("torch.", ""): code for dt, code in _gv._QCODE.items()}
+# chained gemv_down); a gate without a gate half, biases, x narrower than the padded weights and
+# an output of its first columns
+_GEMV_QUANT = {_DT[name]: _gv.scheme_code(s) for name, s in _gv.quant.SCHEMES.items()}
 for scheme in ("bf16", "fp8", "int8"):
     dt, E, H, I, K = _DT[scheme], 128, 2048, 768, 8
     s1 = {"bf16": None, "fp8": (E, 2 * I // 128, H // 128), "int8": (E, 2 * I)}[scheme]
@@ -240,6 +241,17 @@ for scheme in ("bf16", "fp8", "int8"):
               _t((_rows(4), K), "float32"), _t((E, H, I), dt), _t(s2, "float32") if s2 else None,
               check],
              [("_gemv_down_kernel", want)])  # fmt: skip
+    s1 = {"bf16": None, "fp8": (E, I // 128, H // 128), "int8": (E, I)}[scheme]
+    want = {"QUANT": _GEMV_QUANT[dt], "CHECK": False, "HAS_BIAS": True}
+    case(f"gemv_gate_up-{scheme}-relu2-bias-padded", "gemv_gate_up",
+         [_t((_rows(4), H - 48), "bfloat16"), _t((_rows(4), K), "int64"), _t((E, I, H), dt),
+          _t(s1, "float32") if s1 else None, False, "relu2:glu=0", _t((E, I), "bfloat16")],
+         [("_gemv_gate_up_kernel", {**want, "ACT": 4, "GLU": False})])  # fmt: skip
+    case(f"gemv_down-{scheme}-bias-hidden", "gemv_down",
+         [_t((_rows(4), K, I), "bfloat16"), _t((_rows(4), K), "int64"),
+          _t((_rows(4), K), "float32"), _t((E, H, I), dt), _t(s2, "float32") if s2 else None,
+          False, _t((E, H), "float32"), H - 48],
+         [("_gemv_down_kernel", want)])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- the subprocess: traces
