@@ -547,7 +547,7 @@ def _gate_or_none(spec) -> Optional[_gate.Gate]:
     """The Gate of a spec, None for a bad one (the contract's rule then reports it)."""
     try:
         return _gate.parse(spec, OP_UP)
-    except ValueError:
+    except (ValueError, TypeError):  # (TypeError: an unhashable spec)
         return None
 
 
