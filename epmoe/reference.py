@@ -285,7 +285,7 @@ def gemv_gate_up(
     scheme, with each choice's expert, plus the bias in float32; rows of -1 choices zero."""
     g = _gate.get(gate, "gemv_gate_up")
     scheme = quant.of_dtype(w1.dtype)
-    xf = _quantized_rows(F.pad(x, (0, w1.shape[2] - x.shape[1])), scheme)  # [T, Hp]
+    xf = _quantized_rows(widen(x, w1.shape[2]), scheme)  # [T, Hp]
     wf = _choice_weights(w1, w1_scales, topk_ids)  # [T, K, W, Hp]
     y = torch.einsum("th,tknh->tkn", xf, wf).to(torch.bfloat16).float()
     h = g.reference(_plus_bias(y, bias, topk_ids))

@@ -457,8 +457,9 @@ def _bias_strides(b: Optional[torch.Tensor]) -> Tuple[int, int]:
 
 
 def _inter(w1: torch.Tensor, gate: str) -> int:
-    """I: the columns of h (w1's rows, halved with a gate half)."""
-    return w1.shape[1] // 2 if _gate.parse(gate, OP_UP).glu else w1.shape[1]
+    """I: the columns of h (w1's rows, halved with a gate half; the default without a parse)."""
+    glu = gate == "silu" or _gate.parse(gate, OP_UP).glu
+    return w1.shape[1] // 2 if glu else w1.shape[1]
 
 
 def _up_output(x, topk_ids, w1, w1_scales=None, check=True, gate="silu", bias=None):
@@ -551,15 +552,16 @@ def _gate_or_none(spec) -> Optional[_gate.Gate]:
         return None
 
 
-_GATE_WANT = f"a gate spec (act in {_gate.ACTS}, e.g. 'silu:alpha=1.702,limit=7,up_offset=1')"
-_CONSTS = dict(BF16=torch.bfloat16, FP8=reference.FP8_DTYPE, _gate_of=_gate_or_none)
+_CONSTS = dict(
+    BF16=torch.bfloat16, FP8=reference.FP8_DTYPE, _gate_of=_gate_or_none, SILU=_gate.SILU
+)
 UP = Contract(
     OP_UP,
     "x topk_ids w1 w1_scales gate bias",
     Tensor("x", (torch.bfloat16,), ndim=(2,)),
     Tensor("topk_ids", _checks.INDEX_DTYPES, shape=("x.shape[0]", None)),
-    Let("g", "_gate_of(gate)"),
-    Rule("g is not None", "gate", _GATE_WANT, lambda a: repr(a.gate)),
+    Let("g", "SILU if gate == 'silu' else _gate_of(gate)"),  # (the default: one compare)
+    Rule("g is not None", "gate", _gate.SPEC_EXPECTED, lambda a: repr(a.gate)),
     Tensor("w1", _WEIGHT_DTYPES, ndim=(3,)),
     Rule(
         "not g.glu or w1.shape[1] % 2 == 0",
