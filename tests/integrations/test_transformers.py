@@ -2,6 +2,8 @@
 _hf_models) through ``experts_implementation="epmoe"`` / ``"epmoe_fp8"`` / ``"epmoe_int8"``."""
 
 import copy
+import json
+import os
 import warnings
 
 import pytest
@@ -15,6 +17,12 @@ import epmoe.integrations.transformers as et  # noqa: E402
 from epmoe import reference  # noqa: E402
 from tests._tol import LAYER_VS_DENSE, LAYER_VS_QUANT_AWARE, rel_l2  # noqa: E402
 from tests.integrations import _hf_models as H  # noqa: E402
+from tests.integrations._hf_models import (  # noqa: E402
+    epmoe_warnings,
+    logits,
+    run_model,
+    same_routing,
+)
 
 FAMILIES = H.discover()
 EXPERTS = [(f, c) for f in FAMILIES for c in f.experts]
@@ -23,12 +31,23 @@ REQUIRED = [lm for lm in LMS if lm.__name__ in H.REQUIRED]
 # relative L2 error of a float32 model's logits with epmoe experts vs eager, by scheme (the experts
 # run bf16 / fp8 / int8 math, everything else stays float32): the layer tolerances of tests/_tol.py
 TOL = LAYER_VS_DENSE
-NAME = {"bf16": "epmoe", "fp8": "epmoe_fp8", "int8": "epmoe_int8"}
-FP8_SIZES = dict(hidden=128, intermediate=128)  # fp8 needs multiples of 128
+NAME = H.SCHEMES  # scheme -> backend name
+FP8_SIZES = H.FP8_SIZES
+REGENERATE = "regenerate it with `python scripts/hf_coverage.py`"
 
 
 def _id(x):
     return x.__name__ if isinstance(x, type) else getattr(x, "module", str(x)).split(".")[-1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on tiny models more only wait on each other (pytest -n 2 on 2 cores
+    runs this module about 4x slower with torch's default of one thread a core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)
@@ -39,37 +58,60 @@ def _registered():
     et.register()
 
 
-def logits(model, ids, impl):
-    model.set_experts_implementation(impl)
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
-def epmoe_warnings(record):
-    return [str(w.message) for w in record if str(w.message).startswith("epmoe:")]
-
-
-def run_model(model, ids, impl):
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        out = logits(model, ids, impl)
-    return out, epmoe_warnings(rec)
-
-
 def layers(model):
     return [et.cached_layer(m) for m in H.experts_modules(model)]
 
 
 def build(lm, dtype=torch.float32, **kw):
-    model = H.build_tiny(lm, dtype=dtype, **kw)
-    if model is None:
-        assert lm.__name__ not in H.REQUIRED, f"{lm.__name__} must build"
-        pytest.skip(f"no generic tiny config runs {lm.__name__} under {H.MAX_PARAMS} parameters")
-    return model
+    """A new tiny ``lm``: a model that cannot be built fails the test with its reason, one that
+    needs an optional package that is not installed skips naming it."""
+    try:
+        return H.build_tiny(lm, dtype=dtype, **kw)
+    except ImportError as e:
+        assert lm.__name__ not in H.REQUIRED, f"{lm.__name__} must build: {e}"
+        pytest.skip(f"{lm.__name__} needs a package that is not installed: {e}")
 
 
 def lm_named(name):
     return next(lm for lm in LMS if lm.__name__ == name)
+
+
+class Shared:
+    """Tiny float32 models, one per size (H.BUILDS), and what each scheme's backend does with
+    them: built once a module for the tests that only switch experts backends."""
+
+    def __init__(self):
+        self.models, self.outcomes = {}, {}
+
+    def model(self, lm, fp8=False):
+        if (lm, fp8) not in self.models:
+            self.models[lm, fp8] = build(lm, **(FP8_SIZES if fp8 else {}))
+        return self.models[lm, fp8]
+
+    def outcome(self, lm):
+        """scheme -> (its model, H.Outcome), every scheme (eager's routing)."""
+        if lm not in self.outcomes:
+            self.outcomes[lm] = {}
+            for schemes, fp8 in H.BUILDS:
+                model = self.model(lm, fp8)
+                for scheme, got in H.outcomes(model, schemes).items():
+                    self.outcomes[lm][scheme] = model, got
+        return self.outcomes[lm]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    s = Shared()
+    yield s
+    s.models.clear()
+    s.outcomes.clear()
+
+
+def load_coverage():
+    if not os.path.exists(H.COVERAGE):
+        return {}
+    with open(H.COVERAGE) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------------- registration
@@ -138,62 +180,47 @@ def test_every_experts_class(family, cls):
 
 
 # ------------------------------------------------------------------------------------- whole models
-class SameRouting:
-    """Record the (top_k_index, top_k_weights) every experts call of one forward gets, then hand
-    the recorded ones to the same calls of a later forward: the two runs differ only in what the
-    experts compute (a bf16-sized change can flip a near-tie of a router in a deep model, and a
-    flip changes its token's later positions through attention)."""
-
-    def __init__(self, model):
-        self.calls, self.replay, self.n = [], False, 0
-        self.hooks = [
-            m.register_forward_pre_hook(self.hook, with_kwargs=True)
-            for m in H.experts_modules(model)
-        ]
-
-    def hook(self, module, args, kwargs):
-        args = list(args)
-        names = ("hidden_states", "top_k_index", "top_k_weights")
-        for n in names[len(args) :]:  # a keyword call
-            args.append(kwargs.pop(n))
-        if not self.replay:
-            self.calls.append((args[1].clone(), args[2].clone()))
-        else:
-            args[1], args[2] = self.calls[self.n]
-            self.n += 1
-        return tuple(args), kwargs
-
-    def remove(self):
-        for h in self.hooks:
-            h.remove()
-
-
-def same_routing(model, ids, impl):
-    """(eager logits, (``impl`` logits, epmoe warnings)) with eager's routing in both runs."""
-    same = SameRouting(model)
-    try:
-        ref = logits(model, ids, "eager")
-        same.replay = True
-        out = run_model(model, ids, impl)
-    finally:
-        same.remove()
-    assert same.n == len(same.calls)
-    return ref, out
-
-
 @pytest.mark.parametrize("lm", LMS, ids=[lm.__name__ for lm in LMS])
-def test_every_model_logits(lm):
-    """Full-model logits of a float32 model with eager's routing: epmoe (bf16 experts) within the
-    bf16 tolerance of eager; models whose experts fall back give exactly the fallback's logits."""
-    model = build(lm)
-    ids = H.sample_ids(model)
-    ref, (out, msgs) = same_routing(model, ids, "epmoe")
-    if not any(layers(model)):
-        assert msgs and all(type(m).__name__ in " ".join(msgs) for m in H.experts_modules(model))
-        assert torch.equal(logits(model, ids, "epmoe"), logits(model, ids, "grouped_mm"))
-        return
-    assert not msgs
-    assert rel_l2(out, ref) <= TOL["bf16"]
+def test_every_model(lm, shared):
+    """Every discovered model, float32 with eager's routing, through each backend: where its
+    experts run on epmoe its logits are within the scheme's tolerance of eager's (no warning);
+    where they all fall back, one warning names the class and the logits are exactly the
+    fallback's. What ran is what tests/integrations/coverage.json records: a model recorded on
+    epmoe that falls back is a regression; any other difference means the file is stale."""
+    want = load_coverage().get(lm.__name__)
+    problems = []
+    if want is None:
+        problems.append(f"not in coverage.json: {REGENERATE}")
+    for scheme, (model, got) in shared.outcome(lm).items():
+        names = {type(m).__name__ for m in H.experts_modules(model)}
+        if got.on_epmoe and got.err > TOL[scheme]:
+            problems.append(f"{scheme}: logits {got.err:.2e} from eager's, over {TOL[scheme]}")
+        if got.on_epmoe == got.modules and got.warnings:
+            problems.append(f"{scheme}: on epmoe, yet warned {got.warnings}")
+        if not got.on_epmoe and not got.exact:
+            problems.append(f"{scheme}: falls back, not exactly {H.FALLBACK}'s logits")
+        if not got.on_epmoe and not all(n in " ".join(got.warnings) for n in names):
+            problems.append(f"{scheme}: falls back, no warning names {names}: {got.warnings}")
+        was = (want or {}).get(scheme)
+        if was == "epmoe" and got.cell != "epmoe":
+            problems.append(f"{scheme}: regression: on epmoe in coverage.json, now {got.cell}")
+        elif want is not None and was != got.cell:
+            problems.append(
+                f"{scheme}: coverage.json is stale ({was!r}, now {got.cell!r}): " + REGENERATE
+            )
+    assert not problems, f"{lm.__name__}:\n  " + "\n  ".join(problems)
+
+
+def test_coverage_lists_every_model():
+    """coverage.json has one entry a discovered model, each with every scheme; the README's
+    coverage section is its table."""
+    cov = load_coverage()
+    assert list(cov) == [lm.__name__ for lm in LMS], REGENERATE
+    assert all(list(cells) == list(H.SCHEMES) for cells in cov.values()), REGENERATE
+    start, end = H.README_MARKERS
+    with open(H.README) as f:
+        section = f.read().split(start, 1)[1].split(end, 1)[0]
+    assert section.strip() == H.coverage_table(cov), REGENERATE
 
 
 @pytest.mark.parametrize("lm", REQUIRED, ids=_id)
@@ -211,10 +238,10 @@ def test_bf16_model_uses_weights_in_place(lm):
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 @pytest.mark.parametrize("lm", REQUIRED, ids=_id)
-def test_quantized_model_logits(lm, scheme):
+def test_quantized_model_logits(lm, scheme, shared):
     """epmoe_fp8 / epmoe_int8 within their tolerance of eager (eager's routing); the weights are
     quantized once."""
-    model = build(lm, **FP8_SIZES)
+    model = shared.model(lm, fp8=True)
     ids = H.sample_ids(model)
     ref, (out, _) = same_routing(model, ids, NAME[scheme])
     assert rel_l2(out, ref) <= TOL[scheme]
@@ -226,12 +253,12 @@ def test_quantized_model_logits(lm, scheme):
 
 
 @pytest.mark.parametrize("lm", REQUIRED, ids=_id)
-def test_greedy_generate_matches_eager(lm):
+def test_greedy_generate_matches_eager(lm, shared):
     """16 greedy tokens of a float32 model equal eager's. The experts run bf16 math, so a token may
     only differ where eager's top-2 logits are closer than the experts' error can move them: at a
     first divergence, eager's margin must be below twice the largest logit difference there,
     and that difference within the bf16 tolerance."""
-    model = build(lm)
+    model = shared.model(lm)
     ids = H.sample_ids(model, batch=2, length=8)
     kw = dict(
         max_new_tokens=16,
@@ -541,3 +568,28 @@ def test_mode_auto_and_its_threshold():
     layer = et.cached_layer(m)
     assert layer.ll_max_tokens == 4 and not layer.uses_ll(8)
     assert rel_l2(ll, ref) <= TOL["bf16"] and rel_l2(ht, ref) <= TOL["bf16"]
+
+
+def test_fp8_checkpoint_model_runs_on_epmoe():
+    """A tiny Qwen3-MoE in its FineGrainedFP8 form (H.fp8_checkpoint: transformers' FP8Experts
+    and Fp8Quantize, what the GPU generate tests compile): "epmoe" runs the checkpoint's own codes
+    and scales (no copy), within the fp8 tolerance of the bf16 model's eager logits (same
+    routing)."""
+    bf16 = build(lm_named("Qwen3MoeForCausalLM"), dtype=torch.bfloat16, **FP8_SIZES)
+    ids = H.sample_ids(bf16)
+    same = H.SameRouting(bf16)
+    ref = logits(bf16, ids, "eager")
+    same.remove()
+    fp8 = H.fp8_checkpoint(copy.deepcopy(bf16))
+    experts = H.experts_modules(fp8)
+    assert experts and all(type(m).__name__ == "FP8Experts" for m in experts)
+    replay = H.SameRouting(fp8)
+    replay.calls = same.calls
+    replay.replay_next()
+    out, msgs = run_model(fp8, ids, "epmoe")
+    replay.remove()
+    assert not msgs
+    assert rel_l2(out, ref) <= TOL["fp8"]
+    for m in experts:
+        layer = et.cached_layer(m)
+        assert layer.quant == "fp8" and layer.w1.data_ptr() == m.gate_up_proj.data_ptr()

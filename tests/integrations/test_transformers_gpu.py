@@ -1,6 +1,8 @@
 """transformers integration on one GPU: CUDA-graph decode under torch.compile, static-cache
-generate, Inductor fullgraph, and an FP8 checkpoint (FineGrainedFP8) through the FP8 registry."""
+generate (compiled, with the batch size changing between calls), Inductor fullgraph, and an FP8
+checkpoint (FineGrainedFP8) through the FP8 registry."""
 
+import copy
 import warnings
 
 import pytest
@@ -11,12 +13,8 @@ pytest.importorskip("transformers")
 import epmoe.integrations.transformers as et  # noqa: E402
 from tests._tol import LAYER_VS_DENSE, rel_l2  # noqa: E402
 from tests.integrations import _hf_models as H  # noqa: E402
-from tests.integrations.test_transformers import (  # noqa: E402
-    SameRouting,
-    layers,
-    logits,
-    same_routing,
-)
+from tests.integrations._hf_models import SameRouting, logits, same_routing  # noqa: E402
+from tests.integrations.test_transformers import layers  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = LAYER_VS_DENSE
@@ -183,3 +181,108 @@ def test_fp8_checkpoint_through_fp8_registry(tmp_path):
         assert layer.w1.data_ptr() == m.gate_up_proj.data_ptr()
         assert layer.w2.data_ptr() == m.down_proj.data_ptr()
     assert rel_l2(out, ref) <= TOL["fp8"]
+
+
+# -------------------------------------------------- compiled generate, the batch size changing
+BATCHES = (1, 64, 1)  # one model: the decode step compiled at 1, recompiled at 64, 1 again
+PROMPT, NEW = 8, 16
+# relative L2 of a compiled step's logits vs eager generate's, same experts backend: Inductor's
+# roundings of the bf16 attention, norms and router on top (a stale or mis-captured graph is ~1)
+COMPILED_VS_EAGER = {"bf16": 2e-2, "fp8": TOL["fp8"]}
+# case -> (the model's weights, experts backend, the scheme epmoe runs)
+GENERATE = {
+    "bf16": ("bf16", "epmoe", "bf16"),
+    "epmoe_fp8": ("bf16", "epmoe_fp8", "fp8"),
+    "fp8_checkpoint": ("fp8", "epmoe", "fp8"),
+}
+
+
+@pytest.fixture(scope="module")
+def real_shaped():
+    """{"bf16": 2 layers of Qwen3-30B-A3B (its per-layer shapes from benchmarks/bench_hf.py: H 2048,
+    I 768, 128 experts, top-8, 32 / 4 heads of 128; a 1024-token vocabulary), random bf16 on the
+    GPU; "fp8": the same in its FineGrainedFP8 form (H.fp8_checkpoint)}, built once."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from benchmarks.bench_hf import QWEN3_30B_A3B
+
+    et.register()  # (module fixtures come before the autouse one)
+    cfg = Qwen3MoeConfig(**dict(QWEN3_30B_A3B, num_hidden_layers=2, vocab_size=1024))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        bf16 = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, experts_implementation="epmoe"
+        )
+    bf16 = bf16.eval().requires_grad_(False)
+    models = {"bf16": bf16, "fp8": H.fp8_checkpoint(copy.deepcopy(bf16))}
+    yield models
+    models.clear()
+
+
+def _generate(model, ids, **kw):
+    """(new tokens `[B, NEW]`, per-step logits `[NEW, B, V]` float32) of greedy generate() with
+    the static cache set on the model's generation config."""
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.scores).float()
+
+
+def _assert_greedy_matches(want, got, tol):
+    """``got``'s tokens are ``want``'s up to near-ties: per row, the logits of every step up to
+    its first differing token within ``tol`` (relative L2) of ``want``'s, and at that token
+    ``want``'s top-2 margin below twice the largest logit difference (the min_new_tokens mask's
+    -inf entries left out)."""
+    (want_tok, want_scores), (tok, scores) = want, got
+    assert tok.shape == want_tok.shape
+    for row in range(tok.shape[0]):
+        diff = (tok[row] != want_tok[row]).nonzero()
+        first = int(diff[0]) if diff.numel() else NEW - 1
+        a, b = want_scores[: first + 1, row], scores[: first + 1, row]
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        assert torch.equal(finite, torch.isfinite(a)), row  # the same masked entries
+        err = rel_l2(b[finite], a[finite])
+        assert err <= tol, (row, first, err)
+        if diff.numel():
+            a, b = a[-1][finite[-1]], b[-1][finite[-1]]
+            top = a.topk(2).values
+            delta = float((a - b).abs().max())
+            assert float(top[0] - top[1]) <= 2 * delta, (row, first, delta)
+
+
+@pytest.mark.parametrize("logs", [False, True], ids=["", "cudagraph_logs"])
+@pytest.mark.parametrize("case", list(GENERATE))
+def test_compiled_generate_changing_batch(real_shaped, case, logs):
+    """generate() with ``generation_config.cache_implementation = "static"`` compiles its decode
+    step on CUDA (transformers' default CompileConfig: Inductor, mode="reduce-overhead", so CUDA
+    graphs through cudagraph trees). Batch 1, then 64 (a recompile and new graphs; epmoe's GEMV
+    path, then LL), then 1 again on the same model: no exception, and each call's tokens are eager
+    generate's (disable_compile=True, same backend) up to near-ties. ``cudagraph_logs``: the same
+    with torch._logging.set_logs(cudagraphs=True) (TORCH_LOGS=cudagraphs), under which cudagraph
+    trees once raised "length mismatch between inputs, recorded_data_ptr, and placeholders"."""
+    weights, impl, scheme = GENERATE[case]
+    model = real_shaped[weights]
+    model.set_experts_implementation(impl)
+    model.generation_config.cache_implementation = "static"
+    model.__dict__.pop("_compiled_call", None)  # compiled afresh (dynamo was reset)
+    ids = _ids(model, max(BATCHES), PROMPT)
+    eager = {b: _generate(model, ids[:b], disable_compile=True) for b in set(BATCHES)}
+    if logs:
+        torch._logging.set_logs(cudagraphs=True)
+    try:
+        runs = [(b, _generate(model, ids[:b])) for b in BATCHES]
+    finally:
+        if logs:
+            torch._logging.set_logs()
+    assert "_compiled_call" in model.__dict__  # generate compiled its decode step
+    for b, got in runs:
+        _assert_greedy_matches(eager[b], got, COMPILED_VS_EAGER[scheme])
+    for layer in layers(model):
+        assert layer.device.type == "cuda" and layer.quant == scheme
