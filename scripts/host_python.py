@@ -132,7 +132,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     if q != "bf16":
         out["quantize"] = lambda: st.quantize(x, q)
     if tokens > layer.ll_max_tokens:  # (past the LL capacity: HT stages only)
-        return out
+        return _direct(out, x)
     a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
     s = s if q != "bf16" else None
     kw = dict(masked_m=mm, expected_m=layer.expected_m(), trusted=True)
@@ -147,7 +147,20 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
         "ll gemm2": lambda: gm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw),
         "ll_gather": lambda: st.ll_gather(y2, rows, w),
     })  # fmt: skip
-    return out
+    return _direct(out, x)
+
+
+def _direct(calls: Dict[str, Callable[[], object]], x) -> Dict[str, Callable[[], object]]:
+    """Each call as the layer's direct path makes it: wrap_triton off, x's device current."""
+
+    def direct(fn):
+        def call():
+            with _eager.no_wrap(), _eager.on_device(x):
+                return fn()
+
+        return call
+
+    return {name: direct(fn) for name, fn in calls.items()}
 
 
 def best_us(fn: Callable[[], object], iters: int, repeats: int) -> float:

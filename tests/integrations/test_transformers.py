@@ -31,6 +31,9 @@ REQUIRED = [lm for lm in LMS if lm.__name__ in H.REQUIRED]
 # relative L2 error of a float32 model's logits with epmoe experts vs eager, by scheme (the experts
 # run bf16 / fp8 / int8 math, everything else stays float32): the layer tolerances of tests/_tol.py
 TOL = LAYER_VS_DENSE
+# models whose tiny random logits carry the experts' quantization error further than most: Gemma4
+# fp8 (its experts layer is 0.066 from float32, as Qwen3-MoE's 0.062; its logits 0.07-0.10 by seed)
+MODEL_TOL_FACTOR = {("Gemma4ForCausalLM", "fp8"): 1.5}
 NAME = H.SCHEMES  # scheme -> backend name
 FP8_SIZES = H.FP8_SIZES
 REGENERATE = "regenerate it with `python scripts/hf_coverage.py`"
@@ -193,8 +196,9 @@ def test_every_model(lm, shared):
         problems.append(f"not in coverage.json: {REGENERATE}")
     for scheme, (model, got) in shared.outcome(lm).items():
         names = {type(m).__name__ for m in H.experts_modules(model)}
-        if got.on_epmoe and got.err > TOL[scheme]:
-            problems.append(f"{scheme}: logits {got.err:.2e} from eager's, over {TOL[scheme]}")
+        tol = TOL[scheme] * MODEL_TOL_FACTOR.get((lm.__name__, scheme), 1.0)
+        if got.on_epmoe and got.err > tol:
+            problems.append(f"{scheme}: logits {got.err:.2e} from eager's, over {tol}")
         if got.on_epmoe == got.modules and got.warnings:
             problems.append(f"{scheme}: on epmoe, yet warned {got.warnings}")
         if not got.on_epmoe and not got.exact:
@@ -316,12 +320,12 @@ def test_compile_fullgraph_cold(name):
 
 # ------------------------------------------------------------------------------------ fallbacks
 def test_fallback_warns_once_and_is_exact():
-    """gpt-oss (biases, interleaved and transposed weights, clamped SwiGLU): one warning for its
-    experts class (two layers), exactly grouped_mm's logits; with fallback="eager", eager's."""
-    model = build(lm_named("GptOssForCausalLM"))
+    """Inkling2 (a softcapped SwiGLU, none of epmoe's gates): one warning for its experts class
+    (every layer), exactly grouped_mm's logits; with fallback="eager", eager's."""
+    model = build(lm_named("Inkling2ForCausalLM"))
     ids = H.sample_ids(model)
     out, msgs = run_model(model, ids, "epmoe")
-    assert len(msgs) == 1 and "GptOssExperts" in msgs[0] and "'grouped_mm'" in msgs[0]
+    assert len(msgs) == 1 and "Inkling2Experts" in msgs[0] and "'grouped_mm'" in msgs[0]
     assert torch.equal(out, logits(model, ids, "grouped_mm"))
     et.register(fallback="eager")
     et._WARNED.clear()
@@ -355,7 +359,7 @@ def test_gradients_fall_back():
     [
         ({"block_size": (64, 64)}, "blocks"),
         ({"activation_scheme": "static"}, "activation_scheme"),
-        ({"swiglu_limit": 7.0, "limit": 7.0}, "SwiGLU"),
+        ({"gate_softcap": 20.0, "up_softcap": 20.0}, "computes none of epmoe's gates"),
     ],
 )
 def test_fp8_checkpoint_outside_contract(attrs, reason):
@@ -363,6 +367,17 @@ def test_fp8_checkpoint_outside_contract(attrs, reason):
     for k, v in attrs.items():
         setattr(m, k, v)
     assert reason in et._unsupported(m, "bf16", fp8=True)
+
+
+def test_fp8_checkpoint_clamped_swiglu_is_recognized():
+    """FP8Experts' clamped SwiGLU (gpt-oss-style alpha / limit, or a limit alone) runs on epmoe
+    as the gate it computes."""
+    m = fp8_experts()
+    m.swiglu_alpha, m.limit = 1.702, 7.0
+    assert et._unsupported(m, "bf16", fp8=True) is None
+    assert et._recognize_gate(m)[0].spec == "silu:alpha=1.702,limit=7.0,up_offset=1.0"
+    m.swiglu_alpha = None
+    assert et._recognize_gate(m)[0].spec == "silu:limit=7.0"
 
 
 def test_unknown_decorator_option_falls_back(monkeypatch):
