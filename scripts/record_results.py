@@ -117,9 +117,11 @@ def _one_gpu(doc: dict) -> Iterator[Row]:
 
 
 def _hf(doc: dict) -> Iterator[Row]:
-    layers = (doc.get("model") or {}).get("num_hidden_layers", "?")
+    model = doc.get("model") or {}
+    layers = model.get("num_hidden_layers", "?")
+    name = model.get("name", "qwen3-30b-a3b")  # (runs before bench_hf wrote its model's name)
     for case, entry in doc["cases"].items():
-        prefix = f"qwen3-30b-a3b-L{layers}/{case}"
+        prefix = f"{name}-L{layers}/{case}"
         if isinstance(entry.get("noop_ms"), (int, float)):
             yield f"{prefix}/noop", "step_ms", entry["noop_ms"], "ms", {}
         for backend, figures in entry.items():
