@@ -152,17 +152,6 @@ def _check_config(
     return ll_max_tokens
 
 
-def _padded(w: torch.Tensor, halves: int, n: int, n_p: int, k_p: int) -> torch.Tensor:
-    """w `[E, halves * n, K]` -> `[E, halves * n_p, k_p]`: each half's n rows first, zeros after
-    (w itself when nothing is padded)."""
-    if n == n_p and w.shape[2] == k_p:
-        return w
-    out = w.new_zeros((w.shape[0], halves * n_p, k_p))
-    for j in range(halves):
-        out[:, j * n_p : j * n_p + n, : w.shape[2]] = w[:, j * n : (j + 1) * n]
-    return out
-
-
 class StageRecord:
     """The per-stage outputs of the forward passes run inside :meth:`EPMoE.record_stages`.
 
@@ -388,14 +377,14 @@ class EPMoE(nn.Module):
         Hp, Ip, halves = self.hidden_padded, self.inter_padded, self.gate.width(1)
         pads = dict(w1=(halves, I, Ip, Hp), w2=(1, H, Hp, Ip), b1=(halves, I, Ip), b2=(1, H, Hp))
         for name, w in (("w1", w1), ("w2", w2)):
-            w = _padded(w.detach()[lo:hi], *pads[name])
+            w = reference.pad_experts(w.detach()[lo:hi], *pads[name])
             q, s = self._convert(w, copy and not self._padded_any)
             q, s = gemm.prepare_weights(q, s, self.quant, self.device)
             setattr(self, name, q)
             setattr(self, name + "_scale", s)
         for name, b in (("b1", b1), ("b2", b2)):
             if b is not None:
-                b = _padded(b.detach()[lo:hi, :, None], *pads[name], 1)[..., 0]
+                b = reference.pad_experts(b.detach()[lo:hi, :, None], *pads[name], 1)[..., 0]
                 setattr(self, name, b.to(device=self.device, dtype=torch.float32).contiguous())
 
     @property
@@ -447,7 +436,7 @@ class EPMoE(nn.Module):
 
     def _forward(self, st, x, topk_ids, topk_weights):
         if self._padded and not self.local:  # several ranks move rows of the padded width
-            x = torch.nn.functional.pad(x, (0, self.hidden_padded - self.hidden_size))
+            x = reference.widen(x, self.hidden_padded)
             out = self._route(st, x, topk_ids, topk_weights)
             return out[:, : self.hidden_size].contiguous()
         return self._route(st, x, topk_ids, topk_weights)

@@ -164,6 +164,14 @@ class QuantScheme:
         return self.weight_block is not None
 
     @property
+    def kernel_code(self) -> int:
+        """The kernels' QUANT constexpr: 0 no codes (bf16), 1 scales per channel group (fp8), 2
+        one scale per row (int8)."""
+        if not self.quantized:
+            return 0
+        return 1 if self.act_group is not None else 2
+
+    @property
     def size_multiple(self) -> int:
         """What GEMM dims (hidden, intermediate, N, Kd) must be a multiple of (1: anything)."""
         sizes = [self.act_group or 1, *(b for b in self.weight_block or () if b is not None)]

@@ -9,7 +9,6 @@ output/reduction dims, ``S`` scale groups per row.
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from epmoe import _checks, quant
 from epmoe import gate as _gate
@@ -54,6 +53,18 @@ def widen(x: torch.Tensor, width: Optional[int]) -> torch.Tensor:
         return x
     out = x.new_zeros((*x.shape[:-1], width))
     out[..., : x.shape[-1]] = x
+    return out
+
+
+def pad_experts(w: torch.Tensor, halves: int, n: int, n_p: int, k_p: int) -> torch.Tensor:
+    """Expert weights w `[E, halves * n, K]` zero-padded to `[E, halves * n_p, k_p]`: each half's
+    n rows first, zeros after (w itself when nothing is padded). A bias `[E, N]` pads as
+    `[E, N, 1]`."""
+    if n == n_p and w.shape[2] == k_p:
+        return w
+    out = w.new_zeros((w.shape[0], halves * n_p, k_p))
+    for j in range(halves):
+        out[:, j * n_p : j * n_p + n, : w.shape[2]] = w[:, j * n : (j + 1) * n]
     return out
 
 
@@ -368,22 +379,13 @@ def _moe(x, topk_ids, topk_weights, w1, w2, gate, b1, b2, qs) -> torch.Tensor:
     if qs is not None:  # zero-pad to the scheme's sizes, quantize, dequantize
         Hp, Ip = round_up(H, qs.size_multiple), round_up(I, qs.size_multiple)
         halves = g.width(1)
-        w1p = w1f.new_zeros((w1.shape[0], halves * Ip, Hp))
-        for j in range(halves):
-            w1p[:, j * Ip : j * Ip + I, :H] = w1f[:, j * I : (j + 1) * I]
-        w2p = w2f.new_zeros((w2.shape[0], Hp, Ip))
-        w2p[:, :H, :I] = w2f
-        xp = F.pad(x, (0, Hp - H))
-        xf = qs.dequantize(*qs.quantize(xp))  # (bf16: x rounded to bf16)
-        w1f = dequantize_weights(*qs.quantize_weights(w1p))
-        w2f = dequantize_weights(*qs.quantize_weights(w2p))
+        xf = qs.dequantize(*qs.quantize(widen(x, Hp)))  # (bf16: x rounded to bf16)
+        w1f = dequantize_weights(*qs.quantize_weights(pad_experts(w1f, halves, I, Ip, Hp)))
+        w2f = dequantize_weights(*qs.quantize_weights(pad_experts(w2f, 1, H, Hp, Ip)))
         if b1 is not None:
-            b1p = b1.float().new_zeros((b1.shape[0], halves * Ip))
-            for j in range(halves):
-                b1p[:, j * Ip : j * Ip + I] = b1.float()[:, j * I : (j + 1) * I]
-            b1 = b1p
+            b1 = pad_experts(b1.float()[:, :, None], halves, I, Ip, 1)[..., 0]
         if b2 is not None:
-            b2 = F.pad(b2.float(), (0, Hp - H))
+            b2 = widen(b2.float(), Hp)
     out = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):
         coef = ((topk_ids == e).float() * topk_weights.float()).sum(dim=1, keepdim=True)

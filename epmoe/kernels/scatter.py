@@ -28,16 +28,6 @@ from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
 from epmoe.kernels.ids import _id_offsets
 from epmoe.kernels.scales import alloc_scales
 
-
-def quant_code(qs: _quant.QuantScheme) -> int:
-    """The kernel's QUANT for scheme ``qs``: 0 no codes (a copy), 1 scales per channel group
-    (fp8 codes, groups of qs.act_group), 2 one scale per row (int8 codes)."""
-    if not qs.quantized:
-        return 0
-    return 1 if qs.act_group is not None else 2
-
-
-QCODE = {name: quant_code(qs) for name, qs in _quant.SCHEMES.items()}  # (by name, for tests)
 # quant="bf16" copies these as they are: the kernel moves same-width integers (no float semantics)
 RAW = {
     torch.bfloat16: torch.int16,
@@ -218,7 +208,7 @@ def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, 
         (T * chunks + 1,),
         (T, H, C, E, expert_lo, NG, G, chunks, width, *x_strides, *id_strides, *s_strides),
         dict(
-            K=K, K_PAD=k_pad, QUANT=quant_code(qs), R=R, W=W, SINGLE=chunks == 1,
+            K=K, K_PAD=k_pad, QUANT=qs.kernel_code, R=R, W=W, SINGLE=chunks == 1,
             BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
             PAD=width is not None, num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
         ),

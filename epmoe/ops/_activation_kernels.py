@@ -63,13 +63,6 @@ def _gate_rounded(g, u, bg, bu, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA
     return round_float(h, u.dtype).to(tl.float32)
 
 
-@triton.jit
-def _silu_h(g, u, FAST: tl.constexpr):
-    """silu(gate) * up of loaded gate / up values, rounded to their dtype, as float32 (the plain
-    SiLU-GLU of _gate_rounded, for the per-choice GEMVs)."""
-    return _gate_rounded(g, u, None, None, False, 0, 1.0, 0.0, False, 0.0, True, FAST)
-
-
 # -------------------------------------------------------------------------------------- kernels
 # Grid (slots, E, column chunks), as in epmoe.ops.quantize: a program handles BLOCK_M rows at a
 # time, row blocks slot, slot + NUM_SLOTS, ... below the expert's bound (masked_m), skipping rows

@@ -56,7 +56,6 @@ from epmoe.ops import quantize as _quantize
 from epmoe.ops._activation_kernels import (  # noqa: F401 - _gate_rounded etc. are re-exported
     _gate_rounded,
     _live_rows,
-    _silu_h,
     _silu_mul_fp8_kernel,
     _silu_mul_int8_kernel,
     _silu_mul_kernel,

@@ -65,13 +65,6 @@ _FAST_MATH = not _launch._INTERPRET  # MUFU activations on the GPU (see epmoe.ga
 GROUP = quant.FP8_GROUP  # fp8 channels per activation scale and per weight block
 
 
-def scheme_code(scheme: quant.QuantScheme) -> int:
-    """The kernels' QUANT: 0 plain (bf16), 1 codes per channel group (fp8), 2 per row (int8)."""
-    if not scheme.quantized:
-        return 0
-    return 1 if scheme.act_group else 2
-
-
 # ------------------------------------------------------------------------------ launch config
 @_config.frozen
 class GemvConfig:
@@ -422,7 +415,7 @@ def _up_launch(T, H, I, E, K, scheme, gate, bias, x_st, id_st, w_st, s_st, b_st,
         (T * K + (1 if check else 0), _launch.cdiv(I, block_n)),
         (T, H, I, E, *x_st, *id_st, *w_st, *s_st, *b_st),
         dict(
-            K=K, QUANT=scheme_code(scheme), BLOCK_N=block_n, BLOCK_K=block_k,
+            K=K, QUANT=scheme.kernel_code, BLOCK_N=block_n, BLOCK_K=block_k,
             CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel, HAS_BIAS=bias,
             **_gate.parse(gate).meta(), FAST=_FAST_MATH, num_warps=warps,
             **_checks.assert_build(in_kernel),
@@ -441,7 +434,7 @@ def _down_launch(T, H, I, E, K, scheme, bias, id_st, tw_st, w_st, s_st, b_st, ch
         (T + (1 if check else 0), _launch.cdiv(H, block_n)),
         (T, H, I, E, *id_st, *tw_st, *w_st, *s_st, *b_st),
         dict(
-            K=K, K_PAD=_launch.pow2(K), QUANT=scheme_code(scheme), BLOCK_N=block_n,
+            K=K, K_PAD=_launch.pow2(K), QUANT=scheme.kernel_code, BLOCK_N=block_n,
             BLOCK_K=block_k, CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel,
             HAS_BIAS=bias, num_warps=warps, **_checks.assert_build(in_kernel),
         ),

@@ -186,7 +186,8 @@ case("unpermute-unchecked", "unpermute",
 for quant, H in (("bf16", 512), ("bf16", _ks.TILE + 128), ("fp8", 4096), ("fp8", 7168),
                  ("int8", _ks.INT8_SINGLE_MAX), ("int8", _ks.INT8_SINGLE_MAX + 128)):  # fmt: skip
     chunks = _ks.scatter_tiling(H, quant)[2]
-    want = [("_ll_scatter_kernel", {"QUANT": _ks.QCODE[quant], "SINGLE": chunks == 1})]
+    code = _gv.quant.get(quant).kernel_code
+    want = [("_ll_scatter_kernel", {"QUANT": code, "SINGLE": chunks == 1})]
     for layout in ("row",) if quant == "bf16" else ("row", "deepgemm"):
         for T in (1, 300):
             args = [_t((_rows(T), H), "bfloat16"), _t((_rows(T), 8), "int64"), 16, 512, quant, 16,
@@ -225,7 +226,7 @@ for scheme in ("bf16", "fp8", "int8"):
 # the launch code; the ids checked by an extra program writing a flag, or not at all (the layer's
 # chained gemv_down); a gate without a gate half, biases, x narrower than the padded weights and
 # an output of its first columns
-_GEMV_QUANT = {_DT[name]: _gv.scheme_code(s) for name, s in _gv.quant.SCHEMES.items()}
+_GEMV_QUANT = {_DT[name]: s.kernel_code for name, s in _gv.quant.SCHEMES.items()}
 for scheme in ("bf16", "fp8", "int8"):
     dt, E, H, I, K = _DT[scheme], 128, 2048, 768, 8
     s1 = {"bf16": None, "fp8": (E, 2 * I // 128, H // 128), "int8": (E, 2 * I)}[scheme]
