@@ -158,6 +158,7 @@ def test_layer_gemv_path(scheme, T):
     assert rec.names == epmoe.layer.GEMV_STAGES
     ref = reference.quantized_moe(x, ids, tw, w1, w2, scheme)
     assert rel_l2(out.cpu(), ref) < LAYER_VS_QUANT_AWARE
+    torch._dynamo.reset()  # (each case compiles a new layer: forward's recompile limit is 8)
     compiled = torch.compile(layer, fullgraph=True)(*_cuda(x, ids, tw))
     assert torch.equal(compiled, out)
 
@@ -293,5 +294,6 @@ def test_layer_gemv_path_gates_and_biases(scheme, spec):
     assert out.shape == (T, H)
     ref = reference.quantized_moe(x, ids, tw, w1, w2, scheme, spec, b1, b2)
     assert rel_l2(out.cpu(), ref) < LAYER_VS_QUANT_AWARE
+    torch._dynamo.reset()  # (each case compiles a new layer: forward's recompile limit is 8)
     compiled = torch.compile(layer, fullgraph=True)(*_cuda(x, ids, tw))
     assert torch.equal(compiled, out)
