@@ -8,13 +8,14 @@ decode uses the LL masked layout with a 256-row slot per expert and about 8 live
 
 One-GPU shapes (``ranks=1``: every expert local), used by ``bench_one_gpu.py`` next to W's per-rank
 experts (``local_experts`` of W: E 128, H 7168, I 2048, top-8): ``qwen3-30b-a3b`` (Qwen3-30B-A3B's
-experts), ``dsv3-1gpu`` (all 256 of DeepSeek-V3's routed experts on one GPU) and ``tiny-1rank``
-(CPU smoke tests). Models whose experts are not plain SiLU GLUs: ``gpt-oss-20b`` (its clamped
-SwiGLU and expert biases), ``gpt-oss-20b-silu`` (the same sizes, plain SiLU, no biases: what the
-gate and biases cost) and ``gemma4-26b-a4b`` (GELU-tanh GLU); ``tiny-gpt-oss`` and ``tiny-gemma4``
-are their CPU smoke shapes. ``gate`` is the experts' gate as an :class:`epmoe.Gate` spec, ``bias``
-whether they have biases, ``hf_experts`` which transformers experts class computes the same MLP
-(the grouped_mm baseline of bench_one_gpu.py builds it on the same weights).
+experts), ``dsv3-1gpu`` (all 256 of DeepSeek-V3's routed experts on one GPU) and ``tiny-1rank`` (CPU
+smoke tests). Models whose experts are not plain SiLU GLUs: ``gpt-oss-20b`` (its clamped SwiGLU and
+expert biases), ``gpt-oss-20b-silu`` (the same sizes, plain SiLU, no biases: what the gate and
+biases cost) and ``gemma4-26b-a4b`` (GELU-tanh GLU); ``mixtral-8x7b`` (8 large experts, top-2);
+``tiny-gpt-oss`` and ``tiny-gemma4`` are their CPU smoke shapes. ``gate`` is the experts' gate as an
+:class:`epmoe.Gate` spec, ``bias`` whether they have biases, ``hf_experts`` which transformers
+experts class computes the same MLP (the grouped_mm baseline of bench_one_gpu.py builds it on the
+same weights).
 """
 
 import os
@@ -154,6 +155,20 @@ CONFIGS: Dict[str, ModelConfig] = {
         decode_rows_per_expert=8,
         gate="gelu_tanh",
         hf_experts="gemma4",
+    ),
+    # mistralai/Mixtral-8x7B's experts (config.json: hidden 4096, intermediate 14336, 8 local
+    # experts, 2 per token; SiLU GLU without biases): few large experts, so choices share experts
+    # from T = 2 (the path choice by expected re-reads)
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b",
+        hidden=4096,
+        intermediate=14336,
+        num_experts=8,
+        ranks=1,
+        top_k=2,
+        prefill_tokens=4096,
+        decode_capacity=128,
+        decode_rows_per_expert=8,
     ),
     # CPU smoke shapes of the two: sizes no multiple of 128 (fp8 pads them, as at 2880)
     "tiny-gpt-oss": ModelConfig(

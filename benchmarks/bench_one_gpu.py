@@ -7,18 +7,20 @@
         --only shape=gpt-oss-20b,gpt-oss-20b-silu,gemma4-26b-a4b mode=auto
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --cpu-smoke --out smoke.json
 
-Cases: shape x scheme x mode x T. Shapes (benchmarks/_configs.py, experts ``local_experts``),
-SHAPES by default: ``qwen3-30b-a3b`` (H 2048, I 768, E 128, top-8), ``W`` (the issue's reference
-case: W's per-rank experts, E 128, H 7168, I 2048, top-8) and ``dsv3-1gpu`` (all 256 DeepSeek-V3
-experts, H 7168, I 2048, top-8); MODEL_SHAPES with ``--only shape=...`` (experts other than plain
-SiLU GLUs, each against its own transformers experts class): ``gpt-oss-20b`` (H 2880, I 2880, E 32,
-top-4, expert biases, the clamped SwiGLU "silu:alpha=1.702,limit=7.0,up_offset=1.0"; fp8 pads H / I
-to 2944), ``gpt-oss-20b-silu`` (the same sizes and weights, plain SiLU, no biases: what the gate and
-biases cost) and ``gemma4-26b-a4b`` (H 2816, I 704, E 128, top-8, GELU-tanh GLU, no biases; fp8
-pads I to 768). Schemes bf16 / fp8 / int8. T in TOKENS (``--quick``: QUICK_TOKENS). Modes: "ll"
-(``max_tokens_per_rank=T``, only T <= LL_MAX_TOKENS), "ht" (``worst_case=True``) and "auto"
-(EPMoE's default LL threshold; skipped with a note where ``mode="auto"`` raises ValueError). All
-layers use ``backend="local"``. Routing: K distinct experts per token uniformly at random (seeded,
+Cases: shape x scheme x mode x T. Shapes (benchmarks/_configs.py, experts ``local_experts``), SHAPES
+by default: ``qwen3-30b-a3b`` (H 2048, I 768, E 128, top-8), ``W`` (the issue's reference case: W's
+per-rank experts, E 128, H 7168, I 2048, top-8) and ``dsv3-1gpu`` (all 256 DeepSeek-V3 experts, H
+7168, I 2048, top-8); MODEL_SHAPES with ``--only shape=...`` (experts other than plain SiLU GLUs,
+each against its own transformers experts class): ``gpt-oss-20b`` (H 2880, I 2880, E 32, top-4,
+expert biases, the clamped SwiGLU "silu:alpha=1.702,limit=7.0,up_offset=1.0"; fp8 pads H / I to
+2944), ``gpt-oss-20b-silu`` (the same sizes and weights, plain SiLU, no biases: what the gate and
+biases cost), ``gemma4-26b-a4b`` (H 2816, I 704, E 128, top-8, GELU-tanh GLU, no biases; fp8 pads I
+to 768) and ``mixtral-8x7b`` (H 4096, I 14336, E 8, top-2: choices share experts from T 2, where
+"auto" leaves the per-choice GEMVs by expected re-reads). Schemes bf16 / fp8 / int8. T in TOKENS
+(``--quick``: QUICK_TOKENS). Modes: "ll" (``max_tokens_per_rank=T``, only T <= LL_MAX_TOKENS), "ht"
+(``worst_case=True``) and "auto" (EPMoE's default LL threshold; skipped with a note where
+``mode="auto"`` raises ValueError). All layers use ``backend="local"``. Routing: K distinct experts
+per token uniformly at random (seeded,
 the same for every scheme and mode at one T), weights a float32 softmax of normal logits;
 x ~ N(0, 1) bf16; global weights w1 `[E, 2I, H]`, w2 `[E, H, I]` ~ 0.02 N(0, 1) (and, with the
 config's ``bias``, b1 `[E, 2I]`, b2 `[E, H]` ~ 0.1 N(0, 1)), created in bf16 on the GPU (never
@@ -179,7 +181,7 @@ from epmoe.ops.gemm._select import _dg_role  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "W", "dsv3-1gpu")
 # not in the default run (the device session's minutes): select them with --only shape=...
-MODEL_SHAPES = ("gpt-oss-20b", "gpt-oss-20b-silu", "gemma4-26b-a4b")
+MODEL_SHAPES = ("gpt-oss-20b", "gpt-oss-20b-silu", "gemma4-26b-a4b", "mixtral-8x7b")
 SCHEMES = ("bf16", "fp8", "int8")
 MODES = ("ll", "ht", "auto")
 TOKENS = (1, 8, 32, 128, 512, 4096, 16384)

@@ -47,7 +47,9 @@ def test_cpu_smoke_run(tmp_path, capsys):
     }
     for c in on_disk["cases"]:
         auto = c["mode"] == "auto"
-        auto_gemv = auto and c["T"] <= epmoe.quant.get(c["scheme"]).gemv_max_tokens  # (1 rank)
+        cfg = _configs.CONFIGS[c["shape"]]
+        gemv = epmoe.layer.gemv_max_tokens(epmoe.quant.get(c["scheme"]), cfg.num_experts, cfg.top_k)
+        auto_gemv = auto and c["T"] <= gemv  # (1 rank)
         auto_ll = auto and c["T"] <= epmoe.layer.AUTO_LL_MAX_TOKENS
         want = "gemv" if auto_gemv else "ll" if c["mode"] == "ll" or auto_ll else "ht"
         assert c["path"] == want, c["id"]

@@ -62,6 +62,9 @@ MODES = ("ht", "ll", "auto")
 # mode="auto": LL (masked) up to this many tokens per call, HT (contiguous) above (the measured
 # crossover: benchmarks/results/h200/RESULTS.md)
 AUTO_LL_MAX_TOKENS = 512
+# the per-choice GEMVs read an expert's weights once per choice, the masked GEMM once per touched
+# expert: "auto" keeps the GEMVs while a call's expected choices per touched expert stay below this
+GEMV_MAX_REREADS = 1.4
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
 LOAD_ROWS = 512
@@ -152,6 +155,25 @@ def _check_config(
     return ll_max_tokens
 
 
+def expected_rereads(num_tokens: int, num_experts: int, top_k: int) -> float:
+    """Choices per touched expert of a call, expected under uniform routing: T*K over the expected
+    distinct experts E * (1 - (1 - K/E)**T). 1.0 when no two choices share an expert."""
+    touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    return num_tokens * top_k / touched
+
+
+def gemv_max_tokens(scheme, num_experts: int, top_k: int) -> int:
+    """The most tokens "auto" sends to the per-choice GEMVs on one rank: up to the scheme's
+    ``gemv_max_tokens``, while :func:`expected_rereads` stays within GEMV_MAX_REREADS (a call that
+    re-reads shared experts' weights per choice goes to the masked GEMM, which reads each once)."""
+    n = 0
+    while n < scheme.gemv_max_tokens and (
+        expected_rereads(n + 1, num_experts, top_k) <= GEMV_MAX_REREADS
+    ):
+        n += 1
+    return n
+
+
 class StageRecord:
     """The per-stage outputs of the forward passes run inside :meth:`EPMoE.record_stages`.
 
@@ -208,7 +230,8 @@ class EPMoE(nn.Module):
             "silu": silu(gate) * up).
         bias: whether the experts have biases (b1 `[Et, width]`, b2 `[Et, H]` in load_weights).
         mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
-            GEMVs up to the scheme's ``gemv_max_tokens`` tokens; LL up to ``ll_max_tokens`` tokens,
+            GEMVs up to ``gemv_max_tokens`` tokens (see :func:`gemv_max_tokens`); LL up to
+            ``ll_max_tokens`` tokens,
             HT above; chosen from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
@@ -289,6 +312,10 @@ class EPMoE(nn.Module):
         self.num_local_experts = self.comm.num_local_experts
         # one rank, local backend: no dispatch or combine ops at all
         self.local = self.comm.world_size == 1 and self.comm.name == "local"
+        # "auto" on one rank: GEMVs up to this many tokens (0 with several ranks or another mode)
+        self.gemv_max_tokens = 0
+        if mode == "auto" and self.local:
+            self.gemv_max_tokens = gemv_max_tokens(self.scheme, num_experts, top_k)
         if mode == "auto" and self.worst_case and not self.local:
             raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
         # masked-layout rows per expert: on one rank a multiple of the masked GEMM's row block
@@ -463,8 +490,8 @@ class EPMoE(nn.Module):
 
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
-        rank (local backend) with at most ``scheme.gemv_max_tokens`` tokens (from the shape)."""
-        return self.mode == "auto" and self.local and num_tokens <= self.scheme.gemv_max_tokens
+        rank (local backend) with at most ``gemv_max_tokens`` tokens (from the shape)."""
+        return num_tokens <= self.gemv_max_tokens
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""

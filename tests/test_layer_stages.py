@@ -127,13 +127,14 @@ def test_local_ll_stages_are_the_ops(quant):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_local_auto_gemv_stages_are_the_ops(quant):
-    """mode="auto" on one rank: up to scheme.gemv_max_tokens tokens the two per-choice GEMVs
+    """mode="auto" on one rank: up to layer.gemv_max_tokens tokens the two per-choice GEMVs
     (their outputs the public ops' bytes, the layer's output within the quant-aware bound), one
     token more the LL chain."""
     torch.manual_seed(0)
     layer = small_layer(quant, "auto")
     w1, w2 = global_weights(**SMALL)
-    n = layer.scheme.gemv_max_tokens
+    n = layer.gemv_max_tokens
+    assert n == layer_mod.gemv_max_tokens(layer.scheme, SMALL["num_experts"], SMALL["top_k"]) > 1
     for T in (1, n):
         x, ids, w = tokens(T, seed=6 + T, **SMALL)
         assert layer.path(T) == "gemv"
@@ -154,7 +155,7 @@ def test_local_auto_gemv_stages_are_the_ops(quant):
 
 def test_gemv_replace_feeds_gemv_down():
     layer = small_layer("fp8", "auto")
-    x, ids, w = tokens(3, seed=8, **SMALL)
+    x, ids, w = tokens(layer.gemv_max_tokens, seed=8, **SMALL)
     with layer.record_stages(replace={"gemv_gate_up": lambda h: h * 2}) as rec:
         out = layer(x, ids, w)
     assert torch.equal(rec["gemv_gate_up"], 2 * ops.gemv_gate_up(x, ids, layer.w1, layer.w1_scale))

@@ -35,7 +35,7 @@ see those anyway (they are the parameters), quantized ones need :func:`refresh`.
 ``torch.compile`` the check runs when a graph is traced (the build happens then, outside the graph,
 so ``fullgraph=True`` holds); after changing the weights of a compiled model call :func:`refresh`.
 
-Each call picks the per-choice GEMVs for a few tokens (the scheme's ``gemv_max_tokens``), LL
+Each call picks the per-choice GEMVs for a few tokens (``EPMoE.gemv_max_tokens``), LL
 (masked layout) for at most ``ll_max_tokens`` tokens and HT (contiguous) above
 (``EPMoE(mode="auto")``, a choice from the shape, so a captured decode graph stays valid), on one
 process with the local backend. transformers' expert parallelism (``_is_expert_parallel``: the
