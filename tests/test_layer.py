@@ -127,6 +127,22 @@ def test_auto_mode_picks_ll_up_to_its_threshold(quant, monkeypatch):
         assert torch.equal(out, fixed(x, ids, w)), T
 
 
+def test_auto_gemv_cutoff_follows_expected_rereads():
+    """The GEMVs (one weight read per choice) stop where choices start to share experts: T * K
+    over the expected touched experts E * (1 - (1 - K/E)**T) past GEMV_MAX_REREADS."""
+    L, q = epmoe.layer, epmoe.quant
+    assert L.expected_rereads(1, 8, 2) == 1.0
+    assert L.expected_rereads(8, 8, 2) == pytest.approx(16 / (8 * (1 - 0.75**8)))
+    assert L.expected_rereads(8, 128, 8) <= L.GEMV_MAX_REREADS < L.expected_rereads(3, 8, 2)
+    cut = {(E, K): [L.gemv_max_tokens(q.get(s), E, K) for s in ("bf16", "fp8", "int8")]
+           for E, K in ((128, 8), (8, 2), (32, 4), (8, 8))}  # fmt: skip
+    assert cut == {(128, 8): [8, 8, 4], (8, 2): [2, 2, 2], (32, 4): [4, 4, 4], (8, 8): [1, 1, 1]}
+    mixtral = epmoe.EPMoE(8, 64, 64, 2, mode="auto", backend="local", device="cpu")
+    assert [mixtral.path(T) for T in (1, 2, 3)] == ["gemv", "gemv", "ll"]
+    assert mixtral.gemv_max_tokens == 2
+    assert small_layer("bf16", "ll", max_tokens_per_rank=8).gemv_max_tokens == 0
+
+
 def test_auto_mode_bad_config():
     with pytest.raises(ValueError, match="EPMoE: ll_max_tokens expected a positive int, got 0"):
         _bad(mode="auto", ll_max_tokens=0)()
