@@ -29,9 +29,10 @@ is in no ``state_dict`` and ``.to()`` does not see it). Every eager call compare
 parameters with what the cache was built from (object, ``data_ptr()``, ``_version``, dtype, device,
 shape: no data read, no host sync) and rebuilds on a change: ``load_state_dict`` (in-place copies
 bump ``_version``), ``.to()``, reassigned parameters. A rebuild of a quantized cache with unchanged
-shapes writes into the same buffers, so captured CUDA graphs stay valid. Not detectable without
-reading the data: writes through ``param.data`` (a tensor with its own version counter); bf16 caches
-see those anyway (they are the parameters), quantized ones need :func:`refresh`. Under
+shapes writes into the same buffers, so captured CUDA graphs stay valid; the call's size never
+rebuilds it (a compiled decode step sees the same static inputs at every batch size). Not detectable
+without reading the data: writes through ``param.data`` (a tensor with its own version counter);
+bf16 caches see those anyway (they are the parameters), quantized ones need :func:`refresh`. Under
 ``torch.compile`` the check runs when a graph is traced (the build happens then, outside the graph,
 so ``fullgraph=True`` holds); after changing the weights of a compiled model call :func:`refresh`.
 

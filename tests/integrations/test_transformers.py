@@ -428,6 +428,25 @@ def test_rebuild_after_load_state_dict(scheme):
         assert [(la, la.w1.data_ptr(), la.w1_scale) for la in layers(a)] == kept
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_cache_stays_across_batch_sizes(scheme):
+    """Batch 1, then 64, then 1 on the same model: the same cached layers holding the same buffers
+    (no rebuild by call size), so a compiled, CUDA-graphed decode step sees the same static inputs
+    at every batch size; what changes with the size lives inside each call."""
+    a = build(lm_named("Qwen3MoeForCausalLM"), dtype=torch.bfloat16)
+    ids = H.sample_ids(a, batch=64, length=3)
+
+    def held():
+        return [(la, [(n, b.data_ptr()) for n, b in la.named_buffers()]) for la in layers(a)]
+
+    logits(a, ids[:1], NAME[scheme])
+    first = held()
+    assert first and all(la is not None and la.quant == scheme for la, _ in first)
+    for batch in (64, 1):
+        logits(a, ids[:batch], NAME[scheme])
+        assert held() == first, batch
+
+
 def test_rebuild_after_to_dtype():
     lm = lm_named("Qwen3MoeForCausalLM")
     model = build(lm)
