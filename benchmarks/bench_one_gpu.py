@@ -133,12 +133,13 @@ ratio), "max_ratio", "met"}], "targets": [{"shape", "scheme", "mode", "T", "max_
 "compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
 "compile_graph_breaks", "compile_break_reasons", "compile_cudagraph_skips", "compile_same_bytes"
 and the same with "compile_ro_" and "compile_sl_"; "raw_ms", "raw_impl", "raw_layout" ({"C",
-"expected_m"} | {"M_sum", "alignment"}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows combined per
-token vs the layer's output: checks that the raw operands are the layer's); "grouped_mm_eager_ms",
-"grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm", "matches_grouped_mm" (bf16);
-"raw_host_us"; "stack_layers", "stack_eager_ms", "stack_eager_loop_ms", "stack_host_us",
-"stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" / "stack_compile_ro_*" /
-"stack_compile_sl_*" (the compile_ keys, per layer);
+"expected_m"} | {"M_sum", "alignment", "live_rows", "block_rows": the choices, and the rows of
+their experts' alignment blocks, padding included}), "raw_rel_l2_vs_layer" (the raw GEMMs' rows
+combined per token vs the layer's output: checks that the raw operands are the layer's);
+"grouped_mm_eager_ms", "grouped_mm_graph_ms", "grouped_mm_host_us", "rel_l2_vs_grouped_mm",
+"matches_grouped_mm" (bf16); "raw_host_us"; "stack_layers", "stack_eager_ms", "stack_eager_loop_ms",
+"stack_host_us", "stack_eager_queued_ms", "stack_graph_ms", "stack_compile_*" /
+"stack_compile_ro_*" / "stack_compile_sl_*" (the compile_ keys, per layer);
 "ratios" {graph_over_raw, eager_over_raw, graph_over_grouped_mm_graph,
 eager_over_grouped_mm_eager, graph_over_floor, eager_over_floor, raw_over_floor,
 compile_over_eager, compile_ro_over_graph, compile_ro_queued_over_graph, compile_sl_over_eager,
@@ -533,6 +534,10 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
         a1, s1, rows, inv_perm, offs = reference.permute(xq, ids, E, alignment, xs)
         s1 = None if scheme == "bf16" else _scales_like_layer(s1, scheme)
         lead, layout = (a1.shape[0],), {"M_sum": int(a1.shape[0]), "alignment": alignment}
+        live = ids.reshape(-1)
+        counts = torch.bincount(live[live >= 0], minlength=E)  # (host reads: a benchmark)
+        blocks = (counts + alignment - 1) // alignment * alignment
+        layout.update(live_rows=int(counts.sum()), block_rows=int(blocks.sum()))
         expert = rows
     out1 = torch.empty((*lead, w1.shape[1]), dtype=torch.bfloat16, device=dev)
     fn(a1, s1, w1, w1s, rows, expected_m, out1, offs)

@@ -1,7 +1,8 @@
 """Grouped GEMM benchmarks on one GPU at workload W per rank, next to ceilings from the same run.
 
 - FP8 contiguous (prefill): our op vs deep_gemm called directly on the same inputs (``vs_raw``).
-- INT8 contiguous (prefill): our Triton kernel vs raw deep_gemm FP8 at the same shape (``vs_fp8``).
+- INT8 contiguous (prefill): our Triton kernel vs raw deep_gemm FP8 at the same shape (``vs_fp8``)
+  and cuBLAS INT8 (``torch._int_mm``) on the dense GEMM of the same rows, N and K (``vs_int_mm``).
 - INT8 / FP8 masked (decode, few rows per expert): time vs the HBM weight-read floor, i.e. the
   weights' bytes over the device-to-device copy bandwidth measured here (``vs_floor``).
 - BF16 contiguous: our op vs torch._grouped_mm on the same inputs (``vs_grouped_mm``).
@@ -171,15 +172,24 @@ def test_int8_contiguous_vs_fp8(benchmark, which):
     def fp8_raw():
         return raw_deep_gemm_contiguous("fp8", af, asf, wf, wsf, m_idx, out)
 
-    t = _paired_ms(ours=ours, fp8=fp8_raw)
+    # cuBLAS INT8 on the dense equivalent (one weight for all rows, int32 out, no scales)
+    dense = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
+
+    def int_mm():
+        return torch._int_mm(a8, dense.t())
+
+    t = _paired_ms(ours=ours, fp8=fp8_raw, int_mm=int_mm)
     _record(
         benchmark,
         ours,
         gemm=which,
         tflops=_tflops(rows, N, K, t["ours"]),
         fp8_tflops=_tflops(rows, N, K, t["fp8"]),
+        int_mm_tflops=_tflops(rows, N, K, t["int_mm"]),
         vs_fp8=t["fp8"] / t["ours"],
-        target_vs_fp8=0.70,
+        vs_int_mm=t["int_mm"] / t["ours"],
+        target_vs_fp8=0.95,
+        target_vs_int_mm=0.9,
     )
 
 

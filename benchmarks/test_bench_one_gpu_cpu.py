@@ -67,6 +67,11 @@ def test_cpu_smoke_run(tmp_path, capsys):
         tol = 1e-2 if c["scheme"] != "int8" else 0.12  # int8's anchor is the fp8 GEMM
         assert c["raw_rel_l2_vs_layer"] < tol, c["id"]
         assert ("anchor for int8" in c["raw_impl"]) == (c["scheme"] == "int8")
+        lay = c["raw_layout"]
+        if c["path"] == "ht":  # every choice a row; padding to each expert's alignment blocks
+            assert lay["live_rows"] == c["T"] * TINY.top_k, c["id"]
+            assert lay["live_rows"] <= lay["block_rows"] <= lay["M_sum"], c["id"]
+            assert lay["block_rows"] % lay["alignment"] == 0, c["id"]
         if HAS_TRANSFORMERS:
             assert c["skips"]["grouped_mm/grouped_mm_graph_ms"] == "needs CUDA"
             assert c["rel_l2_vs_grouped_mm"] < (1e-2 if c["scheme"] == "bf16" else 0.1), c["id"]
