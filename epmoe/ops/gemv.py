@@ -248,7 +248,8 @@ def _gemv_gate_up_kernel(
     K: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, FAST: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """Program (c, n): columns [n * BLOCK_N, +BLOCK_N) of h for choice c = t * K + k, over x's H
     channels (GLU: gate rows, then up rows); with CHECK program (T * K, 0) checks every id."""
@@ -312,7 +313,8 @@ def _gemv_gate_up_kernel(
             u += tl.load(b_row + up * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
             if GLU:
                 g += tl.load(b_row, mask=b_ok, other=0.0).to(tl.float32)
-        h = gate_h(g, u, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, FAST)
+        h = gate_h(g, u, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP,
+                   FAST)  # fmt: skip
         tl.store(h_ptr + pid.to(tl.int64) * I + offs_n, round_float(h, tl.bfloat16), mask=n_ok)
 
 
