@@ -9,6 +9,10 @@
   MiniMax-M3, DeepSeek-V4: before; Step-3.7, Bailing: after).
 - ``up_offset``: added to the clamped up half (gpt-oss: ``(up + 1)``).
 - ``glu`` False: no gate half, ``h = act(up)`` on GEMM1's `[..., I]` (NemotronH: relu2).
+- ``gate_softcap`` / ``up_softcap`` (optional, > 0): soft caps ``c * tanh(x / c)`` of SiLU's
+  linear factor (the sigmoid sees the raw gate: act "silu" only) and of the up half (Inkling2:
+  ``softcap(g) * sigmoid(g) * softcap(u)``); with ``glu``, without ``limit`` / ``up_offset`` (one
+  bound a half).
 
 GEMM1 writes `[..., 2I]` (gate columns, then up columns) when ``glu``, `[..., I]` otherwise. An
 op takes the gate as its ``spec`` string ("silu", "silu:alpha=1.702,limit=7,up_offset=1", ...):
@@ -31,8 +35,10 @@ from epmoe import _checks
 
 ACTS = ("silu", "gelu_tanh", "gelu", "relu", "relu2")
 _CODE = {a: i for i, a in enumerate(ACTS)}  # the kernels' ACT constexpr
-_FIELDS = ("alpha", "limit", "clamp_after", "up_offset", "glu")
+_FIELDS = ("alpha", "limit", "clamp_after", "up_offset", "glu", "gate_softcap", "up_softcap")
 _NEG_LOG2E = tl.constexpr(-1.4426950408889634)
+# tanh's odd series near 0: z - z^3 / 3 + 2 z^5 / 15 - 17 z^7 / 315
+_TANH_Z3, _TANH_Z5, _TANH_Z7 = (tl.constexpr(c) for c in (-1 / 3, 2 / 15, -17 / 315))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Gate:
     clamp_after: bool = False
     up_offset: float = 0.0
     glu: bool = True
+    gate_softcap: Optional[float] = None
+    up_softcap: Optional[float] = None
 
     def __post_init__(self):
         _checks.check_choice("Gate", "act", self.act, ACTS)
@@ -55,13 +63,24 @@ class Gate:
             object.__setattr__(self, name, float(v))
         if self.alpha != 1.0 and self.act != "silu":
             raise _checks.fail("Gate", "alpha", "1.0 unless act='silu'", self.alpha)
-        if self.limit is not None:
-            ok = isinstance(self.limit, (int, float)) and math.isfinite(self.limit)
-            if not ok or self.limit <= 0:
-                raise _checks.fail("Gate", "limit", "None or a finite float > 0", self.limit)
-            object.__setattr__(self, "limit", float(self.limit))
-        if not self.glu and (self.limit is not None or self.up_offset or self.clamp_after):
-            raise _checks.fail("Gate", "glu", "True with limit / up_offset / clamp_after", False)
+        for name in ("limit", "gate_softcap", "up_softcap"):
+            v = getattr(self, name)
+            if v is not None:
+                if not (isinstance(v, (int, float)) and math.isfinite(v)) or v <= 0:
+                    raise _checks.fail("Gate", name, "None or a finite float > 0", v)
+                object.__setattr__(self, name, float(v))
+        capped = self.gate_softcap is not None or self.up_softcap is not None
+        clamped = self.limit is not None or self.up_offset or self.clamp_after
+        if not self.glu and (clamped or capped):
+            raise _checks.fail(
+                "Gate", "glu", "True with limit / up_offset / clamp_after / softcaps", False
+            )
+        if self.gate_softcap is not None and self.act != "silu":
+            raise _checks.fail("Gate", "gate_softcap", "None unless act='silu'", self.gate_softcap)
+        if capped and self.limit is not None:
+            raise _checks.fail("Gate", "limit", "None with a softcap", self.limit)
+        if capped and self.up_offset:
+            raise _checks.fail("Gate", "up_offset", "0.0 with a softcap", self.up_offset)
 
     # ------------------------------------------------------------------------------- spelling
     @property
@@ -96,6 +115,8 @@ class Gate:
             u = u.clamp(-self.limit, self.limit)
             if not self.clamp_after:
                 g = g.clamp(max=self.limit)
+        if self.up_softcap is not None:
+            u = self._softcap(u, self.up_softcap)
         a = self._act(g)
         if self.limit is not None and self.clamp_after:
             a = a.clamp(max=self.limit)
@@ -103,6 +124,8 @@ class Gate:
         return a * (u + self.up_offset if self.up_offset else u)
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu" and self.gate_softcap is not None:  # (Inkling2's order of products)
+            return self._softcap(g, self.gate_softcap) * torch.sigmoid(self.alpha * g)
         if self.act == "silu":  # (alpha 1: torch's own SiLU, the bits the plain SiLU-GLU had)
             return F.silu(g) if self.alpha == 1.0 else g * torch.sigmoid(self.alpha * g)
         if self.act == "gelu_tanh":
@@ -112,12 +135,17 @@ class Gate:
         r = torch.relu(g)
         return r * r if self.act == "relu2" else r
 
+    @staticmethod
+    def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap  # (as transformers' Softcap modules compute it)
+
     # ------------------------------------------------------------------------------- kernels
     def meta(self) -> dict:
         """The constexprs of :func:`gate_h` for this gate (splat into a launch's meta)."""
         return dict(
             ACT=_CODE[self.act], ALPHA=self.alpha, LIMIT=self.limit or 0.0,
             CLAMP_AFTER=self.clamp_after, UP_OFFSET=self.up_offset, GLU=self.glu,
+            GATE_SOFTCAP=self.gate_softcap or 0.0, UP_SOFTCAP=self.up_softcap or 0.0,
         )  # fmt: skip
 
 
@@ -179,10 +207,24 @@ def _sigmoid_mul(g, z, SCALE: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr, ALPHA: tl.constexpr, FAST: tl.constexpr):
+def _softcap(x, CAP: tl.constexpr):
+    """CAP * tanh(x / CAP) of float32 x: tanh(z) = (1 - e) / (1 + e) with e = exp(-2|z|), and
+    near 0, where 1 - e cancels, its odd series to z^7 (|z| < 1/8: within 2e-9 of tanh)."""
+    z = x / CAP
+    z2 = z * z
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    near0 = z + z * z2 * (_TANH_Z3 + z2 * (_TANH_Z5 + z2 * _TANH_Z7))
+    return tl.where(z2 < 0.015625, near0, tl.where(z < 0.0, -t, t)) * CAP
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr, ALPHA: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+         FAST: tl.constexpr):  # fmt: skip
     """The gate's activation of float32 g (codes as in ACTS)."""
-    if ACT == 0:  # silu (alpha)
-        return _sigmoid_mul(g, g, ALPHA, FAST)
+    if ACT == 0:  # silu (alpha); GATE_SOFTCAP caps its linear factor, the sigmoid sees g
+        f = _softcap(g, GATE_SOFTCAP) if GATE_SOFTCAP > 0 else g
+        return _sigmoid_mul(f, g, ALPHA, FAST)
     elif ACT == 1:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z)
         return _sigmoid_mul(g, g + 0.044715 * g * g * g, 1.5957691216057308, FAST)
     elif ACT == 2:  # gelu (erf)
@@ -197,16 +239,18 @@ def _act(g, ACT: tl.constexpr, ALPHA: tl.constexpr, FAST: tl.constexpr):
 @triton.jit
 def gate_h(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
            CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
-           FAST: tl.constexpr):  # fmt: skip
+           GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """float32 h of loaded float32 gate / up values (``g`` unused without GLU: h = act(u))."""
     if not GLU:
-        return _act(u, ACT, ALPHA, FAST)
+        return _act(u, ACT, ALPHA, 0.0, FAST)
     else:
         if LIMIT > 0:
             u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
             if not CLAMP_AFTER:
                 g = tl.minimum(g, LIMIT)
-        a = _act(g, ACT, ALPHA, FAST)
+        if UP_SOFTCAP > 0:
+            u = _softcap(u, UP_SOFTCAP)
+        a = _act(g, ACT, ALPHA, GATE_SOFTCAP, FAST)
         if LIMIT > 0 and CLAMP_AFTER:
             a = tl.minimum(a, LIMIT)
         if UP_OFFSET != 0.0:  # (+ 0.0 would cost an add and turn -0.0 into +0.0)

@@ -343,6 +343,7 @@ _GATES = (
     "gelu",
     "relu",
     "relu2:glu=0",
+    "silu:gate_softcap=4.0,up_softcap=25.0",
 )
 
 
@@ -372,7 +373,7 @@ def _gate_launches(y2, y3, mm, mi, offs):
 
 GEMV_GATES = (
     "silu:alpha=1.702,limit=7,up_offset=1", "silu:limit=7,clamp_after=1", "gelu_tanh", "gelu",
-    "relu", "relu2:glu=0",
+    "relu", "relu2:glu=0", "silu:gate_softcap=4,up_softcap=25",
 )  # fmt: skip
 
 

@@ -263,6 +263,7 @@ GATES = [
     "silu:alpha=1.702,limit=7.0,up_offset=1.0",  # gpt-oss / MiniMax-M3
     "gelu_tanh",  # Gemma4
     "silu:limit=7.0,clamp_after=1",  # Step-3.7 / Bailing
+    "silu:gate_softcap=4.0,up_softcap=25.0",  # Inkling2
     "relu2:glu=0",  # NemotronH: no gate half
 ]
 

@@ -46,15 +46,16 @@ routing.
 The experts' gate is recognized by what it computes: the class's ``_apply_gate`` (or, without a
 gate projection, its ``act_fn``) runs once on a probe and is compared with the gates
 :class:`epmoe.gate.Gate` spells (SiLU / GELU-tanh / GELU / ReLU / ReLU² GLUs, gpt-oss's clamped
-SwiGLU with alpha, limit and ``up + 1``, a clamp after the activation, no gate half), with alpha and
-limit read from the module's attributes. Expert biases run in the kernels (gate/up bias before the
-gate, down bias in the weighted gather). Transposed and interleaved gate/up weights are rearranged
-once when the state is built; bf16 weights that need no rearrangement stay in place.
+SwiGLU with alpha, limit and ``up + 1``, a clamp after the activation, Inkling2's softcapped
+SwiGLU, no gate half), with alpha, limit and the softcaps read from the module's attributes
+(the softcaps also from its ``act_fn``'s). Expert biases run in the kernels (gate/up bias before
+the gate, down bias in the weighted gather). Transposed and interleaved gate/up weights are
+rearranged once when the state is built; bf16 weights that need no rearrangement stay in place.
 
-Experts epmoe cannot run exactly (a gate none of those equal, e.g. a soft-capped one; a post-expert
-norm; FP8 checkpoints with other block sizes, static activation scales, biases or rearranged
-weights...) run transformers' own backend (``fallback``, "grouped_mm" by default) with one warning
-per experts class naming the reason. So do calls that need gradients (epmoe's ops have no
+Experts epmoe cannot run exactly (a gate none of those equal; a post-expert norm; FP8 checkpoints
+with other block sizes, static activation scales, biases or rearranged weights...) run
+transformers' own backend (``fallback``, "grouped_mm" by default) with one warning per experts
+class naming the reason. So do calls that need gradients (epmoe's ops have no
 backward): run inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate()``
 does).
 
@@ -103,6 +104,9 @@ _KNOWN_OPTIONS = {
 # module attributes a gate's alpha / limit are read from (gpt-oss, MiniMax-M3, DeepSeek-V4, ...)
 _ALPHA_ATTRS = ("alpha", "swiglu_alpha")
 _LIMIT_ATTRS = ("limit", "swiglu_limit")
+# the softcaps: attributes of the module (FP8Experts: floats) or of its act_fn (Inkling2's
+# SoftcappedSwiGLU: Softcap modules, each holding its ``softcap``)
+_GATE_SOFTCAP_ATTRS, _UP_SOFTCAP_ATTRS = ("gate_softcap",), ("up_softcap",)
 _NEW_OPTIONS: Dict[str, object] = {}  # options of the installed decorator epmoe does not know
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")  # the experts calling convention
 # other spellings of the same arguments (gpt-oss: the router's top-k indices and their weights)
@@ -453,24 +457,34 @@ def _recognize_gate(module) -> Tuple[Optional[_gate.Gate], Optional[str]]:
 
 
 def _candidates(module, has_gate: bool):
-    """The gates to compare a module's with, plain SiLU first: every act, and alpha / limit from
-    the module's attributes."""
+    """The gates to compare a module's with, plain SiLU first: every act, and alpha / limit /
+    softcaps from the module's attributes (the softcaps also from its act_fn's)."""
     if not has_gate:
         return [_gate.Gate(act, glu=False) for act in _gate.ACTS]
 
-    def values(attrs, keep):
-        found = (getattr(module, a, None) for a in attrs)
+    def values(attrs, keep, owners=(module,)):
+        found = (getattr(o, a, None) for o in owners for a in attrs)
+        found = (getattr(v, "softcap", v) for v in found)  # (a Softcap module: its value)
         return [float(v) for v in found if isinstance(v, numbers.Real) and keep(float(v))]
 
+    def finite(v):
+        return 0 < v < float("inf")
+
     alphas = dict.fromkeys([1.0, *values(_ALPHA_ATTRS, lambda v: v > 0)])
-    limits = dict.fromkeys([None, *values(_LIMIT_ATTRS, lambda v: 0 < v < float("inf"))])
+    limits = dict.fromkeys([None, *values(_LIMIT_ATTRS, finite)])
+    owners = (module, getattr(module, "act_fn", None))
+    gate_caps = dict.fromkeys([None, *values(_GATE_SOFTCAP_ATTRS, finite, owners)])
+    up_caps = dict.fromkeys([None, *values(_UP_SOFTCAP_ATTRS, finite, owners)])
     out = []
-    for act, alpha, limit, after, offset in itertools.product(
-        _gate.ACTS, alphas, limits, (False, True), (0.0, 1.0)
+    for act, alpha, limit, after, offset, gate_cap, up_cap in itertools.product(
+        _gate.ACTS, alphas, limits, (False, True), (0.0, 1.0), gate_caps, up_caps
     ):
-        if (alpha != 1.0 and act != "silu") or (after and limit is None):
+        if after and limit is None:  # (the gate without clamp_after again)
             continue
-        out.append(_gate.Gate(act, alpha, limit, after, offset))
+        try:
+            out.append(_gate.Gate(act, alpha, limit, after, offset, True, gate_cap, up_cap))
+        except ValueError:  # a combination no Gate has (alpha of a GELU, a limit and a softcap)
+            pass
     return out
 
 

@@ -50,7 +50,8 @@ def _up_cols(c, I, GLU: tl.constexpr):
 @triton.jit
 def _gate_rounded(g, u, bg, bu, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
                   LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr,
-                  GLU: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+                  GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+                  FAST: tl.constexpr):  # fmt: skip
     """The gate's h (epmoe.gate.gate_h) of loaded gate / up values (g None without GLU) plus
     their loaded bias (HAS_BIAS, added in float32), rounded to y's dtype, as float32."""
     gf = g.to(tl.float32) if GLU else None
@@ -59,7 +60,8 @@ def _gate_rounded(g, u, bg, bu, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA
         uf = uf + bu.to(tl.float32)
         if GLU:
             gf = gf + bg.to(tl.float32)
-    h = gate_h(gf, uf, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, FAST)
+    h = gate_h(gf, uf, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP,
+               FAST)  # fmt: skip
     return round_float(h, u.dtype).to(tl.float32)
 
 
@@ -89,7 +91,8 @@ def _silu_mul_kernel(
     STAGES: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr,
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-    UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
@@ -118,7 +121,7 @@ def _silu_mul_kernel(
             bg = tl.load(b_rows + cols * stride_bw, mask=m, other=0.0) if GLU else None
             bu = tl.load(b_rows + up * stride_bw, mask=m, other=0.0)
         h = _gate_rounded(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU,
-                          FAST)  # fmt: skip
+                          GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
         tl.store(h_ptr + e64 * stride_he + (t64 * stride_ht)[:, None] + cols, h, mask=m)
 
 
@@ -137,7 +140,8 @@ def _silu_mul_fp8_kernel(
     FAST: tl.constexpr, HAS_BIAS: tl.constexpr,
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-    UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
@@ -167,7 +171,7 @@ def _silu_mul_fp8_kernel(
             bg = tl.load(b_rows + cols * stride_bw, mask=m, other=0.0) if GLU else None
             bu = tl.load(b_rows + up * stride_bw, mask=m, other=0.0)
         h = _gate_rounded(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU,
-                          FAST)  # fmt: skip
+                          GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
         q, s = _quant_fp8_groups(h)
         tl.store(q_ptr + e64 * stride_qe + (t64 * stride_qt)[:, None] + cols, q, mask=m)
         tl.store(s_ptr + e64 * stride_se + t64 * stride_st + groups * stride_sg, s, mask=live)
@@ -188,7 +192,8 @@ def _silu_mul_int8_kernel(
     FAST: tl.constexpr, HAS_BIAS: tl.constexpr,
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-    UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     e = tl.program_id(1)
@@ -219,7 +224,7 @@ def _silu_mul_int8_kernel(
                 bg = tl.load(b_rows + offs * stride_bw, mask=m, other=0.0) if GLU else None
                 bu = tl.load(b_rows + up * stride_bw, mask=m, other=0.0)
             h = _gate_rounded(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET,
-                              GLU, FAST)  # fmt: skip
+                              GLU, GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
             s = _int8_scale(tl.max(tl.abs(h), axis=1))
             tl.store(q_rows + offs, _quant_int8(h, s), mask=m)
         else:
@@ -236,7 +241,7 @@ def _silu_mul_int8_kernel(
                         bg = tl.load(b_rows + c * stride_bw, mask=m, other=0.0) if GLU else None
                         bu = tl.load(b_rows + up * stride_bw, mask=m, other=0.0)
                     h = _gate_rounded(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT, CLAMP_AFTER,
-                                      UP_OFFSET, GLU, FAST)  # fmt: skip
+                                      UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
                     if p == 0:
                         amax = tl.maximum(amax, tl.abs(h))
                     else:

@@ -149,6 +149,12 @@ def _dot_rows(xv, w, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _as_bf16(acc):
+    """float32 sums rounded to bf16 (what a GEMM writes), as float32."""
+    return round_float(acc, tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _row_codes(xv, s, QUANT: tl.constexpr):
     """The loaded chunk xv `[BLOCK_K]` as _dot_rows takes it: int8 codes of scale s, or bf16."""
     if QUANT == 2:
@@ -242,7 +248,8 @@ def _gemv_gate_up_kernel(
     K: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
-    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, FAST: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """Program (c, n): columns [n * BLOCK_N, +BLOCK_N) of h for choice c = t * K + k, over x's H
     channels (GLU: gate rows, then up rows); with CHECK program (T * K, 0) checks every id."""
@@ -273,8 +280,7 @@ def _gemv_gate_up_kernel(
                 xv = tl.load(x_row + kk * stride_xh, mask=kk < hi, other=0.0)
                 q, s = _quant_fp8_groups(xv.to(tl.float32))
                 blk, g_ok, m, w_off = _fp8_masks(k0, kk, hi, n_ok, stride_wh, BLOCK_K)
-                if GLU:
-                    s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s
+                s_g = tl.load(sg + blk * stride_sh, mask=g_ok, other=0.0) * s if GLU else None
                 s_u = tl.load(su + blk * stride_sh, mask=g_ok, other=0.0) * s
                 if GLU:
                     pg = _dot_groups(q, tl.load(wg[:, :, None] + w_off, mask=m, other=0.0))
@@ -301,14 +307,14 @@ def _gemv_gate_up_kernel(
                 cs = ws_ptr + e64 * stride_se + offs_n * stride_sn
                 acc_g = acc_g.to(tl.float32) * s * tl.load(cs, mask=n_ok, other=0.0)
                 acc_u = acc_u.to(tl.float32) * s * tl.load(cs + up * stride_sn, mask=n_ok, other=0)
-        g = round_float(acc_g, tl.bfloat16).to(tl.float32)
-        u = round_float(acc_u, tl.bfloat16).to(tl.float32)
+        g, u = _as_bf16(acc_g), _as_bf16(acc_u)
         if HAS_BIAS:  # (a skipped choice reads none: its h stays 0)
             b_row, b_ok = b_ptr + e64 * stride_be + offs_n * stride_bn, offs_n < live * I
             u += tl.load(b_row + up * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
             if GLU:
                 g += tl.load(b_row, mask=b_ok, other=0.0).to(tl.float32)
-        h = gate_h(g, u, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, FAST)
+        h = gate_h(g, u, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP,
+                   FAST)  # fmt: skip
         tl.store(h_ptr + pid.to(tl.int64) * I + offs_n, round_float(h, tl.bfloat16), mask=n_ok)
 
 
@@ -383,7 +389,7 @@ def _gemv_down_kernel(
                 cs = ws_ptr + e64[:, None] * stride_se + offs_n[None, :] * stride_sn
                 s_w = tl.load(cs, mask=n_ok[None, :], other=0.0)
                 acc = acc.to(tl.float32) * s[:, None] * s_w
-        y = round_float(acc, tl.bfloat16).to(tl.float32)  # [K_PAD, BLOCK_N]
+        y = _as_bf16(acc)  # [K_PAD, BLOCK_N]
         if HAS_BIAS:  # (rows of skipped choices are never read)
             b_rows = b_ptr + e64[:, None] * stride_be + offs_n[None, :] * stride_bn
             y += tl.load(b_rows, mask=live[:, None] & n_ok[None, :], other=0.0).to(tl.float32)

@@ -320,12 +320,15 @@ def test_compile_fullgraph_cold(name):
 
 # ------------------------------------------------------------------------------------ fallbacks
 def test_fallback_warns_once_and_is_exact():
-    """Inkling2 (a softcapped SwiGLU, none of epmoe's gates): one warning for its experts class
-    (every layer), exactly grouped_mm's logits; with fallback="eager", eager's."""
-    model = build(lm_named("Inkling2ForCausalLM"))
+    """Qwen3-MoE with a tanh GLU (none of epmoe's gates): one warning for its experts class (every
+    layer), exactly grouped_mm's logits; with fallback="eager", eager's."""
+    model = build(lm_named("Qwen3MoeForCausalLM"))
+    for m in H.experts_modules(model):
+        m.act_fn = torch.nn.Tanh()
     ids = H.sample_ids(model)
     out, msgs = run_model(model, ids, "epmoe")
-    assert len(msgs) == 1 and "Inkling2Experts" in msgs[0] and "'grouped_mm'" in msgs[0]
+    assert len(msgs) == 1 and "Qwen3MoeExperts" in msgs[0] and "'grouped_mm'" in msgs[0]
+    assert "computes none of epmoe's gates" in msgs[0]
     assert torch.equal(out, logits(model, ids, "grouped_mm"))
     et.register(fallback="eager")
     et._WARNED.clear()
@@ -359,7 +362,7 @@ def test_gradients_fall_back():
     [
         ({"block_size": (64, 64)}, "blocks"),
         ({"activation_scheme": "static"}, "activation_scheme"),
-        ({"gate_softcap": 20.0, "up_softcap": 20.0}, "computes none of epmoe's gates"),
+        ({"act_fn": torch.nn.Tanh()}, "computes none of epmoe's gates"),
     ],
 )
 def test_fp8_checkpoint_outside_contract(attrs, reason):
@@ -378,6 +381,15 @@ def test_fp8_checkpoint_clamped_swiglu_is_recognized():
     assert et._recognize_gate(m)[0].spec == "silu:alpha=1.702,limit=7.0,up_offset=1.0"
     m.swiglu_alpha = None
     assert et._recognize_gate(m)[0].spec == "silu:limit=7.0"
+
+
+def test_fp8_checkpoint_softcapped_swiglu_is_recognized():
+    """FP8Experts' softcapped SwiGLU (Inkling2's, its caps plain float attributes) runs on epmoe
+    as the gate it computes."""
+    m = fp8_experts()
+    m.gate_softcap, m.up_softcap = 4.0, 10.0
+    assert et._unsupported(m, "bf16", fp8=True) is None
+    assert et._recognize_gate(m)[0].spec == "silu:gate_softcap=4.0,up_softcap=10.0"
 
 
 def test_unknown_decorator_option_falls_back(monkeypatch):

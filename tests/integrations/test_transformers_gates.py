@@ -26,6 +26,9 @@ EXPECTED = {
     "DeepseekV4Experts": "silu:limit=10.0",
     "HYV4Experts": "silu:limit=10.0",
     "BailingHybridExperts": "silu",  # limit None in its config: plain SiLU
+    # softcapped SwiGLU, the caps read from its act_fn's Softcap modules
+    "Inkling2Experts": "silu:gate_softcap=4.0,up_softcap=25.0",
+    "Inkling2LoopExperts": "silu:gate_softcap=4.0,up_softcap=25.0",
 }
 CLASSES = {c.__name__: (f, c) for f in H.discover() for c in f.experts}
 

@@ -28,6 +28,9 @@ GATES = {
     "gelu_tanh": lambda g, u: F.gelu(g, approximate="tanh") * u,
     "gelu:limit=3,clamp_after=1": lambda g, u: F.gelu(g).clamp(max=3) * u.clamp(-3, 3),
     "relu": lambda g, u: torch.relu(g) * u,
+    "silu:gate_softcap=2,up_softcap=3": lambda g, u: (  # Inkling2 (smaller caps: they act)
+        torch.tanh(g / 2) * 2 * torch.sigmoid(g) * (torch.tanh(u / 3) * 3)
+    ),
     "relu2:glu=0": None,  # relu(y) ** 2 on y [..., I]
 }
 

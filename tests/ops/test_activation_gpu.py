@@ -227,6 +227,7 @@ GATES = (
     "gelu",
     "relu:up_offset=-0.5",
     "relu2",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
     "relu2:glu=0",
 )
 

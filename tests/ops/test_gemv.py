@@ -72,7 +72,11 @@ def _gate(y: torch.Tensor, spec: str) -> torch.Tensor:
     if gt.limit is not None:
         u = u.clamp(-gt.limit, gt.limit)
         g = g if gt.clamp_after else g.clamp(max=gt.limit)
+    if gt.up_softcap is not None:
+        u = gt.up_softcap * torch.tanh(u / gt.up_softcap)
     a = _act(g, gt.act, gt.alpha)
+    if gt.gate_softcap is not None:  # SiLU's linear factor capped, the sigmoid of the raw gate
+        a = gt.gate_softcap * torch.tanh(g / gt.gate_softcap) / (1.0 + torch.exp(-gt.alpha * g))
     if gt.limit is not None and gt.clamp_after:
         a = a.clamp(max=gt.limit)
     return a * (u + gt.up_offset)
@@ -266,6 +270,7 @@ GATES = (
     "gelu_tanh",
     "gelu",
     "relu",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
     "relu2:glu=0",  # NemotronH: no gate half
 )
 

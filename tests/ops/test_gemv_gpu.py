@@ -25,6 +25,7 @@ GATES = (
     "gelu_tanh",
     "gelu",
     "relu",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
     "relu2:glu=0",  # NemotronH: no gate half
 )
 

@@ -16,9 +16,9 @@ Outputs come from poisoned memory (tests/ops/_stage_cases.poisoned_empty): an el
 kernels never write shows.
 
 Gates, biases and padded sizes: every activation (byte-exact for the ones without a
-transcendental function, on exact inputs), gpt-oss's clamped gate, a gate without a gate half,
-bf16 / fp16 / fp32 biases, x narrower than the zero-padded weights (H = 160 on 256) and an
-output of the first ``hidden`` columns.
+transcendental function, on exact inputs), gpt-oss's clamped gate, Inkling2's softcaps, a gate
+without a gate half, bf16 / fp16 / fp32 biases, x narrower than the zero-padded weights (H = 160
+on 256) and an output of the first ``hidden`` columns.
 """
 
 import os
@@ -261,9 +261,11 @@ GATES = (
     "gelu_tanh",
     "gelu",
     "relu",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
     "relu2:glu=0",  # NemotronH: no gate half
 )
-QUANT_GATES = (GATES[0], GATES[-1])  # (the gate math is the same code for every scheme)
+# gpt-oss's, the softcaps, no gate half (the gate math is the same code for every scheme)
+QUANT_GATES = (GATES[0], GATES[-2], GATES[-1])
 
 
 def _biases(E, W, H, dtype, gen, m=3):
