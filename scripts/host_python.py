@@ -15,17 +15,26 @@ With ``--device cuda`` nothing is stubbed: the same calls launch for real on the
 behind a sleep kernel, so no call waits), which splits a call's host time into its Python (the
 stubbed figure) and its launches (the difference).
 
+With ``--against DIR`` (another checkout, e.g. ``git worktree add /tmp/base REV``) each tree's
+own copy of this script runs in its own process, the two alternating for ``--rounds`` rounds with
+the same options; it prints each case's best µs per tree and their ratio (trees compare within one
+run only: the host's speed moves between runs).
+
   python scripts/host_python.py [--iters 500] [--repeats 7] [--profile PATH] [--stages]
                                 [--device cpu|cuda] [--tokens 32] [--shape tiny|qwen3]
-                                [--quant bf16,fp8,int8]
+                                [--quant bf16,fp8,int8] [--against DIR [--rounds 3]]
 """
 
 import argparse
 import cProfile
 import importlib
+import os
+import pathlib
 import pstats
+import subprocess
+import sys
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import torch
 
@@ -193,6 +202,48 @@ def _busy_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
     return best
 
 
+def run_tree(tree: pathlib.Path, args: List[str]) -> Dict[str, float]:
+    """{case: µs} of ``tree``'s own copy of this script, run with ``args`` in a process whose
+    import path starts at ``tree`` (the rest of PYTHONPATH kept: e.g. the wheels' site dir)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, "scripts/host_python.py", *args], cwd=tree, env=env,
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    if res.returncode:
+        raise RuntimeError(f"host_python in {tree} failed:\n{res.stderr[-2000:]}")
+    rows = (line.rsplit(None, 2) for line in res.stdout.splitlines() if line.endswith(" us"))
+    return {name: float(us) for name, us, _ in rows}
+
+
+def compare(against: str, rounds: int, args: List[str]) -> Dict[str, Dict[str, float]]:
+    """Best µs per case of ``against`` ("base") and this tree ("this"), alternating processes."""
+    trees = {"base": pathlib.Path(against).resolve(), "this": pathlib.Path(__file__).parents[1]}
+    best: Dict[str, Dict[str, float]] = {name: {} for name in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            for case, us in run_tree(tree, args).items():
+                best[name][case] = min(us, best[name].get(case, float("inf")))
+    print(f"{'case':22s} {'base':>7s} {'this':>7s}  this/base   (best of {rounds} rounds)")
+    for case in best["this"]:
+        if case in best["base"]:
+            b, t = best["base"][case], best["this"][case]
+            print(f"{case:22s} {b:7.1f} {t:7.1f}  {t / b:9.3f}")
+    return best
+
+
+def _passed_on(argv: List[str]) -> List[str]:
+    """The options both trees run with: all but --against / --rounds / --profile (and values)."""
+    drop, out, skip = ("--against", "--rounds", "--profile"), [], False
+    for v in argv:
+        if skip:
+            skip = False
+        elif v in drop:
+            skip = True
+        elif not v.startswith(tuple(d + "=" for d in drop)):
+            out.append(v)
+    return out
+
+
 def main(argv=None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=500)
@@ -203,7 +254,11 @@ def main(argv=None) -> Dict[str, float]:
     p.add_argument("--tokens", type=int, default=32, help="T of the LL and HT cases")
     p.add_argument("--shape", default="tiny", choices=("tiny", "qwen3"))
     p.add_argument("--quant", default="bf16,fp8,int8", help="comma-separated schemes")
+    p.add_argument("--against", default=None, help="another checkout: both trees, alternating")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per tree")
     a = p.parse_args(argv)
+    if a.against:
+        return compare(a.against, a.rounds, _passed_on(sys.argv[1:] if argv is None else argv))
     shape = QWEN3 if a.shape == "qwen3" else SHAPE
     cases = [(q, path, t if path == "gemv" else a.tokens) for q, path, t in CASES
              if q in a.quant.split(",")]  # fmt: skip
