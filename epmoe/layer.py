@@ -492,7 +492,7 @@ class EPMoE(nn.Module):
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
         rank (local backend) with at most ``gemv_max_tokens`` tokens (from the shape)."""
-        return num_tokens <= self.gemv_max_tokens
+        return self.gemv_max_tokens > 0 and num_tokens <= self.gemv_max_tokens
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""

@@ -140,7 +140,9 @@ def test_auto_gemv_cutoff_follows_expected_rereads():
     mixtral = epmoe.EPMoE(8, 64, 64, 2, mode="auto", backend="local", device="cpu")
     assert [mixtral.path(T) for T in (1, 2, 3)] == ["gemv", "gemv", "ll"]
     assert mixtral.gemv_max_tokens == 2
-    assert small_layer("bf16", "ll", max_tokens_per_rank=8).gemv_max_tokens == 0
+    ll = small_layer("bf16", "ll", max_tokens_per_rank=8)
+    assert ll.gemv_max_tokens == 0 and ll.path(0) == ll.path(1) == "ll"  # (no GEMVs at T = 0)
+    assert small_layer("bf16", "ht").path(0) == "ht"
 
 
 def test_auto_mode_bad_config():
