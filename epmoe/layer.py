@@ -159,7 +159,8 @@ def _check_config(
 def expected_rereads(num_tokens: int, num_experts: int, top_k: int) -> float:
     """Choices per touched expert of a call, expected under uniform routing: T*K over the expected
     distinct experts E * (1 - (1 - K/E)**T). 1.0 when no two choices share an expert."""
-    touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    share = min(top_k / num_experts, 1.0)  # (top_k > num_experts: every expert, repeats)
+    touched = num_experts * (1.0 - (1.0 - share) ** num_tokens)
     return num_tokens * top_k / touched
 
 

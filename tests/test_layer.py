@@ -143,6 +143,8 @@ def test_auto_gemv_cutoff_follows_expected_rereads():
     ll = small_layer("bf16", "ll", max_tokens_per_rank=8)
     assert ll.gemv_max_tokens == 0 and ll.path(0) == ll.path(1) == "ll"  # (no GEMVs at T = 0)
     assert small_layer("bf16", "ht").path(0) == "ht"
+    assert L.expected_rereads(1, 4, 8) == 2.0  # (more choices than experts: no GEMVs at all)
+    assert epmoe.EPMoE(4, 64, 64, 8, mode="auto", backend="local", device="cpu").path(1) == "ll"
 
 
 def test_auto_mode_bad_config():
