@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# one worker under -n 2 (--dist loadgroup): the module fixture's subprocess runs once, not per worker
+# one xdist worker (--dist loadgroup): the module fixture's subprocess runs once, not per worker
 pytestmark = pytest.mark.xdist_group("fake_paths")
 
 _q = importlib.import_module("epmoe.ops.quantize")

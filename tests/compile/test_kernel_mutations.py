@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# one worker under -n 2 (--dist loadgroup): the module fixture's subprocess runs once, not per worker
+# one xdist worker (--dist loadgroup): the module fixture's subprocess runs once, not per worker
 pytestmark = pytest.mark.xdist_group("kernel_mutations")
 
 # Pointer arguments each kernel writes (every other tensor argument is read only).
