@@ -133,6 +133,9 @@ class QuantScheme:
             TMA-aligned, fp8's for deep_gemm; "row": contiguous rows).
         dispatch_codes: DeepEP's LL dispatch sends the codes itself (fp8); otherwise it sends bf16
             and the layer quantizes after it.
+        quantized: False for bf16: no codes and no scales (derived, not a field).
+        kernel_code: the kernels' QUANT constexpr: 0 no codes (bf16), 1 scales per channel group
+            (fp8), 2 one scale per row (int8) (derived, not a field).
     """
 
     name: str
@@ -158,18 +161,12 @@ class QuantScheme:
     def __reduce__(self):
         return get, (self.name,)  # unpickled (spawned workers): the registered instance itself
 
-    @property
-    def quantized(self) -> bool:
-        """False for bf16: no codes and no scales."""
-        return self.weight_block is not None
-
-    @property
-    def kernel_code(self) -> int:
-        """The kernels' QUANT constexpr: 0 no codes (bf16), 1 scales per channel group (fp8), 2
-        one scale per row (int8)."""
-        if not self.quantized:
-            return 0
-        return 1 if self.act_group is not None else 2
+    def __post_init__(self):
+        # read on every launch: plain attributes (not fields), set once (see the class doc)
+        quantized = self.weight_block is not None
+        object.__setattr__(self, "quantized", quantized)
+        code = 0 if not quantized else 1 if self.act_group is not None else 2
+        object.__setattr__(self, "kernel_code", code)
 
     @property
     def size_multiple(self) -> int:
