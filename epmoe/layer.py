@@ -331,17 +331,20 @@ class EPMoE(nn.Module):
             )
         for name in _WEIGHTS:
             self.register_buffer(name, None)
+        # what the forward pass reads on every call, from the configuration only: kept, not
+        # recomputed per call (host time at small T)
+        self.quant = self.scheme.name  # (the scheme's name, as the stages take it)
+        self._quantized = self.scheme.quantized
+        self._scale_layout = self.scheme.cuda_scale_layout if device.type == "cuda" else "row"
+        # the gathers' output columns: H where the rows are padded (one rank), else all
+        self._hidden = hidden_size if self._padded and self.local else None
+        self._expected_m = self.expected_m() if self.ll_max_tokens else 0
 
     def __setattr__(self, name: str, value) -> None:
         # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too
         if name in _WEIGHTS and isinstance(value, torch.nn.Parameter):
             value = value.detach()
         super().__setattr__(name, value)
-
-    @property
-    def quant(self) -> str:
-        """The quant scheme's name ("bf16", "fp8" or "int8"; the object: ``scheme``)."""
-        return self.scheme.name
 
     @property
     def rank(self) -> int:
@@ -539,7 +542,7 @@ class EPMoE(nn.Module):
     def _act(self, st, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
         gate, bias = self._gate_spec, self._buffers["b1"]
-        if not self.scheme.quantized:
+        if not self._quantized:
             h = st.silu_and_mul(y, masked_m, m_indices, expert_offsets, gate=gate, bias=bias)
             return h, None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
@@ -548,7 +551,7 @@ class EPMoE(nn.Module):
             self.quant,
             masked_m=masked_m,
             m_indices=m_indices,
-            scale_layout=self._scale_layout(),
+            scale_layout=self._scale_layout,
             expert_offsets=expert_offsets,
             gate=gate,
             bias=bias,
@@ -558,17 +561,10 @@ class EPMoE(nn.Module):
         """The codes' width for x: hidden_padded when the local path pads inside the kernels."""
         return self.hidden_padded if x.shape[-1] != self.hidden_padded else None
 
-    def _hidden(self):
-        """The gathers' output columns: H where the rows are padded (one rank), else all."""
-        return self.hidden_size if self._padded and self.local else None
-
-    def _scale_layout(self) -> str:
-        return self.scheme.cuda_scale_layout if self.device.type == "cuda" else "row"
-
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
-        if self.scheme.quantized:
+        if self._quantized:
             x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width(x)))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(st, x, scales, topk_ids, topk_weights)
@@ -587,7 +583,7 @@ class EPMoE(nn.Module):
             self.num_local_experts,
             self.alignment,
             scales,
-            scale_layout=self._scale_layout(),
+            scale_layout=self._scale_layout,
         )
         p, b = self._emit("permute", p), self._buffers
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
@@ -601,7 +597,7 @@ class EPMoE(nn.Module):
         b2 = b["b2"]
         out = st.unpermute(
             y, p.inv_perm, topk_weights, bias=b2, m_indices=None if b2 is None else p.m_indices,
-            hidden=self._hidden(),
+            hidden=self._hidden,
         )  # fmt: skip
         return self._emit("unpermute", out)
 
@@ -664,19 +660,19 @@ class EPMoE(nn.Module):
                 self.num_local_experts,
                 self.ll_capacity,
                 self.quant,
-                scale_layout=self._scale_layout(),
+                scale_layout=self._scale_layout,
                 width=self._width(x),
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m)
+            y = self._experts_ll(st, a, s if self._quantized else None, masked_m)
             b2 = self._buffers["b2"]
-            out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden())
+            out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden)
             return self._emit("ll_gather", out)
         codes = self.scheme.dispatch_codes  # (fp8: DeepEP sends the codes and their scales)
         d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=codes)
         d = self._emit("ll_dispatch", d)
         a, s = d.x, d.x_scales
-        if self.scheme.quantized and not codes:
+        if self._quantized and not codes:
             a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
         y = self._experts_ll(st, a, s, d.masked_m)
         if self._buffers["b2"] is not None:  # (the backends' weighted combine takes no bias)
@@ -690,14 +686,14 @@ class EPMoE(nn.Module):
         h = st.gemv_gate_up(x, topk_ids, b["w1"], b["w1_scale"], gate=self._gate_spec, bias=b["b1"])
         h = self._emit("gemv_gate_up", h)
         out = st.gemv_down(
-            h, topk_ids, topk_weights, b["w2"], b["w2_scale"], bias=b["b2"], hidden=self._hidden()
+            h, topk_ids, topk_weights, b["w2"], b["w2_scale"], bias=b["b2"], hidden=self._hidden
         )
         return self._emit("gemv_down", out)
 
     def _experts_ll(self, st, a, s, masked_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         # (the counts come from a dispatch that clamps them to the capacity)
-        kw = dict(masked_m=masked_m, expected_m=self.expected_m(), trusted=True)
+        kw = dict(masked_m=masked_m, expected_m=self._expected_m, trusted=True)
         mm, b = st.grouped_gemm_masked, self._buffers
         y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)

@@ -118,7 +118,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     st, b, q = L._TRUSTED, layer._buffers, layer.quant
     x, ids, w = inputs(layer, tokens)
     dev, E, C = x.device, layer.num_local_experts, layer.ll_capacity
-    lay = layer._scale_layout()
+    lay = layer._scale_layout
     I2, H = 2 * layer.intermediate_size, layer.hidden_size
     xq, xs = st.quantize(x, q) if q != "bf16" else (x, None)
     p = st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay)
@@ -144,7 +144,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
         return _direct(out, x)
     a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
     s = s if q != "bf16" else None
-    kw = dict(masked_m=mm, expected_m=layer.expected_m(), trusted=True)
+    kw = dict(masked_m=mm, expected_m=layer._expected_m, trusted=True)
     gm = st.grouped_gemm_masked
     y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
     h, hs = layer._act(st, y1, mm)
