@@ -32,7 +32,7 @@ import triton
 
 from epmoe import _eager, reference
 from epmoe.ops import gemm, permute, quantize, silu_and_mul, silu_and_mul_quant, unpermute
-from epmoe.ops.gemm._ops import _masked_cuda_impl
+from epmoe.ops.gemm._ops import _masked_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,13 +111,13 @@ def _cases():
         "grouped_gemm_masked_bf16": (
             lambda: gemm.grouped_gemm(ab, wb, masked_m=mm),
             lambda: ops.grouped_gemm_masked.default(ab, wb, mm, None, None, 0),
-            lambda: _eager.run(_masked_cuda_impl, ab, wb, mm, None, None, 0),
+            lambda: _eager.run(_masked_cuda, ab, wb, mm, None, None, 0),
             3,  # range check, GEMM, the async assert
         ),
         "grouped_gemm_masked_int8": (
             lambda: gemm.grouped_gemm(a8, w8, masked_m=mm, a_scales=a8s, w_scales=w8s),
             lambda: ops.grouped_gemm_masked.default(a8, w8, mm, a8s, w8s, 0),
-            lambda: _eager.run(_masked_cuda_impl, a8, w8, mm, a8s, w8s, 0),
+            lambda: _eager.run(_masked_cuda, a8, w8, mm, a8s, w8s, 0),
             2,  # the GEMM (which also checks the counts) + the async assert
         ),
         "quantize": (

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from epmoe import _checks, _eager, reference
+from epmoe import _checks, reference
 from epmoe._stage import stage
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
 from epmoe.ops.gemm._int8 import _int8_contiguous_triton, _int8_masked_triton
@@ -30,7 +30,12 @@ def _group_ends(m_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.cummax(ends, 0).values
 
 
-def _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets):
+def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
+                     trusted=False):  # fmt: skip
+    """grouped_gemm_contiguous on CUDA (metadata checked by the caller, a's device current: every
+    caller makes it so); trusted: no value check of m_indices (rows from permute)."""
+    if not trusted:
+        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     scheme = scheme_of(a.dtype)
     M, K = a.shape
     E, N = w.shape[0], w.shape[1]
@@ -49,7 +54,10 @@ def _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets):
     return _deep_gemm_contiguous(fn, a, w, m_indices, a_scales, w_scales)
 
 
-def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=False):
+def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
+    """grouped_gemm_masked on CUDA (metadata checked by the caller, a's device current: every
+    caller makes it so); trusted: no value check of masked_m (counts from a dispatch that clamps
+    them)."""
     scheme = scheme_of(a.dtype)
     E, T, K = a.shape
     N = w.shape[1]
@@ -69,23 +77,6 @@ def _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted=Fa
     fn = _dg_functions()[f"{scheme}_masked"]
     block = masked_row_block(scheme, a.device)
     return _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m, block)
-
-
-def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
-                     trusted=False):  # fmt: skip
-    """grouped_gemm_contiguous on CUDA (metadata checked by the caller); trusted: no value check
-    of m_indices (rows from permute)."""
-    if not trusted:
-        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-    with _eager.on_device(a):  # Triton and deep_gemm launch on the current device
-        return _contiguous_cuda_impl(a, w, m_indices, a_scales, w_scales, expert_offsets)
-
-
-def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, trusted=False):
-    """grouped_gemm_masked on CUDA (metadata checked by the caller); trusted: no value check of
-    masked_m (counts from a dispatch that clamps them)."""
-    with _eager.on_device(a):  # (checks masked_m: the int8 kernel does it in its own launch)
-        return _masked_cuda_impl(a, w, masked_m, a_scales, w_scales, expected_m, trusted)
 
 
 # -------------------------------------------------------------------------------------------- ops

@@ -55,9 +55,13 @@ _DG_NAMES = {
 _SCHEME_DTYPE = {name: s.act_dtype for name, s in quant.SCHEMES.items()}
 
 
+_NAME_OF_DTYPE = {s.act_dtype: name for name, s in quant.SCHEMES.items()}
+
+
 def scheme_of(dtype: torch.dtype) -> str:
     """The name of the scheme whose GEMM operands have ``dtype``."""
-    return quant.of_dtype(dtype).name
+    name = _NAME_OF_DTYPE.get(dtype)  # (one lookup: every GEMM call asks)
+    return name if name is not None else quant.of_dtype(dtype).name  # (else its ValueError)
 
 
 # ------------------------------------------------------------------------------- backend selection
