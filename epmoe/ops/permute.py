@@ -357,9 +357,9 @@ def _permute_triton(
     cfg = CONFIG if config is None else config
     M, K = topk_ids.shape
     E, A = num_experts, alignment
-    m_sum = reference.permuted_rows(M, K, E, A)
     S = x_scales.shape[1] if x_scales is not None else 0
     outs = _outputs(x, topk_ids, E, A, x_scales, scale_layout)
+    m_sum = outs[2].shape[0]  # (permuted_rows(M, K, E, A), as _outputs sized m_indices)
     ok = torch.empty((1,), dtype=torch.bool, device=x.device)  # ([1]: Inductor fills a 0-d empty)
     by_row = _by_row(S, scale_layout, M * K, cfg)
     direct = _checks.direct_launch(x)
