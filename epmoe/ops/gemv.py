@@ -411,10 +411,11 @@ def _check_setup(t: torch.Tensor, check: bool):
 
 
 @_launch.memo
-def _up_launch(T, H, I, E, K, scheme, gate, bias, x_st, id_st, w_st, s_st, b_st, check, in_kernel,
+def _up_launch(T, H, I, E, K, dtype, gate, bias, x_st, id_st, w_st, s_st, b_st, check, in_kernel,
                cfg):  # fmt: skip
-    """The gate/up GEMV kernel's launch for these sizes, strides and options (``gate``: the spec,
-    a cheaper key than the Gate)."""
+    """The gate/up GEMV kernel's launch for these sizes, weight dtype, strides and options
+    (``gate``: the spec, a cheaper key than the Gate; ``dtype``: than the scheme)."""
+    scheme = quant.of_dtype(dtype)
     block_n, block_k, warps = config_field("up", scheme.name, T)
     return _launch.Prepared(
         _gemv_gate_up_kernel,
@@ -430,10 +431,11 @@ def _up_launch(T, H, I, E, K, scheme, gate, bias, x_st, id_st, w_st, s_st, b_st,
 
 
 @_launch.memo
-def _down_launch(T, H, I, E, K, scheme, bias, id_st, tw_st, w_st, s_st, b_st, check, in_kernel,
+def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, check, in_kernel,
                  cfg):  # fmt: skip
-    """The down GEMV kernel's launch for these sizes (H: the output's columns), strides and
-    options."""
+    """The down GEMV kernel's launch for these sizes (H: the output's columns), weight dtype,
+    strides and options."""
+    scheme = quant.of_dtype(dtype)
     block_n, block_k, warps = config_field("down", scheme.name, T)
     return _launch.Prepared(
         _gemv_down_kernel,
@@ -483,7 +485,7 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True, ga
     h = torch.empty((T, K, I), dtype=torch.bfloat16, device=x.device)
     in_kernel, ok = _check_setup(x, check)
     launch = _up_launch(
-        T, H, I, E, K, quant.of_dtype(w1.dtype), gate, bias is not None,
+        T, H, I, E, K, w1.dtype, gate, bias is not None,
         x.stride(), topk_ids.stride(), w1.stride(), _scale_strides(w1_scales), _bias_strides(bias),
         check, in_kernel, CONFIG,
     )  # fmt: skip
@@ -504,7 +506,7 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     h = h.contiguous()
     in_kernel, ok = _check_setup(h, check)
     launch = _down_launch(
-        T, H, I, E, K, quant.of_dtype(w2.dtype), bias is not None, topk_ids.stride(),
+        T, H, I, E, K, w2.dtype, bias is not None, topk_ids.stride(),
         topk_weights.stride(), w2.stride(), _scale_strides(w2_scales), _bias_strides(bias), check,
         in_kernel, CONFIG,
     )  # fmt: skip
