@@ -60,10 +60,10 @@ def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, tru
     them)."""
     scheme = scheme_of(a.dtype)
     E, T, K = a.shape
-    N = w.shape[1]
-    backend = _backend(scheme, "masked", a.device, N, K)
+    N, dev = w.shape[1], a.device
+    backend = _backend(scheme, "masked", dev, N, K)
     if backend == "triton":  # the kernel itself checks the counts (trusted: none to check)
-        ok = None if trusted else torch.empty((), dtype=torch.bool, device=a.device)
+        ok = None if trusted else torch.empty((), dtype=torch.bool, device=dev)
         out = _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
         if ok is not None:
             _checks.check_values(ok, OP, "masked_m", f"counts in [0, {T}]")
@@ -75,7 +75,7 @@ def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, tru
     if backend == "bmm":
         return torch.bmm(a, w.transpose(1, 2))
     fn = _dg_functions()[f"{scheme}_masked"]
-    block = masked_row_block(scheme, a.device)
+    block = masked_row_block(scheme, dev)
     return _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m, block)
 
 
