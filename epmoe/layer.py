@@ -336,7 +336,9 @@ class EPMoE(nn.Module):
         self.quant = self.scheme.name  # (the scheme's name, as the stages take it)
         self._quantized = self.scheme.quantized
         self._scale_layout = self.scheme.cuda_scale_layout if device.type == "cuda" else "row"
-        # the gathers' output columns: H where the rows are padded (one rank), else all
+        # one rank pads inside the kernels: the codes' width (x keeps its H columns; several ranks
+        # widen x on entry) and the gathers' output columns (H of the padded rows); else None
+        self._width = self.hidden_padded if self._padded and self.local else None
         self._hidden = hidden_size if self._padded and self.local else None
         self._expected_m = self.expected_m() if self.ll_max_tokens else 0
 
@@ -557,15 +559,11 @@ class EPMoE(nn.Module):
             bias=bias,
         )
 
-    def _width(self, x):
-        """The codes' width for x: hidden_padded when the local path pads inside the kernels."""
-        return self.hidden_padded if x.shape[-1] != self.hidden_padded else None
-
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
         if self._quantized:
-            x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width(x)))
+            x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(st, x, scales, topk_ids, topk_weights)
         worst = self.worst_case and self.mode == "ht"
@@ -661,7 +659,7 @@ class EPMoE(nn.Module):
                 self.ll_capacity,
                 self.quant,
                 scale_layout=self._scale_layout,
-                width=self._width(x),
+                width=self._width,
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
             y = self._experts_ll(st, a, s if self._quantized else None, masked_m)
