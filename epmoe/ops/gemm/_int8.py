@@ -227,6 +227,7 @@ def _resolved(tuned, args: Tuple, meta: dict) -> Tuple:
     return fn, best
 
 
+@_launch.memo  # (sizes only: the same for every call of a layer)
 def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
     """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes: tiles sized for expected_m."""
     em = max(1, min(expected_m or t, t))
