@@ -245,6 +245,7 @@ def _ll_scatter_triton(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ll_scatter on CUDA (or CPU tensors under TRITON_INTERPRET=1)."""
     T, K = topk_ids.shape
+    H = x.shape[1]
     E, C = num_experts, capacity
     NG = num_experts if num_global_experts is None else num_global_experts
     xo, s, masked_m, rows = outputs(x, topk_ids, E, C, quant, expert_lo, NG, scale_layout, width)
@@ -259,8 +260,8 @@ def _ll_scatter_triton(
         topk_ids if in_kernel else torch.empty((1,), dtype=torch.int32, device=x.device)
     )  # (unused)
     launch = _scatter_launch(
-        T, K, x.shape[1], C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
-        None if xo.shape[2] == x.shape[1] else xo.shape[2], in_kernel,
+        T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
+        None if width is None or width == H else width, in_kernel,  # (xo's columns when wider)
     )  # fmt: skip
     launch(xk, topk_ids, xok, s, masked_m, rows, ok)
     if not in_kernel:
