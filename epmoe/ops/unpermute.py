@@ -85,7 +85,7 @@ def _unpermute_triton(
     M, K = inv_perm.shape
     R = y.shape[0]
     out = _output(y, inv_perm, topk_weights, check, bias, m_indices, hidden)
-    H = out.shape[1]
+    H = y.shape[1] if hidden is None else hidden  # (out's columns)
     has_b = bias is not None
     key = (M, K, R, H, y.element_size(), y.stride(), inv_perm.stride(), topk_weights.stride(),
            check, CONFIG, (bias.shape[0], bias.stride()) if has_b else None)  # fmt: skip

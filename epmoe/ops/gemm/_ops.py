@@ -38,7 +38,7 @@ def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offse
         _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
     scheme = scheme_of(a.dtype)
     M, K = a.shape
-    E, N = w.shape[0], w.shape[1]
+    E, N, _ = w.shape
     backend = _backend(scheme, "contiguous", a.device, N, K)
     if backend == "triton":
         return _int8_contiguous_triton(a, w, m_indices, a_scales, w_scales)
