@@ -146,7 +146,7 @@ def test_opcheck_cuda(scheme):
 @pytest.mark.parametrize("T", [1, 4])
 def test_layer_gemv_path(scheme, T):
     gen = torch.Generator().manual_seed(T)
-    E, H, I, K = 16, 256, 128, 4
+    E, H, I, K = 32, 256, 128, 4  # noqa: E741 (32 experts, top-4: GEMVs up to T = 4)
     w1 = torch.randn((E, 2 * I, H), generator=gen) / H**0.5
     w2 = torch.randn((E, H, I), generator=gen) / I**0.5
     x = torch.randn((T, H), generator=gen).bfloat16()
