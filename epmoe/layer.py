@@ -334,7 +334,6 @@ class EPMoE(nn.Module):
         # what the forward pass reads on every call, from the configuration only: kept, not
         # recomputed per call (host time at small T)
         self.quant = self.scheme.name  # (the scheme's name, as the stages take it)
-        self._quantized = self.scheme.quantized
         self._scale_layout = self.scheme.cuda_scale_layout if device.type == "cuda" else "row"
         # one rank pads inside the kernels: the codes' width (x keeps its H columns; several ranks
         # widen x on entry) and the gathers' output columns (H of the padded rows); else None
@@ -544,7 +543,7 @@ class EPMoE(nn.Module):
     def _act(self, st, y, masked_m=None, m_indices=None, expert_offsets=None):
         # expert_offsets: the kernels skip the unused tail of the static M_sum bound
         gate, bias = self._gate_spec, self._buffers["b1"]
-        if not self._quantized:
+        if not self.scheme.quantized:
             h = st.silu_and_mul(y, masked_m, m_indices, expert_offsets, gate=gate, bias=bias)
             return h, None
         # fp8 scales in deep_gemm's layout (MN-major, TMA-aligned): no transpose before GEMM2
@@ -562,7 +561,7 @@ class EPMoE(nn.Module):
     def _forward_ht(self, st, x, topk_ids, topk_weights):
         """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
         scales = None
-        if self._quantized:
+        if self.scheme.quantized:
             x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
             return self._experts_ht(st, x, scales, topk_ids, topk_weights)
@@ -662,7 +661,7 @@ class EPMoE(nn.Module):
                 width=self._width,
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(st, a, s if self._quantized else None, masked_m)
+            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m)
             b2 = self._buffers["b2"]
             out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden)
             return self._emit("ll_gather", out)
@@ -670,7 +669,7 @@ class EPMoE(nn.Module):
         d = st.ll_dispatch(x, topk_ids, self.comm_key, use_fp8=codes)
         d = self._emit("ll_dispatch", d)
         a, s = d.x, d.x_scales
-        if self._quantized and not codes:
+        if self.scheme.quantized and not codes:
             a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
         y = self._experts_ll(st, a, s, d.masked_m)
         if self._buffers["b2"] is not None:  # (the backends' weighted combine takes no bias)
