@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from epmoe import gate as gate_mod
 from epmoe import reference
 from tests import _routing, _tol
 
@@ -15,6 +16,35 @@ quantize_mod = importlib.import_module("epmoe.ops.quantize")
 permute_mod = importlib.import_module("epmoe.ops.permute")
 unpermute_mod = importlib.import_module("epmoe.ops.unpermute")
 activation_mod = importlib.import_module("epmoe.ops.activation")
+
+
+# gates of the activation tests: every activation, each gate field set somewhere (limit before and
+# after, up offset, alpha, the softcaps), and no gate half (NemotronH's relu2)
+ACT_GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",
+    "silu:limit=3,clamp_after=1",
+    "gelu_tanh:limit=5",
+    "gelu",
+    "relu:up_offset=-0.5",
+    "relu2",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
+    "relu2:glu=0",
+)
+# gates of the GEMV tests
+GEMV_GATES = (
+    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
+    "silu:limit=7,clamp_after=1",
+    "gelu_tanh",
+    "gelu",
+    "relu",
+    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
+    "relu2:glu=0",  # NemotronH: no gate half
+)
+
+
+def gate_width(spec: str, inter: int) -> int:
+    """y's columns for ``inter`` outputs of the gate ``spec`` (Gate.width)."""
+    return gate_mod.parse(spec).width(inter)
 
 
 def set_config(monkeypatch, module, **fields) -> None:

@@ -219,28 +219,14 @@ def test_expert_offsets_skip_the_tail(scheme):
     )
 
 
-# every activation, each gate field set somewhere, no gate half (as the interpreter tests)
-GATES = (
-    "silu:alpha=1.702,limit=7,up_offset=1",
-    "silu:limit=3,clamp_after=1",
-    "gelu_tanh:limit=5",
-    "gelu",
-    "relu:up_offset=-0.5",
-    "relu2",
-    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
-    "relu2:glu=0",
-)
-
-
-def _width(gate, inter):
-    return inter if gate.endswith("glu=0") else 2 * inter
+GATES = C.ACT_GATES
 
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gates_2d(gate, dtype):
     gen = torch.Generator().manual_seed(20)
-    y = torch.randn((777, _width(gate, 2500)), generator=gen) * 4  # I = 2500: a partial chunk
+    y = torch.randn((777, C.gate_width(gate, 2500)), generator=gen) * 4  # I = 2500: a partial chunk
     _check_silu(y.to(dtype), gate=gate)
 
 
@@ -251,7 +237,7 @@ def test_gate_bias_rows(gate):
     from epmoe.ops import permute
 
     gen = torch.Generator().manual_seed(21)
-    w = _width(gate, 1024)
+    w = C.gate_width(gate, 1024)
     ids = C.routing(600, 8, 16, gen).cuda()
     p = permute(torch.empty((600, 16), dtype=torch.uint8, device="cuda"), ids, 16, 128)
     mi, offs = p.m_indices.cpu(), p.expert_offsets.cpu()
@@ -268,7 +254,7 @@ def test_gate_bias_rows(gate):
 @pytest.mark.parametrize("gate", GATES)
 def test_gate_bias_quant(scheme, gate):
     gen = torch.Generator().manual_seed(22)
-    w = _width(gate, 2048)
+    w = C.gate_width(gate, 2048)
     b = torch.randn((32, w), generator=gen)
     y2 = (torch.randn((1024, w), generator=gen) * 3).to(torch.bfloat16)
     mi = torch.where(
@@ -284,7 +270,7 @@ def test_gate_bias_quant(scheme, gate):
 @pytest.mark.parametrize("gate", ["silu:alpha=1.702,limit=7,up_offset=1", "relu2:glu=0"])
 def test_gate_bias_int8_two_pass(gate):
     gen = torch.Generator().manual_seed(23)
-    w = _width(gate, 20000)
+    w = C.gate_width(gate, 20000)
     y3 = (torch.randn((3, 7, w), generator=gen) * 3).to(torch.bfloat16)
     b = torch.randn((3, w), generator=gen).to(torch.bfloat16)
     _check_quant(y3, "int8", masked_m=torch.tensor([7, 0, 2], dtype=torch.int32), gate=gate, bias=b)

@@ -62,23 +62,7 @@ def _check_quant(
     return q, s
 
 
-# every activation, each gate field set somewhere (limit before and after, up offset, alpha),
-# and no gate half (NemotronH's relu2)
-GATES = (
-    "silu:alpha=1.702,limit=7,up_offset=1",
-    "silu:limit=3,clamp_after=1",
-    "gelu_tanh:limit=5",
-    "gelu",
-    "relu:up_offset=-0.5",
-    "relu2",
-    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
-    "relu2:glu=0",
-)
-
-
-def _width(gate, inter):
-    """y's width for ``inter`` outputs."""
-    return inter if gate.endswith("glu=0") else 2 * inter
+GATES = C.ACT_GATES
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -198,7 +182,7 @@ def test_expert_offsets_skip_the_tail(scheme, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gates_2d(gate, dtype, monkeypatch):
     C.set_config(monkeypatch, A, silu_tile=64)  # I = 100: two column chunks, the last one masked
-    y = torch.randn((5, _width(gate, 100)), generator=torch.Generator().manual_seed(10)) * 4
+    y = torch.randn((5, C.gate_width(gate, 100)), generator=torch.Generator().manual_seed(10)) * 4
     _check_silu(y.to(dtype), gate=gate)
 
 
@@ -210,7 +194,7 @@ def test_gate_bias_rows(gate, monkeypatch):
     C.set_config(monkeypatch, A, row_programs=1)
     C.set_config(monkeypatch, A, offsets_programs=1)
     gen = torch.Generator().manual_seed(11)
-    w = _width(gate, 64)
+    w = C.gate_width(gate, 64)
     y2 = (torch.randn((6, w), generator=gen) * 3).to(torch.bfloat16)
     b = torch.randn((3, w), generator=gen) * 2
     mi = torch.tensor([2, -1, 0, 0, 1, -1], dtype=torch.int32)
@@ -229,7 +213,7 @@ def test_gate_bias_quant(scheme, gate, monkeypatch):
     C.set_config(monkeypatch, A, int8_row_tile=256)  # int8: 2-row blocks (I = 128)
     C.set_config(monkeypatch, A, row_programs=1)
     gen = torch.Generator().manual_seed(12)
-    w = _width(gate, 128)
+    w = C.gate_width(gate, 128)
     b = torch.randn((4, w), generator=gen)
     y2 = (torch.randn((7, w), generator=gen) * 3).to(torch.bfloat16)
     mi = torch.tensor([1, 1, -1, 0, -1, 3, 2], dtype=torch.int32)
@@ -245,7 +229,7 @@ def test_gate_bias_int8_two_pass(gate, monkeypatch):
     C.set_config(monkeypatch, A, int8_single_pass_max=64)
     C.set_config(monkeypatch, A, int8_chunk=32)
     gen = torch.Generator().manual_seed(13)
-    w = _width(gate, 100)
+    w = C.gate_width(gate, 100)
     y3 = (torch.randn((2, 3, w), generator=gen) * 3).to(torch.bfloat16)
     b = torch.randn((2, w), generator=gen).to(torch.bfloat16)
     _check_quant(y3, "int8", masked_m=torch.tensor([3, 1]), gate=gate, bias=b)

@@ -19,6 +19,7 @@ from epmoe import gate, ops, reference
 from tests import _tol
 from tests._opcheck import opcheck
 from tests._routing import random_ids, random_weights
+from tests.ops import _stage_cases as C
 
 SCHEMES = ("bf16", "fp8", "int8")
 GROUP = 128  # typed in: the fp8 activation group and weight block of the contract
@@ -264,15 +265,7 @@ def test_opcheck_unchecked_int32_ids():
 
 
 # ---------------------------------------------------------------- gates, biases, padded sizes
-GATES = (
-    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
-    "silu:limit=7,clamp_after=1",
-    "gelu_tanh",
-    "gelu",
-    "relu",
-    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
-    "relu2:glu=0",  # NemotronH: no gate half
-)
+GATES = C.GEMV_GATES
 
 
 def _gate_problem(scheme, spec, seed, T=4, K=3, E=6, H=256, I=128, bias_dtype=bf16):  # noqa: E741

@@ -19,15 +19,7 @@ pytestmark = pytest.mark.gpu
 SCHEMES = ("bf16", "fp8", "int8")
 
 
-GATES = (
-    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
-    "silu:limit=7,clamp_after=1",
-    "gelu_tanh",
-    "gelu",
-    "relu",
-    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
-    "relu2:glu=0",  # NemotronH: no gate half
-)
+GATES = C.GEMV_GATES
 
 
 def _weights(E, H, I, scheme, gen, width=None):

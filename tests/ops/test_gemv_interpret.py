@@ -255,15 +255,7 @@ def test_int32_strided_inputs():
 
 
 # ------------------------------------------------------------------ gates, biases, padded sizes
-GATES = (
-    "silu:alpha=1.702,limit=7,up_offset=1",  # gpt-oss
-    "silu:limit=7,clamp_after=1",
-    "gelu_tanh",
-    "gelu",
-    "relu",
-    "silu:gate_softcap=2,up_softcap=3",  # Inkling2's softcaps (smaller: they act)
-    "relu2:glu=0",  # NemotronH: no gate half
-)
+GATES = C.GEMV_GATES
 # gpt-oss's, the softcaps, no gate half (the gate math is the same code for every scheme)
 QUANT_GATES = (GATES[0], GATES[-2], GATES[-1])
 
