@@ -65,6 +65,11 @@ def layers(model):
     return [et.cached_layer(m) for m in H.experts_modules(model)]
 
 
+def held(model):
+    """Each cached layer with its buffers' addresses (what cudagraph trees take as static)."""
+    return [(la, [(n, b.data_ptr()) for n, b in la.named_buffers()]) for la in layers(model)]
+
+
 def build(lm, dtype=torch.float32, **kw):
     """A new tiny ``lm``: a model that cannot be built fails the test with its reason, one that
     needs an optional package that is not installed skips naming it."""
@@ -448,15 +453,12 @@ def test_cache_stays_across_batch_sizes(scheme):
     a = build(lm_named("Qwen3MoeForCausalLM"), dtype=torch.bfloat16)
     ids = H.sample_ids(a, batch=64, length=3)
 
-    def held():
-        return [(la, [(n, b.data_ptr()) for n, b in la.named_buffers()]) for la in layers(a)]
-
     logits(a, ids[:1], NAME[scheme])
-    first = held()
+    first = held(a)
     assert first and all(la is not None and la.quant == scheme for la, _ in first)
     for batch in (64, 1):
         logits(a, ids[:batch], NAME[scheme])
-        assert held() == first, batch
+        assert held(a) == first, batch
 
 
 def test_rebuild_after_to_dtype():

@@ -14,7 +14,7 @@ import epmoe.integrations.transformers as et  # noqa: E402
 from tests._tol import LAYER_VS_DENSE, rel_l2  # noqa: E402
 from tests.integrations import _hf_models as H  # noqa: E402
 from tests.integrations._hf_models import SameRouting, logits, same_routing  # noqa: E402
-from tests.integrations.test_transformers import layers  # noqa: E402
+from tests.integrations.test_transformers import held, layers  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = LAYER_VS_DENSE
@@ -236,11 +236,6 @@ def _generate(model, ids, **kw):
     return out.sequences[:, ids.shape[1] :], torch.stack(out.scores).float()
 
 
-def _held(model):
-    """Each cached layer with its buffers' addresses (what cudagraph trees take as static)."""
-    return [(la, [(n, b.data_ptr()) for n, b in la.named_buffers()]) for la in layers(model)]
-
-
 def _assert_greedy_matches(want, got, tol):
     """``got``'s tokens are ``want``'s up to near-ties: per row, the logits of every step up to
     its first differing token within ``tol`` (relative L2) of ``want``'s, and at that token
@@ -280,7 +275,7 @@ def test_compiled_generate_changing_batch(real_shaped, case, logs):
     model.__dict__.pop("_compiled_call", None)  # compiled afresh (dynamo was reset)
     ids = _ids(model, max(BATCHES), PROMPT)
     eager = {b: _generate(model, ids[:b], disable_compile=True) for b in set(BATCHES)}
-    held = _held(model)
+    before = held(model)
     if logs:
         torch._logging.set_logs(cudagraphs=True)
     try:
@@ -289,7 +284,7 @@ def test_compiled_generate_changing_batch(real_shaped, case, logs):
         if logs:
             torch._logging.set_logs()
     assert "_compiled_call" in model.__dict__  # generate compiled its decode step
-    assert _held(model) == held  # the graphs' static inputs: epmoe's cache was not rebuilt
+    assert held(model) == before  # the graphs' static inputs: epmoe's cache was not rebuilt
     for b, got in runs:
         _assert_greedy_matches(eager[b], got, COMPILED_VS_EAGER[scheme])
     for layer in layers(model):
