@@ -45,10 +45,10 @@ from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import (
-    contiguous_row_block,
     grouped_gemm_contiguous,
     grouped_gemm_masked,
     masked_row_block,
+    smallest_row_block,
 )
 from epmoe.ops.ll_gather import ll_gather
 from epmoe.ops.ll_scatter import ll_scatter
@@ -237,8 +237,9 @@ class EPMoE(nn.Module):
             HT above; chosen from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
-        alignment: permute row alignment (HT); a multiple of the GEMM backend's row block (128 on
-        CUDA).
+        alignment: permute row alignment (HT), default 128 (deep_gemm's row block); on CUDA any
+            multiple of :func:`epmoe.ops.gemm.smallest_row_block` (16: our Triton GEMMs run what
+            deep_gemm cannot; fewer padding rows).
         max_tokens_per_rank: LL capacity per rank (required for "ll"); in "ht" the worst-case
             receive bound (see ``worst_case``).
         worst_case: HT dispatch with the static worst-case receive size (no host sync, graph-safe).
@@ -285,7 +286,7 @@ class EPMoE(nn.Module):
         if alignment is None:
             alignment = DEFAULT_ALIGNMENT
         _checks.check_positive_int(OP, "alignment", alignment)
-        block = contiguous_row_block(quant, self.device)
+        block = smallest_row_block(quant, self.device)
         _checks.check_multiple(OP, "alignment", alignment, block, "(the grouped GEMM row block)")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
@@ -585,11 +586,11 @@ class EPMoE(nn.Module):
         p, b = self._emit("permute", p), self._buffers
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
         kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-        mm = st.grouped_gemm_contiguous
-        y = mm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], trusted=True, **kw)
+        mm, gk = st.grouped_gemm_contiguous, dict(kw, trusted=True, alignment=self.alignment)
+        y = mm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **gk)
         y = self._emit("gemm1", y)
         h, hs = self._emit("act", self._act(st, y, **kw))
-        y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], trusted=True, **kw)
+        y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **gk)
         y = self._emit("gemm2", y)
         b2 = b["b2"]
         out = st.unpermute(
@@ -622,7 +623,10 @@ class EPMoE(nn.Module):
                 cap = self.max_tokens_per_rank if self.worst_case and not self.local else None
                 rows = [self.world_size * (cap or t) for t in ht]
                 m = [reference.permuted_rows(r, self.top_k, E, self.alignment) for r in rows]
-                gemm.warmup(self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s)
+                gemm.warmup(
+                    self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s,
+                    alignment=self.alignment,
+                )  # fmt: skip
             if ll:
                 gemm.warmup(
                     self.quant,

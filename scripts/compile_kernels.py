@@ -44,7 +44,7 @@ Q = importlib.import_module("epmoe.ops.quantize")
 A = importlib.import_module("epmoe.ops.activation")
 P = importlib.import_module("epmoe.ops.permute")
 U = importlib.import_module("epmoe.ops.unpermute")
-G = importlib.import_module("epmoe.ops.gemm._int8")
+G = importlib.import_module("epmoe.ops.gemm._triton")
 R = importlib.import_module("epmoe._range")
 KS = importlib.import_module("epmoe.kernels.scatter")
 KG = importlib.import_module("epmoe.kernels.gather")
@@ -70,18 +70,18 @@ class _Recorder:
 def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
-    saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._int8_masked_kernel,
-             G._int8_contiguous_kernel)  # fmt: skip
+    saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._masked_kernel,
+             G._contiguous_kernel)  # fmt: skip
     _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
     _checks.check_values = _checks.check_codes = lambda *a, **k: None
-    # the INT8 GEMM kernels are launched directly (with an explicit config: no autotuner)
-    G._int8_masked_kernel = _Recorder(G._int8_masked_kernel, calls)
-    G._int8_contiguous_kernel = _Recorder(G._int8_contiguous_kernel, calls)
+    # the GEMM kernels are launched directly (with an explicit config: no autotuner)
+    G._masked_kernel = _Recorder(G._masked_kernel, calls)
+    G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
     try:
         launch()
     finally:
         _launch.kernel, _checks.check_values, _checks.check_codes = saved[:3]
-        G._int8_masked_kernel, G._int8_contiguous_kernel = saved[3:]
+        G._masked_kernel, G._contiguous_kernel = saved[3:]
     return calls
 
 
@@ -313,27 +313,57 @@ def cases() -> Dict[str, Callable[[], object]]:
         "range check": lambda: _launch.kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
-        "int8 contiguous GEMM": lambda: G._int8_contiguous_triton(
-            torch.zeros((256, 512), dtype=torch.int8),
-            torch.zeros((4, 256, 512), dtype=torch.int8),
-            torch.zeros(256, dtype=torch.int32),
-            torch.rand((256, 1)),
-            torch.rand((4, 256)),
-            config=dict(
-                BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4
-            ),
-        ),  # fmt: skip
-        "int8 masked GEMM with its count check": lambda: G._int8_masked_triton(
-            qi.view(4, 16, 512),
-            torch.zeros((4, 64, 512), dtype=torch.int8),
-            mm,
-            si.view(4, 16, 1),
-            torch.rand((4, 64)),
-            0,
-            config=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
-            ok=torch.empty((), dtype=torch.bool),
-        ),  # fmt: skip
+        # every scheme x every candidate config that fits (the autotuner may pick any of them)
+        "contiguous GEMMs (bf16 / fp8 / int8, every candidate config)": lambda: [
+            G.contiguous_triton(
+                *_gemm_operands(sch, (256,), 4, 256, 512, mn_major=True),
+                row_block=128,
+                config=_launch_options(c),
+            )
+            for sch in ("bf16", "fp8", "int8")
+            for c in G._CONTIGUOUS_CONFIGS
+            if G.fits(c.all_kwargs(), _code(sch), 128)
+        ],  # fmt: skip
+        "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
+            G.masked_triton(
+                *_gemm_operands(sch, (4, 16), 4, 256, 512, counts=mm),
+                em,
+                config=_launch_options(c),
+                ok=torch.empty((), dtype=torch.bool),
+            )
+            for sch in ("bf16", "fp8", "int8")
+            for c in G._MASKED_CONFIGS
+            if G.fits(c.all_kwargs(), _code(sch))
+            for em in (0, 200)
+        ],  # fmt: skip
     }
+
+
+def _code(scheme: str) -> int:
+    from epmoe import quant
+
+    return quant.get(scheme).kernel_code
+
+
+def _launch_options(c) -> dict:
+    return dict(c.all_kwargs())  # (the meta-parameters plus num_warps / num_stages)
+
+
+def _gemm_operands(scheme, lead, E, N, K, mn_major=False, counts=None):
+    """Zero operands of a grouped GEMM (a, w, rows, a_scales, w_scales): nothing runs."""
+    from epmoe import quant
+
+    qs = quant.get(scheme)
+    a = torch.zeros((*lead, K), dtype=qs.act_dtype)
+    w = torch.zeros((E, N, K), dtype=qs.act_dtype)
+    rows = counts if counts is not None else torch.zeros(lead[0], dtype=torch.int32)
+    if not qs.quantized:
+        return a, w, rows, None, None
+    cols = qs.act_scale_cols(K)
+    a_s = torch.zeros((*lead, cols))
+    if mn_major:  # (deep_gemm's fp8 layout, which the kernels read as it is)
+        a_s = a_s.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return a, w, rows, a_s, torch.zeros(qs.weight_scale_shape(E, N, K))
 
 
 # one gate per activation, every field of epmoe.gate.Gate set somewhere

@@ -40,7 +40,7 @@ import torch
 
 from epmoe import _checks, _eager, _launch
 from epmoe import layer as L
-from epmoe.ops.gemm import _int8, _ops, _select
+from epmoe.ops.gemm import _ops, _select, _triton
 
 SHAPE = dict(num_experts=8, hidden_size=128, intermediate_size=128, top_k=8)  # (any shape)
 QWEN3 = dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8)  # (--shape qwen3)
@@ -57,7 +57,7 @@ def stub_launches() -> None:
     """Every kernel launch and deep_gemm call becomes a no-op, on a :func:`cuda_like_host`."""
     _launch.kernel = _launch.direct = lambda k: _NoLaunch()
     _launch.Prepared.__call__ = lambda self, *tensors: None
-    _int8._launch_tuned = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
+    _triton._launch_tuned = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
     cuda_like_host()
 
 
@@ -72,6 +72,7 @@ def cuda_like_host() -> None:
     for cached in (_select._backend, _select.masked_row_block):  # (cached per process)
         getattr(cached, "cache_clear", lambda: None)()
     fns = {role: noop for role in _select._DG_NAMES}
+    fns["alignment"] = lambda: 128  # (deep_gemm's contiguous row block)
     _select._dg_functions = _ops._dg_functions = lambda: fns
     tracing = _checks._tracing
     wrapped = torch._library.triton.is_wrap_triton_enabled

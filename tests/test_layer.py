@@ -65,9 +65,9 @@ def test_layer_bad_config(make, match):
 def test_alignment_must_match_gemm_row_block(monkeypatch):
     from epmoe import layer as layer_mod
 
-    monkeypatch.setattr(layer_mod, "contiguous_row_block", lambda scheme, device: 128)
-    with pytest.raises(ValueError, match="EPMoE: alignment expected a multiple of 128"):
-        _bad(alignment=64)()
+    monkeypatch.setattr(layer_mod, "smallest_row_block", lambda scheme, device: 16)
+    with pytest.raises(ValueError, match="EPMoE: alignment expected a multiple of 16"):
+        _bad(alignment=24)()
 
 
 def test_layer_bad_input():

@@ -136,7 +136,7 @@ def analyse():
     for calls in launches:
         for fn, args, kwargs in calls:
             jf = _jit_fn(fn)
-            if jf.fn.__module__ == "epmoe.ops.gemm._int8":
+            if jf.fn.__module__ == "epmoe.ops.gemm._triton":
                 continue
             key = (jf.fn.__name__, repr(sorted(kwargs.items())), tuple(map(ck._arg_type, args)))
             if key in seen:

@@ -91,17 +91,17 @@ def test_gemm_inputs_that_need_grad_are_refused(seed):
 
 
 @pytest.mark.parametrize("which", ["masked", "contiguous"])
-def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
-    """After the autotuner's first call per key, the INT8 GEMMs launch the tuned config's
+def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
+    """After the autotuner's first call per key, the Triton GEMMs launch the tuned config's
     JITFunction directly, with the heuristics' EVEN_K filled in (through the heuristics layer,
     Triton's own run binds every argument again on each call)."""
     import triton
 
     from epmoe import _launch
-    from epmoe.ops.gemm import _int8
+    from epmoe.ops.gemm import _triton
 
-    tuned = getattr(_int8, f"_int8_{which}_tuned")
-    cfg = (_int8._MASKED_CONFIGS if which == "masked" else _int8._CONTIGUOUS_CONFIGS)[0]
+    tuned = _triton._tuner(which, 2, 128 if which == "contiguous" else 0)
+    cfg = tuned.configs[0]
     through_tuner, direct = [], []
 
     def tuner_run(*args, grid, warmup, **meta):
@@ -116,22 +116,104 @@ def test_int8_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     monkeypatch.setattr(_launch.Prepared, "_launch", prepared_launch)
     monkeypatch.setattr(tuned, "run", tuner_run)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(_int8, "_BEST", {})
+    monkeypatch.setattr(_triton, "_BEST", {})
     names = tuned.fn.arg_names
     K = 384  # not a multiple of 256: EVEN_K is False for BLOCK_K = 256
-    args = tuple(K if n == "K" else 1 for n in names[: names.index("BLOCK_M")])
-    meta = {"BLOCK_M": 16, "M_SPLIT": 1} if which == "masked" else {}
+    args = tuple(K if n == "K" else 1 for n in names[: names.index("QUANT")])
+    meta = dict(QUANT=2, SCALE_K=128)
+    meta.update({"BLOCK_M": 16, "M_SPLIT": 1} if which == "masked" else {})
+    table_cfg = dict(tuned.configs[-1].all_kwargs())
 
     def grid(m):
         return (m["BLOCK_N"], 1, 1)
 
+    n = 7 if which == "masked" else 6  # (leading tensor arguments)
     for _ in range(3):
-        n = 7 if which == "masked" else 6  # (leading tensor arguments)
-        _int8._launch_tuned(tuned, (which, K), grid, args[:n], args[n:], dict(meta))
-    assert len(through_tuner) == 1 and len(direct) == 2
+        _triton._launch_tuned(tuned, (which, K), grid, args[:n], args[n:], dict(meta))
+    # a tuned table's entry: no autotuning, its config from the first call on
+    for _ in range(2):
+        _triton._launch_tuned(tuned, ("table", K), grid, args[:n], args[n:], dict(meta),
+                              table=lambda: table_cfg)  # fmt: skip
+    assert len(through_tuner) == 1 and len(direct) == 4
+    assert all(direct[-1][3][k] == v for k, v in table_cfg.items())
+    direct = direct[:2]
     fn, g, a, m = direct[-1]
     assert not isinstance(fn, triton.runtime.autotuner.Heuristics) and fn is tuned.fn.fn
     assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == args  # (Prepared pads the grid to 3-D)
     assert m["EVEN_K"] == (K % cfg.kwargs["BLOCK_K"] == 0)
     assert m["num_warps"] == cfg.num_warps and m["num_stages"] == cfg.num_stages
     assert all(m[k] == v for k, v in {**cfg.kwargs, **meta}.items())
+
+
+# ------------------------------------------------------------------ backend choice, tuned table
+@pytest.fixture
+def sm90(monkeypatch, tmp_path):
+    """CPU stand-in for an H200 with deep_gemm (its entry points never called) and a tuned table
+    directory of its own (``tmp_path``)."""
+    from epmoe.ops.gemm import _select, _tuned
+
+    monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
+    monkeypatch.setattr(_select._deps, "available", lambda name: True)
+    fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
+    fns["alignment"] = lambda: 128
+    monkeypatch.setattr(_select, "_dg_functions", lambda: fns)
+    monkeypatch.setattr(_tuned, "DIR", tmp_path)
+    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    for cached in (_select._backend, _tuned.table):
+        cached.cache_clear()
+    yield _select._backend, tmp_path
+    for cached in (_select._backend, _tuned.table):
+        cached.cache_clear()
+
+
+def _entry(layout, scheme, block, m, backend, N=256, K=512, E=4):
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(layout=layout, scheme=scheme, N=N, K=K, E=E, block=block, m=m, config=config,
+                backend=backend, us={backend: 1.0})  # fmt: skip
+
+
+def test_backend_without_a_table_keeps_the_measured_defaults(sm90):
+    backend, _ = sm90
+    dev = torch.device("cuda", 0)
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 64) == "deep_gemm"
+    assert backend("bf16", "contiguous", dev, 256, 512, 4, 128, 64) == "deep_gemm"
+    assert backend("int8", "contiguous", dev, 256, 512, 4, 128, 64) == "triton"
+    assert backend("fp8", "masked", dev, 256, 512, 4, 0, 8) == "deep_gemm"
+    assert backend("int8", "masked", dev, 256, 512, 4, 0, 8) == "triton"
+    # alignments deep_gemm cannot take: our kernels (bf16: torch._grouped_mm takes any)
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 16, 64) == "triton"
+    assert backend("bf16", "contiguous", dev, 256, 512, 4, 32, 64) == "grouped_mm"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 0, 64) == "deep_gemm"  # (0: default)
+
+
+def test_backend_follows_the_tuned_table(sm90):
+    import json
+
+    from epmoe.ops.gemm import _tuned
+
+    backend, tmp = sm90
+    dev = torch.device("cuda", 0)
+    entries = [
+        _entry("contiguous", "fp8", 128, 256, "triton"),
+        _entry("contiguous", "fp8", 128, 4096, "deep_gemm"),
+        _entry("contiguous", "bf16", 16, 512, "triton"),
+        _entry("contiguous", "int8", 128, 512, "deep_gemm"),  # (cannot run int8: ignored)
+    ]
+    (tmp / "nvidia_h200.json").write_text(json.dumps(dict(device="NVIDIA H200", entries=entries)))
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 200) == "triton"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 256) == "triton"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 300) == "deep_gemm"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 99999) == "deep_gemm"  # (largest)
+    assert backend("bf16", "contiguous", dev, 256, 512, 4, 16, 64) == "triton"
+    assert backend("int8", "contiguous", dev, 256, 512, 4, 128, 64) == "triton"
+    assert backend("fp8", "contiguous", dev, 256, 512, 8, 128, 64) == "deep_gemm"  # (other E)
+    cfg = _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, dev)
+    assert cfg == entries[0]["config"]
+    assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, torch.device("cpu")) is None
+
+
+def test_tuned_file_names():
+    from epmoe.ops.gemm import _tuned
+
+    assert _tuned.file_name("NVIDIA H200") == "nvidia_h200.json"
+    assert _tuned.file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"

@@ -1,4 +1,5 @@
-"""INT8 W8A8 Triton grouped GEMM kernels on CPU tensors under TRITON_INTERPRET=1, vs the reference.
+"""Our Triton grouped GEMM kernels (bf16, fp8, int8) on CPU tensors under TRITON_INTERPRET=1, vs the
+reference.
 
 Run: TRITON_INTERPRET=1 pytest -m interpret tests/ops/test_gemm_interpret.py
 """
@@ -16,20 +17,49 @@ pytestmark = [
 ]
 
 from epmoe import reference  # noqa: E402
-from epmoe.ops.gemm import _int8  # noqa: E402
-from tests._tol import assert_close  # noqa: E402
+from epmoe.ops.gemm import _triton  # noqa: E402
+from tests._tol import GEMM_VS_QUANT_AWARE, assert_close, rel_l2  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def bf16_dots(monkeypatch):
+    """The interpreter multiplies bf16 dot operands as their raw 16-bit patterns (numpy has no
+    bf16; Triton 3.9's create_dot only converts 8-bit floats): widen them to float32 first, as the
+    tensor cores do. The kernels are unchanged; only the CPU simulator is mended."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, widened(a), widened(b), d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
 
 # Small tiles: the interpreter runs every program in Python.
 CONTIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4)
 MASKED = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
 
 
-def _int8_operands(lead, E, N, K, gen):
+def _operands(lead, E, N, K, gen, scheme="int8"):
     a = torch.randn(*lead, K, generator=gen)
     w = torch.randn(E, N, K, generator=gen) / K**0.5
-    aq, as_ = reference.quantize(a, "int8")
-    wq, ws = reference.quantize_weights(w, "int8")
+    if scheme == "bf16":
+        return a.to(torch.bfloat16), None, w.to(torch.bfloat16), None
+    aq, as_ = reference.quantize(a, scheme)
+    wq, ws = reference.quantize_weights(w, scheme)
     return aq, as_, wq, ws
+
+
+_int8_operands = _operands
 
 
 def _contiguous_layout(counts, block):
@@ -55,7 +85,7 @@ def test_int8_contiguous_matches_reference(counts, K):
     m_idx = _contiguous_layout(counts, CONTIG["BLOCK_M"])
     m_idx = torch.cat([m_idx, torch.full((16,), -1, dtype=torch.int32)])  # a whole -1 block
     a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
-    y = _int8._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG)
+    y = _triton.contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG)
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     live = m_idx >= 0
     assert y.dtype == torch.bfloat16 and y.shape == want.shape
@@ -70,7 +100,7 @@ def test_int8_contiguous_skips_minus_one_blocks():
     a, as_, w, ws = _int8_operands((m_idx.numel(),), E, N, K, gen)
     as_[m_idx < 0] = float("nan")  # a -1 block's rows hold garbage: never used
     sentinel = torch.full((m_idx.numel(), N), 3.0, dtype=torch.bfloat16)
-    y = _int8._int8_contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG, out=sentinel.clone())
+    y = _triton.contiguous_triton(a, w, m_idx, as_, ws, config=CONTIG, out=sentinel.clone())
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     assert_close(y[16:32], want[16:32])
     assert torch.equal(y[m_idx < 0], sentinel[m_idx < 0])  # -1 blocks: no program wrote them
@@ -87,7 +117,7 @@ def test_int8_masked_matches_reference(expected_m):
     as_poison = torch.where(live.unsqueeze(-1), as_, float("nan"))
     a_poison = torch.where(live.unsqueeze(-1), a, torch.full_like(a, 127))
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
-    y = _int8._int8_masked_triton(
+    y = _triton.masked_triton(
         a_poison, w, masked_m, as_poison, ws, expected_m, config=MASKED, out=sentinel.clone()
     )
     want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
@@ -105,7 +135,7 @@ def test_int8_masked_split_loops_over_blocks():
     a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
     cfg = dict(MASKED, BLOCK_M=16, M_SPLIT=2)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
-    y = _int8._int8_masked_triton(a, w, masked_m, as_, ws, config=cfg, out=sentinel.clone())
+    y = _triton.masked_triton(a, w, masked_m, as_, ws, config=cfg, out=sentinel.clone())
     want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
     live = torch.arange(T)[None, :] < masked_m[:, None]
     assert_close(y[live], want[live])
@@ -113,11 +143,11 @@ def test_int8_masked_split_loops_over_blocks():
 
 
 def test_masked_tiling_static():
-    assert _int8._masked_tiling(256, 8) == (16, 1)
-    assert _int8._masked_tiling(256, 0) == (64, 4)  # expected_m = T
-    assert _int8._masked_tiling(256, 100) == (64, 2)
-    assert _int8._masked_tiling(256, 33) == (64, 1)
-    assert _int8._masked_tiling(8, 1000) == (16, 1)  # clamped to T
+    assert _triton._masked_tiling(256, 8) == (16, 1)
+    assert _triton._masked_tiling(256, 0) == (64, 4)  # expected_m = T
+    assert _triton._masked_tiling(256, 100) == (64, 2)
+    assert _triton._masked_tiling(256, 33) == (64, 1)
+    assert _triton._masked_tiling(8, 1000) == (16, 1)  # clamped to T
 
 
 @pytest.mark.parametrize(
@@ -131,9 +161,56 @@ def test_int8_masked_kernel_checks_counts(counts, want):
     masked_m = torch.tensor(counts, dtype=torch.int32)
     a, as_, w, ws = _int8_operands((E, T), E, N, K, gen)
     ok = torch.tensor(not want)  # the kernel must overwrite it either way
-    y = _int8._int8_masked_triton(a, w, masked_m, as_, ws, config=MASKED, ok=ok)
+    y = _triton.masked_triton(a, w, masked_m, as_, ws, config=MASKED, ok=ok)
     assert bool(ok) is want
     # a bad count is clamped to [0, T]: rows inside the slot only, results of the clamped count
     clamped = masked_m.clamp(0, T)
     live = torch.arange(T)[None, :] < clamped[:, None]
     assert_close(y[live], reference.grouped_gemm_masked(a, w, clamped, as_, ws)[live])
+
+
+# every scheme, row blocks 16 / 32 (permute alignments deep_gemm cannot take), fp8's 1x128 / 128x128
+# scales stepping once per 128 channels (BLOCK_K 32 / 64: several K steps per scale group)
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("block_m,block_k", [(16, 64), (32, 32)])
+def test_contiguous_every_scheme_matches_reference(scheme, block_m, block_k):
+    gen = torch.Generator().manual_seed(12)
+    counts, N, K = [5, 0, 33, 16], 128, 256  # (fp8: N and K multiples of the 128 blocks)
+    m_idx = _contiguous_layout(counts, block_m)
+    a, as_, w, ws = _operands((m_idx.numel(),), len(counts), N, K, gen, scheme)
+    if scheme == "fp8":  # deep_gemm's MN-major scale layout: any strides are read as they are
+        as_ = as_.t().contiguous().t()
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=2, num_warps=4)
+    y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=block_m, config=cfg)
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    live = m_idx >= 0
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+    assert_close(y[live], want[live])
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_masked_every_scheme_matches_reference(scheme):
+    gen = torch.Generator().manual_seed(13)
+    E, T, N, K = 3, 20, 128, 256
+    masked_m = torch.tensor([0, 7, 20], dtype=torch.int32)
+    a, as_, w, ws = _operands((E, T), E, N, K, gen, scheme)
+    cfg = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
+    y = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg, out=sentinel.clone())
+    want = reference.grouped_gemm_masked(a, w, masked_m, as_, ws)
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    assert_close(y[live], want[live])
+    assert torch.equal(y[~live], sentinel[~live])
+
+
+def test_fits_keeps_row_blocks_inside_an_expert():
+    """A config runs an alignment only when its BLOCK_M divides it; fp8 needs BLOCK_K | 128."""
+    assert _triton.fits(dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128), 1, 64)
+    assert not _triton.fits(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 2, 32)
+    assert not _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 1, 16)
+    assert _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 2, 16)
+    assert not _triton.fits(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), 1, 128)  # (fp8 spills)
+    for quant_code in (0, 1, 2):
+        for row_block in (16, 32, 48, 128):
+            assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
+                       for c in _triton._CONTIGUOUS_CONFIGS)  # fmt: skip

@@ -15,16 +15,20 @@ Contract:
   TMA-aligned (:func:`empty_fp8_act_scales` allocates that layout); other strides cost deep_gemm
   one transpose per call.
 
-Backends on CUDA (CPU and other devices run :mod:`epmoe.reference`):
-- fp8: deep_gemm (sm90, float32 scales); without it, the reference.
-- bf16: deep_gemm bf16 grouped GEMMs (sm90/sm100); else torch._grouped_mm (contiguous) / torch.bmm
-  (masked); else the reference.
-- int8: the Triton W8A8 kernels below (int8 x int8 -> int32 on tensor cores, then per-token x
+Backends on CUDA (CPU and other devices run :mod:`epmoe.reference`), chosen per problem (scheme,
+layout, N, Kd, E, alignment, rows: static sizes): the faster one in this GPU's tuned table
+(:mod:`epmoe.ops.gemm._tuned`, measured by scripts/tune_gemm.py) where it has the problem, else
+- fp8: deep_gemm (sm90, float32 scales, 128-row blocks); else our Triton kernels (sm89+).
+- bf16: deep_gemm bf16 grouped GEMMs (sm90/sm100, 128-row blocks); else torch._grouped_mm
+  (contiguous) / torch.bmm (masked); else our Triton kernels.
+- int8: our Triton W8A8 kernels (int8 x int8 -> int32 on tensor cores, then per-token x
   per-channel scales, bf16 out).
+Our Triton kernels (``_triton``) run every scheme at any alignment that is a multiple of 16.
 
 CUDA-graph safe (static shapes, no host sync) once :func:`warmup` has compiled every kernel. The
-contiguous layout needs every expert block to start at a multiple of :func:`contiguous_row_block`
-rows: the permute ``alignment`` must be a multiple of it. The masked layout takes any T, but
+contiguous layout needs every expert block to start at a multiple of the ``alignment`` the op is
+told (default :func:`contiguous_row_block`; at least :func:`smallest_row_block`): the permute
+``alignment``. The masked layout takes any T, but
 deep_gemm's masked kernels need T to be a multiple of their row block (see
 :func:`masked_row_block`); for any other T the op runs deep_gemm on a row-padded copy of the
 operands (one extra copy of a, its scales and the output). Shape legend: ``E`` local experts,
@@ -32,13 +36,14 @@ operands (one extra copy of a, its scales and the output). Shape legend: ``E`` l
 dims.
 
 Modules: ``_select`` (scheme, backend choice, deep_gemm entry points, row blocks), ``_validate``
-(the input contracts), ``_int8`` (Triton INT8 kernels, configs, launchers),
+(the input contracts), ``_triton`` (our Triton kernels, their configs and launchers), ``_tuned``
+(the tuned table),
 ``_deepgemm`` (deep_gemm calls, masked row padding), ``_ops`` (the two stages
 :func:`grouped_gemm_contiguous` and :func:`grouped_gemm_masked`, declared once with
 :func:`epmoe._stage.stage`, their CUDA dispatch, and :func:`grouped_gemm`, which picks one),
 ``_weights`` (:func:`prepare_weights`, :func:`warmup`). Only the public API is exported here:
 import or patch a private name in the module that defines it (``_ops._backend``,
-``_int8._int8_masked_kernel``).
+``_triton._masked_kernel``).
 """
 
 from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_contiguous, grouped_gemm_masked
@@ -47,6 +52,7 @@ from epmoe.ops.gemm._select import (
     empty_fp8_act_scales,
     masked_row_block,
     scheme_of,
+    smallest_row_block,
 )
 from epmoe.ops.gemm._weights import prepare_weights, warmup
 
@@ -59,5 +65,6 @@ __all__ = [
     "masked_row_block",
     "prepare_weights",
     "scheme_of",
+    "smallest_row_block",
     "warmup",
 ]

@@ -10,8 +10,15 @@ import torch
 from epmoe import _checks, reference
 from epmoe._stage import stage
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
-from epmoe.ops.gemm._int8 import _int8_contiguous_triton, _int8_masked_triton
-from epmoe.ops.gemm._select import OP, _backend, _dg_functions, masked_row_block, scheme_of
+from epmoe.ops.gemm._select import (
+    OP,
+    _backend,
+    _dg_functions,
+    contiguous_row_block,
+    masked_row_block,
+    scheme_of,
+)
+from epmoe.ops.gemm._triton import contiguous_triton, masked_triton
 from epmoe.ops.gemm._validate import CONTIGUOUS, MASKED, _check_counts
 
 
@@ -31,7 +38,7 @@ def _group_ends(m_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
-                     trusted=False):  # fmt: skip
+                     trusted=False, alignment=0):  # fmt: skip
     """grouped_gemm_contiguous on CUDA (metadata checked by the caller, a's device current: every
     caller makes it so); trusted: no value check of m_indices (rows from permute)."""
     if not trusted:
@@ -39,9 +46,10 @@ def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offse
     scheme = scheme_of(a.dtype)
     M, K = a.shape
     E, N, _ = w.shape
-    backend = _backend(scheme, "contiguous", a.device, N, K)
+    block = alignment or contiguous_row_block(scheme, a.device)
+    backend = _backend(scheme, "contiguous", a.device, N, K, E, block, M)
     if backend == "triton":
-        return _int8_contiguous_triton(a, w, m_indices, a_scales, w_scales)
+        return contiguous_triton(a, w, m_indices, a_scales, w_scales, block)
     if backend == "reference" or M == 0:
         return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
     if backend == "grouped_mm":
@@ -61,10 +69,10 @@ def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, tru
     scheme = scheme_of(a.dtype)
     E, T, K = a.shape
     N, dev = w.shape[1], a.device
-    backend = _backend(scheme, "masked", dev, N, K)
+    backend = _backend(scheme, "masked", dev, N, K, E, 0, expected_m or T)
     if backend == "triton":  # the kernel itself checks the counts (trusted: none to check)
         ok = None if trusted else torch.empty((), dtype=torch.bool, device=dev)
-        out = _int8_masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
+        out = masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)
         if ok is not None:
             _checks.check_values(ok, OP, "masked_m", f"counts in [0, {T}]")
         return out
@@ -89,7 +97,7 @@ def _output(a, w, *_):
 
 
 def _contiguous_reference(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
-                          trusted=False):  # fmt: skip
+                          trusted=False, alignment=0):  # fmt: skip
     _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")  # (always: trusted is CUDA's)
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
@@ -115,6 +123,7 @@ def grouped_gemm_contiguous(
     w_scales: Optional[torch.Tensor] = None,
     expert_offsets: Optional[torch.Tensor] = None,
     trusted: bool = False,
+    alignment: int = 0,
 ) -> torch.Tensor:
     """Grouped GEMM out[r] = a[r] @ w[m_indices[r]].T on the contiguous (HT) layout.
 
@@ -122,12 +131,15 @@ def grouped_gemm_contiguous(
         a: bf16/fp8/int8 `[M_sum, Kd]`.
         w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
         m_indices: int32 `[M_sum]` expert per row, -1 to skip; expert blocks start at multiples of
-            :func:`contiguous_row_block`.
+            ``alignment``.
         a_scales, w_scales: float32 scales for fp8/int8 (see the package docstring).
         expert_offsets: optional int32 `[E + 1]` expert block starts (permute's
             ``expert_offsets``); only the torch._grouped_mm backend uses it.
         trusted: m_indices comes from permute, whose values are -1 or in range by construction:
             the CUDA backends skip their device-side value check. The CPU reference always checks.
+        alignment: the row multiple every expert block starts at (permute's ``alignment``); 0:
+            :func:`contiguous_row_block`. On CUDA a multiple of :func:`smallest_row_block`; it
+            picks the backend (deep_gemm needs its 128-row blocks; our Triton kernels take 16+).
     Returns:
         bf16 `[M_sum, N]`; rows with m_indices == -1 unspecified. CUDA-graph safe after
         :func:`warmup`.
@@ -178,6 +190,7 @@ def grouped_gemm(
     expected_m: Optional[int] = None,
     expert_offsets: Optional[torch.Tensor] = None,
     trusted: bool = False,
+    alignment: int = 0,
 ) -> torch.Tensor:
     """Grouped GEMM out = a @ w[e].T; pass exactly one of ``m_indices`` (contiguous), ``masked_m``.
 
@@ -185,7 +198,7 @@ def grouped_gemm(
         a: bf16/fp8/int8 `[M_sum, Kd]` (contiguous) or `[E, T, Kd]` (masked).
         w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
         m_indices: int32 `[M_sum]` expert per row, -1 to skip; expert blocks start at multiples of
-            :func:`contiguous_row_block`.
+            ``alignment`` (0: :func:`contiguous_row_block`).
         masked_m: int32 `[E]` live rows per expert (on the device; rows past it are never read).
             Any T works; with deep_gemm, T a multiple of :func:`masked_row_block` saves a copy.
         a_scales, w_scales: float32 scales for fp8/int8 (see module docstring).
@@ -195,12 +208,15 @@ def grouped_gemm(
         trusted: m_indices / masked_m come from permute / ll_scatter, whose values are in range
             by construction: the CUDA backends skip their device-side value check (the layer's
             own chain). The CPU reference always checks.
+        alignment: contiguous only: see :func:`grouped_gemm_contiguous`.
     Returns:
         bf16 `[M_sum, N]` or `[E, T, N]`. CUDA-graph safe after :func:`warmup`.
     """
     if (m_indices is None) == (masked_m is None):
         raise _checks.fail(OP, "m_indices/masked_m", "exactly one of them", "both or neither")
     if m_indices is not None:
-        return grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales, expert_offsets, trusted)
+        return grouped_gemm_contiguous(
+            a, w, m_indices, a_scales, w_scales, expert_offsets, trusted, alignment
+        )
     em = int(expected_m or 0)
     return grouped_gemm_masked(a, w, masked_m, a_scales, w_scales, em, trusted)

@@ -10,13 +10,17 @@ from typing import Sequence, Tuple
 import torch
 
 from epmoe import _checks, _deps, quant
+from epmoe.ops.gemm import _tuned
 
 OP = "grouped_gemm"
 A_DTYPES = tuple(s.act_dtype for s in quant.SCHEMES.values())
 
-# The INT8 contiguous kernel maps each BLOCK_M row block to one expert; every tuned BLOCK_M divides
-# this, so alignment % _INT8_ROW_BLOCK == 0 keeps every block inside one expert's rows.
+# Our Triton kernels map each BLOCK_M row block to one expert: any alignment that is a multiple of
+# their smallest BLOCK_M (tl.dot's 16 rows) works; 128 is int8's default (its prefill tiles).
+TRITON_MIN_ROW_BLOCK = 16
 _INT8_ROW_BLOCK = 128
+# GPU capabilities our Triton kernels run each scheme on (fp8 tensor-core dots: sm89+)
+_TRITON_CAP = {quant.BF16: (8, 0), quant.FP8: (8, 9), quant.INT8: (8, 0)}
 # GPU majors deep_gemm runs each scheme on for us (none: int8). Its float32-scale (1x128 / 128x128)
 # fp8 kernels are sm90-only; sm100 casts scales to ue8m0.
 _DG_ARCH = {quant.FP8: (9,), quant.BF16: (9, 10)}
@@ -99,32 +103,64 @@ def _grouped_mm_ok(device: torch.device, n: int, k: int) -> bool:
     return hasattr(torch, "_grouped_mm") and _cap(device)[0] >= 9 and n % 8 == 0 and k % 8 == 0
 
 
-@functools.cache  # (a function of the process's packages and GPUs: the same on every call)
-def _backend(scheme, layout: str, device: torch.device, n: int, k: int) -> str:
+def _triton_ok(scheme, device: torch.device) -> bool:
+    return _cap(device) >= _TRITON_CAP[scheme]
+
+
+def _dg_alignment() -> int:
+    get = _dg_functions()["alignment"]
+    return int(get()) if get is not None else 128
+
+
+def _runs(name: str, scheme, layout: str, device, n: int, k: int, row_block: int) -> bool:
+    """Whether backend ``name`` runs this problem on the CUDA ``device``."""
+    if name == "triton":
+        return _triton_ok(scheme, device) and (layout == "masked" or row_block % 16 == 0)
+    if name == "deep_gemm":
+        # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles
+        shape_ok = scheme is quant.FP8 or (n % 64 == 0 and k % 64 == 0)
+        aligned = layout == "masked" or row_block % _dg_alignment() == 0
+        return scheme is not quant.INT8 and shape_ok and _dg_role(f"{scheme}_{layout}", device) \
+            and aligned  # fmt: skip
+    if name == "grouped_mm":
+        return scheme is quant.BF16 and layout == "contiguous" and _grouped_mm_ok(device, n, k)
+    return name == "bmm" and scheme is quant.BF16 and layout == "masked"
+
+
+# without a tuned entry, the first backend that runs the problem (the measured choices so far:
+# deep_gemm where it runs; int8 has only ours)
+_ORDER = ("deep_gemm", "grouped_mm", "bmm", "triton")
+
+
+@functools.lru_cache(maxsize=4096)  # (a function of the process's packages, GPUs and the sizes)
+def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int = 0,
+             row_block: int = 0, m: int = 0) -> str:  # fmt: skip
     """The implementation of ``scheme`` (a name or a scheme) x ``layout`` ("contiguous"/"masked")
-    on a CUDA device."""
+    for an N x K problem on a CUDA device: the tuned table's faster backend for (e, row_block, m)
+    where it has one, else the first of _ORDER that runs it, else "reference". ``row_block``: the
+    contiguous layout's alignment (0: the default backend's, :func:`contiguous_row_block`);
+    masked: the rows hint (expected_m)."""
     scheme = quant.get(scheme, OP, "scheme")
-    if scheme is quant.INT8:
-        return "triton"
-    # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles only
-    dg_shape_ok = scheme is quant.FP8 or (n % 64 == 0 and k % 64 == 0)
-    if dg_shape_ok and _dg_role(f"{scheme}_{layout}", device):
-        return "deep_gemm"
-    if scheme is quant.BF16:
-        if layout == "masked":
-            return "bmm"
-        if _grouped_mm_ok(device, n, k):
-            return "grouped_mm"
+    if layout == "contiguous" and not row_block:
+        row_block = contiguous_row_block(scheme, device)
+    block = row_block if layout == "contiguous" else 0
+    best = _tuned.backend(layout, scheme, n, k, e, block, m, device) if e else None
+    if best is not None and _runs(best, scheme, layout, device, n, k, block):
+        return best
+    for name in _ORDER:
+        if _runs(name, scheme, layout, device, n, k, block):
+            return name
     return "reference"
 
 
 def contiguous_row_block(scheme, device: torch.device) -> int:
-    """Rows each expert block of the contiguous layout must be aligned to on ``device``.
+    """The default alignment of the contiguous layout on ``device``: what its default backend
+    needs every expert block to start at.
 
     CPU (the reference) has no constraint: 1. CUDA: deep_gemm's
     ``get_mk_alignment_for_contiguous_layout()`` (128 today) for fp8/bf16 when deep_gemm runs them,
-    the INT8 Triton kernel's largest BLOCK_M (128) for int8, 1 for torch._grouped_mm and the
-    reference.
+    128 for int8 (our Triton kernel's prefill tiles), 1 for torch._grouped_mm and the reference.
+    Any multiple of :func:`smallest_row_block` also runs (a smaller one pads less).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -133,9 +169,20 @@ def contiguous_row_block(scheme, device: torch.device) -> int:
     if scheme is quant.INT8:
         return _INT8_ROW_BLOCK
     if _dg_role(f"{scheme}_contiguous", device):
-        get = _dg_functions()["alignment"]
-        return int(get()) if get is not None else 128
-    return 1
+        return _dg_alignment()
+    return 1 if scheme is quant.BF16 or not _triton_ok(scheme, device) else _INT8_ROW_BLOCK
+
+
+def smallest_row_block(scheme, device: torch.device) -> int:
+    """The smallest alignment the contiguous layout takes on ``device``: 1 on CPU and where
+    torch._grouped_mm or the reference runs it (bf16), else our Triton kernels' 16 rows."""
+    device = torch.device(device)
+    scheme = quant.get(scheme, OP, "scheme")
+    if device.type != "cuda" or not _triton_ok(scheme, device):
+        return 1
+    if scheme is quant.BF16 and _grouped_mm_ok(device, 64, 64):
+        return 1
+    return TRITON_MIN_ROW_BLOCK
 
 
 @functools.cache  # (as _backend)
@@ -151,7 +198,7 @@ def masked_row_block(scheme, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     scheme = quant.get(scheme, OP, "scheme")
-    if scheme is quant.INT8 or not _dg_role(f"{scheme}_masked", device):
+    if _backend(scheme, "masked", device, 128, 128) != "deep_gemm":
         return 1
     if _cap(device)[0] == 9:
         return _DG_SM90_MASKED_BLOCK_M

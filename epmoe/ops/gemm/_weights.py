@@ -79,6 +79,7 @@ def warmup(
     expected_m: Optional[int] = None,
     w: Optional[torch.Tensor] = None,
     w_scales: Optional[torch.Tensor] = None,
+    alignment: int = 0,
 ) -> None:
     """Compile (and autotune) every kernel one GEMM of a layer will launch, outside graph capture.
 
@@ -97,6 +98,8 @@ def warmup(
             the same T as the forward pass (it decides whether deep_gemm runs on a padded copy).
         expected_m: the masked layout's static hint, exactly as the forward pass passes it.
         w, w_scales: the layer's prepared weights (avoids allocating dummies of the same size).
+        alignment: the contiguous layout's row alignment, as the forward pass passes it (0: the
+            default, :func:`contiguous_row_block`).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -107,7 +110,7 @@ def warmup(
         w, w_scales = _dummy_weights(scheme, E, N, K, device)
     else:
         _checks.check_shape("warmup", "w", w, (E, N, K))
-    row_block = contiguous_row_block(scheme, device)
+    row_block = alignment or contiguous_row_block(scheme, device)
     layouts = (
         (True, False) if scheme is quant.FP8 else (True,)
     )  # fp8: also deep_gemm's scale transpose
@@ -118,7 +121,9 @@ def warmup(
         m_idx = _balanced_m_indices(m, E, row_block, device)
         for mn_major in layouts:
             a, a_s = _dummy_acts(scheme, (m,), K, device, mn_major)
-            grouped_gemm(a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales)
+            grouped_gemm(
+                a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales, alignment=row_block
+            )
     if masked_t is not None and int(masked_t) > 0:
         T = int(masked_t)
         em = max(1, min(int(expected_m or T), T))

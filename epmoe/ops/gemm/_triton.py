@@ -1,0 +1,426 @@
+"""Our Triton grouped GEMMs over expert-sorted rows, for every scheme: bf16 (float32 accumulation),
+fp8 W8A8 (1x128 activation / 128x128 weight scales applied per 128-channel step, as deep_gemm does)
+and int8 W8A8 (int32 accumulation, per-token x per-channel scales); bf16 out. The contiguous kernel
+takes any row block (permute ``alignment``) that is a multiple of 16, the masked kernel any T.
+
+Tile configs: the tuned table for this GPU (:mod:`epmoe.ops.gemm._tuned`) where it has the shape,
+else Triton's autotuner over the candidates below (once per static key, in warmup)."""
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from epmoe import _launch, quant
+from epmoe.ops.gemm import _tuned
+
+MIN_ROW_BLOCK = 16  # tl.dot's smallest M tile: the contiguous kernel's smallest BLOCK_M
+# Masked tiles: the decode-shaped configs (4 warps, long K tiles) spill registers past 64 rows,
+# and LL experts rarely hold more rows than that.
+_MASKED_MIN_BLOCK_M, _MASKED_MAX_BLOCK_M = MIN_ROW_BLOCK, 64
+
+
+def _even_k(args) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _dot_k(
+    a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask, stride_wsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """`[BLOCK_M, BLOCK_N]` sum over K of a `[BLOCK_M, BLOCK_K]` x w `[BLOCK_K, BLOCK_N]` tiles from
+    ``a_ptrs`` / ``w_ptrs`` (the K tail masked to 0 unless EVEN_K): float32 (QUANT 0 bf16; 1 fp8,
+    each step times its SCALE_K-group scales at ``as_ptrs`` / ``ws_ptrs``) or int32 (2, int8)."""
+    if QUANT == 2:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        if QUANT == 1:  # (BLOCK_K divides SCALE_K: one scale group per step)
+            g = kb * BLOCK_K // SCALE_K
+            a_s = tl.load(as_ptrs + g * stride_ask)
+            w_s = tl.load(ws_ptrs + g * stride_wsk)
+            acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+        elif QUANT == 2:
+            acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b, acc=acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _tile(
+    a_row_ptr, w_ptr, a_scale_row_ptr, w_scale_ptr, rows, cols, offs_k, K,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """float32 `[BLOCK_M, BLOCK_N]` output tile of ``rows`` (of a_row_ptr) x ``cols`` (of one
+    expert's w at w_ptr / w_scale_ptr), its scales applied."""
+    a_ptrs = a_row_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    as_ptrs = a_scale_row_ptr + rows * stride_asm
+    ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
+    ws_ptrs = w_scale_ptr + ws_cols * stride_wsn
+    acc = _dot_k(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask,
+                 stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+    if QUANT == 2:
+        y = acc.to(tl.float32) * tl.load(as_ptrs)[:, None] * tl.load(ws_ptrs)[None, :]
+    else:
+        y = acc
+    return y
+
+
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit(do_not_specialize=["M"])
+def _contiguous_kernel(
+    # tensors (bf16: the scale pointers are unused)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr,
+    # sizes (E only keys the autotuner)
+    M, N, K, E,
+    # strides
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_om, stride_on,
+    # meta
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row blocks (mostly of the same expert) sweep the N tiles together: weight tiles and
+    # activation rows are reused from L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
+    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # tail rows/columns wrap onto valid memory; their results are never stored
+    rows = (offs_m % M).to(tl.int64)
+    cols = offs_n % N
+    y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
+              rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn, stride_wk,
+              stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+              QUANT, SCALE_K)  # fmt: skip
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(o_ptrs, y.to(tl.bfloat16), mask=o_mask)
+
+
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _masked_kernel(
+    # tensors (bf16: the scale pointers are unused)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
+    # sizes (E only keys the autotuner)
+    T, N, K, E,
+    # strides
+    stride_ae, stride_at, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_ase, stride_ast, stride_ask,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_oe, stride_ot, stride_on,
+    # meta
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
+        if pid_n + expert + pid_s == 0:
+            ex = tl.arange(0, E_PAD)
+            c = tl.load(masked_m_ptr + ex, mask=ex < E, other=0)
+            n_bad = tl.sum(((c < 0) | (c > T)).to(tl.int32), axis=0)
+            tl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
+    # clamped to T so a bad count can never read past the expert's slot (the op also asserts it)
+    count = tl.minimum(tl.load(masked_m_ptr + expert), T)
+    e64 = expert.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+
+    # Row blocks pid_s, pid_s + M_SPLIT, ... below the device-side count: a fixed grid (graph-safe)
+    # whose programs past the count do nothing, sized by expected_m rather than by T.
+    for m0 in range(pid_s * BLOCK_M, count, M_SPLIT * BLOCK_M):
+        offs_t = m0 + tl.arange(0, BLOCK_M)
+        # rows >= count are never read: clamp onto the last live row, never store them
+        rows = tl.minimum(offs_t, count - 1).to(tl.int64)
+        y = _tile(a_ptr + e64 * stride_ae, w_ptr + e64 * stride_we, a_scale_ptr + e64 * stride_ase,
+                  w_scale_ptr + e64 * stride_wse, rows, cols, tl.arange(0, BLOCK_K), K, stride_at,
+                  stride_ak, stride_wn, stride_wk, stride_ast, stride_ask, stride_wsn, stride_wsk,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+        o_ptrs = (
+            out_ptr
+            + e64 * stride_oe
+            + offs_t.to(tl.int64)[:, None] * stride_ot
+            + offs_n[None, :] * stride_on
+        )
+        o_mask = (offs_t[:, None] < count) & (offs_n[None, :] < N)
+        tl.store(o_ptrs, y.to(tl.bfloat16), mask=o_mask)
+
+
+_FP8_MAX_TILE = 64 * 128  # fp8 output tile elements that compile without spills on sm90
+
+
+def _cfg(num_warps, num_stages, **kw):
+    return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
+
+
+# Hopper-sized tiles for the compute-bound prefill GEMM (<= ~200 KB shared memory; configs that do
+# not fit are dropped by the autotuner), then narrower row blocks for small alignments (decode).
+_CONTIGUOUS_CONFIGS = [
+    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+    _cfg(4, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+    _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, GROUP_M=8),
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+    _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=4),
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1),
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
+    _cfg(4, 5, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1),
+]
+# Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
+_MASKED_CONFIGS = [
+    _cfg(4, 4, BLOCK_N=64, BLOCK_K=256),
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=256),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128),
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128),
+    _cfg(4, 3, BLOCK_N=32, BLOCK_K=512),
+    _cfg(8, 3, BLOCK_N=128, BLOCK_K=128),
+]
+
+
+def fits(config: Dict, quant_code: int, row_block: int = 0) -> bool:
+    """Whether tile ``config`` (BLOCK_M / BLOCK_N / BLOCK_K keys) runs the scheme of kernel code
+    ``quant_code`` on expert blocks aligned to ``row_block`` rows (0: the masked layout)."""
+    if quant_code == 1:
+        if quant.FP8_GROUP % config["BLOCK_K"]:
+            return False  # one scale group per K step
+        if config.get("BLOCK_M", _MASKED_MAX_BLOCK_M) * config["BLOCK_N"] > _FP8_MAX_TILE:
+            return False  # two float32 tiles live at once: larger ones spill (sm90, ptxas)
+    return row_block == 0 or row_block % config["BLOCK_M"] == 0
+
+
+@_launch.memo
+def _tuner(layout: str, quant_code: int, row_block: int):
+    """Triton's autotuner over the candidate configs that fit (see :func:`fits`). Its keys are
+    static dims only (never token counts): it tunes once per weight shape, in warmup()."""
+    if layout == "contiguous":
+        fn, configs, key = _contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]
+    else:
+        fn, configs, key = _masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]
+    keep = [c for c in configs if fits(c.all_kwargs(), quant_code, row_block)]
+    return triton.autotune(keep or configs[-1:], key=key)(fn)
+
+
+_BEST: Dict[Tuple, Tuple] = {}  # (autotuner, device, static key) -> (JITFunction, launch kwargs)
+
+
+def _launch_tuned(tuned, key: Tuple, grid, tensors: Tuple, sizes: Tuple, meta: dict,
+                  table: Optional[Callable[[], Optional[Dict]]] = None) -> None:  # fmt: skip
+    """Launch autotuned kernel ``tuned`` on its leading ``tensors`` and the ``sizes`` (sizes and
+    strides) after them. Its first call per static ``key`` takes the config ``table()`` returns
+    (the tuned table's entry) or, where that is None, goes through the autotuner (tuning if
+    needed); later calls launch the chosen config's JITFunction as a cached
+    :class:`epmoe._launch.Prepared`, without the autotuner's and the heuristics' per-call
+    re-binding (the kernels run inside an opaque op: never traced)."""
+    if _launch._INTERPRET:
+        tuned[grid](*tensors, *sizes, **meta)
+        return
+    key = (id(tuned), torch._C._cuda_getDevice(), *key)
+    hit = _BEST.get(key)
+    if hit is None:
+        config = table() if table is not None else None
+        if config is None:  # (the autotuner's run launches the kernel too)
+            tuned[grid](*tensors, *sizes, **meta)
+            best = tuned.best_config.all_kwargs()
+            _BEST[key] = _resolved(tuned.fn, (*tensors, *sizes), meta, best)
+            return
+        hit = _BEST[key] = _resolved(tuned.fn, (*tensors, *sizes), meta, config)
+    full = {**meta, **hit[1]}
+    _tuned_launch(key, grid(full), sizes, tuple(full.items())).untraced(*tensors)
+
+
+@_launch.memo
+def _tuned_launch(key: Tuple, grid: Tuple, tail: Tuple, meta: Tuple) -> _launch.Prepared:
+    """The tuned config's launch for these sizes (``key``: the _BEST entry it launches)."""
+    return _launch.Prepared(_BEST[key][0], grid, tail, dict(meta))
+
+
+def _resolved(fn, args: Tuple, meta: dict, best: dict) -> Tuple:
+    """(the jitted function under ``fn``, its launch kwargs): config ``best`` plus the values of
+    the heuristics between them (ours read key-static arguments only: fixed per key)."""
+    while isinstance(fn, triton.runtime.autotuner.Heuristics):
+        named = {**dict(zip(fn.arg_names, args, strict=False)), **meta, **best}
+        best = {**best, **{name: value(named) for name, value in fn.values.items()}}
+        fn = fn.fn
+    return fn, best
+
+
+@_launch.memo  # (sizes only: the same for every call of a layer)
+def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
+    """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes: tiles sized for expected_m."""
+    em = max(1, min(expected_m or t, t))
+    block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, _launch.pow2(em)))
+    split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
+    return block_m, split
+
+
+def _scales(a, w, a_scales, w_scales, lead: int) -> Tuple:
+    """(a_scales, w_scales, their strides padded to ``lead`` + 1 / 3 entries): bf16 passes w in
+    place of the absent scales (the kernels never read them) and zero strides."""
+    if a_scales is None:
+        return w, w, (0,) * (lead + 1), (0, 0, 0)
+    ws = tuple(w_scales.stride()) + (0,) * (3 - w_scales.dim())  # (int8: [E, N], no K stride)
+    return a_scales, w_scales, tuple(a_scales.stride()), ws
+
+
+def _meta(a: torch.Tensor) -> Dict:
+    scheme = quant.of_dtype(a.dtype)
+    return dict(QUANT=scheme.kernel_code, SCALE_K=quant.FP8_GROUP)
+
+
+def contiguous_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    row_block: int = 128,
+    config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the contiguous kernel (also on CPU tensors under TRITON_INTERPRET=1).
+
+    Args:
+        a: bf16/fp8/int8 `[M_sum, Kd]`. w: same dtype `[E, N, Kd]`. m_indices: int32 `[M_sum]`,
+            contiguous. a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
+        row_block: expert blocks start at multiples of it (permute's alignment; a multiple of
+            MIN_ROW_BLOCK): BLOCK_M divides it.
+        config: explicit meta-parameters (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+            optionally num_stages); None = the tuned table's, else autotuned.
+        out: bf16 `[M_sum, N]` to write into (tests); None allocates it.
+    Returns:
+        bf16 `[M_sum, N]`; rows of -1 blocks are left unwritten.
+    """
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    m_indices = m_indices.contiguous()
+    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 1)
+
+    def grid(meta):
+        return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(N, meta["BLOCK_N"]),)
+
+    tensors = (a, w, a_s, w_s, m_indices, out)
+    sizes = (
+        M, N, K, E,
+        a.stride(0), a.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        *as_strides, *ws_strides,
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    meta = _meta(a)
+    if config is not None:
+        _contiguous_kernel[grid](*tensors, *sizes, **meta, **config)
+        return out
+    scheme, dev = quant.of_dtype(a.dtype), a.device
+    table = lambda: _tuned.lookup("contiguous", scheme, N, K, E, row_block, M, dev)  # noqa: E731
+    key = (N, K, E, row_block, _launch.pow2(M), a.dtype, out.dtype)  # (the table's M classes)
+    tuner = _tuner("contiguous", meta["QUANT"], row_block)
+    _launch_tuned(tuner, key, grid, tensors, sizes, meta, table)
+    return out
+
+
+def masked_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    expected_m: int = 0,
+    config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+    ok: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the masked kernel (also on CPU tensors under TRITON_INTERPRET=1).
+
+    Args:
+        a: bf16/fp8/int8 `[E, T, Kd]`. w: same dtype `[E, N, Kd]`. masked_m: int32 `[E]` live
+            rows per expert. a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None for
+            bf16).
+        expected_m: static hint of rows per expert (0 = T): picks BLOCK_M and the grid's M split.
+        config: explicit meta-parameters (BLOCK_N, BLOCK_K, num_warps[, num_stages], optionally
+            BLOCK_M and M_SPLIT); None = the tuned table's, else autotuned BLOCK_N/BLOCK_K.
+        out: bf16 `[E, T, N]` to write into (tests); None allocates it.
+        ok: bool `[]` the kernel sets to "every count in [0, T]" (the op's value check, no launch
+            of its own); None skips the check.
+    Returns:
+        bf16 `[E, T, N]`; rows t >= masked_m[e] are left unwritten.
+    """
+    E, T, K = a.shape
+    N = w.shape[1]
+    if out is None:
+        out = torch.empty((E, T, N), dtype=torch.bfloat16, device=a.device)
+    if E == 0 or T == 0 or N == 0:
+        return out
+    masked_m = masked_m.contiguous()
+    block_m, split = _masked_tiling(T, expected_m)
+    meta = dict(config or {})
+    meta.setdefault("BLOCK_M", block_m)
+    meta.setdefault("M_SPLIT", split)
+    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 2)
+
+    def grid(m):
+        return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
+
+    tensors = (a, w, a_s, w_s, masked_m, out, ok if ok is not None else masked_m)
+    sizes = (
+        T, N, K, E,
+        a.stride(0), a.stride(1), a.stride(2),
+        w.stride(0), w.stride(1), w.stride(2),
+        *as_strides, *ws_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+    )  # fmt: skip
+    meta.update(_meta(a), CHECK=ok is not None, E_PAD=_launch.pow2(E))
+    if config is not None:
+        _masked_kernel[grid](*tensors, *sizes, **meta)
+        return out
+    scheme, dev, bm = quant.of_dtype(a.dtype), a.device, meta["BLOCK_M"]
+    table = lambda: _tuned.lookup("masked", scheme, N, K, E, bm, expected_m or T, dev)  # noqa: E731
+    key = (N, K, E, bm, _launch.pow2(expected_m or T), a.dtype, out.dtype)
+    tuner = _tuner("masked", meta["QUANT"], 0)
+    _launch_tuned(tuner, key, grid, tensors, sizes, meta, table)
+    return out
