@@ -1,9 +1,10 @@
-"""Tuned tile configs of our Triton grouped GEMMs, kept as data: one JSON file per GPU model in
-``tuned/`` beside this module (``tuned/nvidia_h200.json``), written on that GPU by
-``scripts/tune_gemm.py``, which times each candidate config against deep_gemm on the same problem.
+"""Measured choices, kept as data: one JSON file per GPU model in ``tuned/`` beside this module
+(``tuned/nvidia_h200.json``), written on that GPU by ``scripts/tune_gemm.py``: the tile configs
+of our Triton grouped GEMMs and which backend wins each GEMM problem ("entries"), and which path
+and alignment wins each call size of a one-rank layer ("paths").
 
-A file holds ``{"device": name, "triton": version, "entries": [...]}``; each entry is one problem
-class and its winner::
+A file holds ``{"device": name, "triton": version, "torch": version, "date": ..., "commit": ...,
+"entries": [...], "paths": [...]}``. Each entry is one GEMM problem class and its winner::
 
     {"layout": "contiguous" | "masked", "scheme": "fp8", "N": 1536, "K": 2048, "E": 128,
      "block": 16,   # contiguous: the row block (permute alignment); masked: BLOCK_M
@@ -16,6 +17,17 @@ class and its winner::
 :func:`lookup` returns the config of the entry with the smallest ``m`` >= the call's rows (else
 the largest): a function of static sizes only, so captured graphs stay valid. No file, or no entry
 for the problem: the caller autotunes over its candidate configs instead.
+
+Each path is one call size of a one-rank ``mode="auto"`` layer above its GEMV cutoff and what
+measured fastest there (CUDA-graph replay of the whole layer)::
+
+    {"scheme": "fp8", "E": 128, "H": 2048, "I": 768, "K": 8,   # the layer's sizes (top-K: K)
+     "t": 32,                       # tokens per call
+     "path": "ll" | "ht",           # masked layout, or contiguous with this permute alignment
+     "alignment": 16,               # (ht only; 0 for ll)
+     "us": {"ll": 90.1, "ht@128": 120.3, "ht@16": 84.0}}
+
+:func:`path` returns the entry with the smallest ``t`` >= the call's tokens (else the largest).
 """
 
 import functools
@@ -80,3 +92,28 @@ def backend(layout, scheme, n, k, e, block, m, device) -> Optional[str]:
     """ "triton" or "deep_gemm", whichever the table measured faster; None: no entry."""
     x = entry(layout, scheme, n, k, e, block, m, device)
     return None if x is None else x["backend"]
+
+
+@functools.cache
+def _paths(device_name: str) -> Dict[Tuple, List[Dict]]:
+    path_ = DIR / file_name(device_name)
+    if not path_.is_file():
+        return {}
+    by_layer: Dict[Tuple, List[Dict]] = {}
+    for p in json.loads(path_.read_text()).get("paths", []):
+        by_layer.setdefault(layer_key(p), []).append(p)
+    return {k: sorted(v, key=lambda p: p["t"]) for k, v in by_layer.items()}
+
+
+def layer_key(p: Dict) -> Tuple:
+    """The layer sizes a path entry belongs to."""
+    return (str(p["scheme"]), p["E"], p["H"], p["I"], p["K"])
+
+
+def paths(scheme, E: int, H: int, I: int, K: int, device) -> List[Dict]:  # noqa: E741
+    """The path entries of a one-rank layer of these sizes on ``device``, by ``t`` ([] without)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _paths(_device_name(index)).get((str(scheme), E, H, I, K), [])
