@@ -45,6 +45,7 @@ from epmoe.ops import dispatch as _dispatch
 from epmoe.ops import gemm
 from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import (
+    _tuned,
     grouped_gemm_contiguous,
     grouped_gemm_masked,
     masked_row_block,
@@ -283,6 +284,8 @@ class EPMoE(nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        # the measured paths on this GPU may pick another alignment per call size (not a given one)
+        alignment_given = alignment is not None
         if alignment is None:
             alignment = DEFAULT_ALIGNMENT
         _checks.check_positive_int(OP, "alignment", alignment)
@@ -315,10 +318,19 @@ class EPMoE(nn.Module):
         self.num_local_experts = self.comm.num_local_experts
         # one rank, local backend: no dispatch or combine ops at all
         self.local = self.comm.world_size == 1 and self.comm.name == "local"
-        # "auto" on one rank: GEMVs up to this many tokens (0 with several ranks or another mode)
+        self._plans: Dict[int, Tuple[str, int]] = {}  # call size -> plan(size), filled per call
         self.gemv_max_tokens = 0
         if mode == "auto" and self.local:
             self.gemv_max_tokens = gemv_max_tokens(self.scheme, num_experts, top_k)
+        # "auto" on one rank above the GEMV cutoff: the path and alignment measured fastest on this
+        # GPU for each call size (the tuned table, scripts/tune_gemm.py); [] -> the rules above
+        # (a given alignment is kept: then the sizes measured fastest on HT follow the rules)
+        self._measured: List[Dict] = []
+        if mode == "auto" and self.local:
+            self._measured = _tuned.paths(
+                self.scheme, num_experts, hidden_size, intermediate_size, top_k, device
+            )
+        self._alignment_given = alignment_given
         if mode == "auto" and self.worst_case and not self.local:
             raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
         # masked-layout rows per expert: on one rank a multiple of the masked GEMM's row block
@@ -476,11 +488,18 @@ class EPMoE(nn.Module):
         return self._route(st, x, topk_ids, topk_weights)
 
     def _route(self, st, x, topk_ids, topk_weights):
-        if self.uses_gemv(x.shape[0]):
+        T = x.shape[0]
+        plan = self._plans.get(T) if type(T) is int else None  # (SymInts: planned afresh)
+        if plan is None:
+            plan = self.plan(T)
+            if type(T) is int:
+                self._plans[T] = plan
+        path, alignment = plan
+        if path == "gemv":
             return self._forward_gemv(st, x, topk_ids, topk_weights)
-        if self.uses_ll(x.shape[0]):
+        if path == "ll":
             return self._forward_ll(st, x, topk_ids, topk_weights)
-        return self._forward_ht(st, x, topk_ids, topk_weights)
+        return self._forward_ht(st, x, topk_ids, topk_weights, alignment)
 
     def _trusts_stages(self) -> bool:
         """A stage may take the previous stage's output unchecked: no record_stages(replace=...)
@@ -490,10 +509,41 @@ class EPMoE(nn.Module):
 
     def uses_ll(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens takes the LL (masked) path: mode "ll", or "auto"
-        with at most ``ll_max_tokens`` tokens (a function of the shape only)."""
-        if self.mode == "auto":
-            return num_tokens <= self.ll_max_tokens
-        return self.mode == "ll"
+        with at most ``ll_max_tokens`` tokens where this GPU's measured path says LL (or has none
+        for the size): a function of the shape only."""
+        if self.mode != "auto":
+            return self.mode == "ll"
+        if num_tokens > self.ll_max_tokens:
+            return False
+        measured = self._measured_path(num_tokens)
+        return measured is None or measured["path"] == "ll"
+
+    def _measured_path(self, num_tokens) -> Optional[Dict]:
+        """The tuned path entry of a call size (the smallest measured size >= it), or None: none
+        measured, or an HT entry while the alignment was given."""
+        p = next((p for p in self._measured if num_tokens <= p["t"]), None)
+        return None if p is not None and p["path"] == "ht" and self._alignment_given else p
+
+    @property
+    def gemv_max_tokens(self) -> int:
+        """ "auto" on one rank: GEMVs up to this many tokens (0 with several ranks or another mode;
+        settable, e.g. to compare paths)."""
+        return self._gemv_max_tokens
+
+    @gemv_max_tokens.setter
+    def gemv_max_tokens(self, value: int) -> None:
+        self._gemv_max_tokens = int(value)
+        self._plans.clear()
+
+    def plan(self, num_tokens) -> Tuple[str, int]:
+        """(path, permute alignment) of a call of ``num_tokens`` tokens: "gemv", "ll" or "ht",
+        and the alignment the HT path permutes to (the layer's, or this GPU's measured one)."""
+        if self.uses_gemv(num_tokens):
+            return "gemv", self.alignment
+        if self.uses_ll(num_tokens):
+            return "ll", self.alignment
+        measured = self._measured_path(num_tokens) if self.mode == "auto" else None
+        return "ht", measured["alignment"] if measured is not None else self.alignment
 
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
@@ -502,9 +552,7 @@ class EPMoE(nn.Module):
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""
-        if self.uses_gemv(num_tokens):
-            return "gemv"
-        return "ll" if self.uses_ll(num_tokens) else "ht"
+        return self.plan(num_tokens)[0]
 
     @contextlib.contextmanager
     def record_stages(self, replace: Optional[Dict[str, Callable]] = None):
@@ -559,34 +607,36 @@ class EPMoE(nn.Module):
             bias=bias,
         )
 
-    def _forward_ht(self, st, x, topk_ids, topk_weights):
-        """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward)."""
+    def _forward_ht(self, st, x, topk_ids, topk_weights, alignment=None):
+        """``st``: the stage functions, _TRUSTED or _PUBLIC (see forward); ``alignment``: the
+        permute alignment of this call size (None: the layer's)."""
+        alignment = alignment or self.alignment
         scales = None
         if self.scheme.quantized:
             x, scales = self._emit("quantize", st.quantize(x, self.quant, width=self._width))
         if self.local:  # one rank: permute reads the caller's tensors, unpermute's output is out
-            return self._experts_ht(st, x, scales, topk_ids, topk_weights)
+            return self._experts_ht(st, x, scales, topk_ids, topk_weights, alignment)
         worst = self.worst_case and self.mode == "ht"
         d = self._emit(
             "dispatch", st.ht_dispatch(x, topk_ids, topk_weights, self.comm_key, scales, worst)
         )
-        y = self._experts_ht(st, d.x, d.x_scales, d.topk_ids, d.topk_weights)
+        y = self._experts_ht(st, d.x, d.x_scales, d.topk_ids, d.topk_weights, alignment)
         return self._emit("combine", st.ht_combine(y, d.handle, self.comm_key))
 
-    def _experts_ht(self, st, x, scales, topk_ids, topk_weights):
+    def _experts_ht(self, st, x, scales, topk_ids, topk_weights, alignment):
         """permute -> GEMM1 -> activation -> GEMM2 -> unpermute on rows with local ids."""
         p = st.permute(
             x,
             topk_ids,
             self.num_local_experts,
-            self.alignment,
+            alignment,
             scales,
             scale_layout=self._scale_layout,
         )
         p, b = self._emit("permute", p), self._buffers
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
         kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-        mm, gk = st.grouped_gemm_contiguous, dict(kw, trusted=True, alignment=self.alignment)
+        mm, gk = st.grouped_gemm_contiguous, dict(kw, trusted=True, alignment=alignment)
         y = mm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **gk)
         y = self._emit("gemm1", y)
         h, hs = self._emit("act", self._act(st, y, **kw))
@@ -612,20 +662,25 @@ class EPMoE(nn.Module):
             return
         default = self.ll_max_tokens if self.mode != "ht" else self.max_tokens_per_rank
         counts = sorted(set(token_counts or [default or 1]), reverse=True)
-        ll = any(self.uses_ll(t) for t in counts)
-        ht = [t for t in counts if not self.uses_ll(t)]  # largest first: it drives INT8 autotuning
+        plans = {t: self.plan(t) for t in counts}
+        ll = any(path == "ll" for path, _ in plans.values())
+        # HT sizes by alignment, largest first: the largest drives INT8 autotuning
+        ht: Dict[int, List[int]] = {}
+        for t in counts:
+            if plans[t][0] == "ht":
+                ht.setdefault(plans[t][1], []).append(t)
         E, H, I = self.num_local_experts, self.hidden_padded, self.inter_padded
         for (w, s), (n, k) in (
             ((self.w1, self.w1_scale), (self.gate.width(I), H)),
             ((self.w2, self.w2_scale), (H, I)),
         ):
-            if ht:
+            for alignment, sizes in ht.items():
                 cap = self.max_tokens_per_rank if self.worst_case and not self.local else None
-                rows = [self.world_size * (cap or t) for t in ht]
-                m = [reference.permuted_rows(r, self.top_k, E, self.alignment) for r in rows]
+                rows = [self.world_size * (cap or t) for t in sizes]
+                m = [reference.permuted_rows(r, self.top_k, E, alignment) for r in rows]
                 gemm.warmup(
                     self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s,
-                    alignment=self.alignment,
+                    alignment=alignment,
                 )  # fmt: skip
             if ll:
                 gemm.warmup(

@@ -147,6 +147,45 @@ def test_auto_gemv_cutoff_follows_expected_rereads():
     assert epmoe.EPMoE(4, 64, 64, 8, mode="auto", backend="local", device="cpu").path(1) == "ll"
 
 
+def test_auto_follows_this_gpus_measured_paths(monkeypatch):
+    """One rank, mode "auto": above the GEMV cutoff each call size takes the path and alignment
+    this GPU's tuned table measured fastest (the smallest measured size >= the call's); sizes past
+    the table keep the rules; a given alignment keeps the layer's (its HT entries are not used)."""
+    from epmoe import layer as layer_mod
+    from epmoe import reference
+
+    measured = [
+        dict(scheme="fp8", E=8, H=256, I=128, K=3, t=4, path="ll", alignment=0),
+        dict(scheme="fp8", E=8, H=256, I=128, K=3, t=16, path="ht", alignment=32),
+        dict(scheme="fp8", E=8, H=256, I=128, K=3, t=64, path="ht", alignment=16),
+    ]
+    asked = []
+
+    def paths(scheme, E, H, I, K, device):  # noqa: E741
+        asked.append((str(scheme), E, H, I, K))
+        return measured
+
+    monkeypatch.setattr(layer_mod._tuned, "paths", paths)
+    layer = small_layer("fp8", "auto", ll_max_tokens=32)
+    assert asked == [("fp8", 8, 256, 128, 3)]
+    cut = layer.gemv_max_tokens
+    plans = {T: layer.plan(T) for T in (cut + 1, 5, 16, 17, 32, 33, 100)}
+    assert plans == {cut + 1: ("ll", 128), 5: ("ht", 32), 16: ("ht", 32), 17: ("ht", 16),
+                     32: ("ht", 16), 33: ("ht", 16), 100: ("ht", 128)}  # fmt: skip
+    w1, w2 = global_weights(**SMALL)
+    for T in (5, 17, 100):
+        x, ids, w = tokens(T, seed=T, **SMALL)
+        with layer.record_stages() as rec:
+            out = layer(x, ids, w)
+        rows = reference.permuted_rows(T, 3, 8, plans[T][1])
+        assert rec["permute"].m_indices.shape == (rows,) and layer.path(T) == "ht"
+        check_layer_output(out, x, ids, w, w1, w2, "fp8")
+    given = small_layer("fp8", "auto", ll_max_tokens=32, alignment=64)
+    assert [given.plan(T) for T in (5, 17, 33)] == [("ll", 64), ("ll", 64), ("ht", 64)]
+    given.gemv_max_tokens = 0  # (settable: the cached plans follow)
+    assert given.plan(1) == ("ll", 64)
+
+
 def test_auto_mode_bad_config():
     with pytest.raises(ValueError, match="EPMoE: ll_max_tokens expected a positive int, got 0"):
         _bad(mode="auto", ll_max_tokens=0)()

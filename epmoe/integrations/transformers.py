@@ -596,8 +596,9 @@ def _new_layer(
         quant=scheme.name,
         backend="local",
         device=device,
-        # the smallest row alignment the grouped GEMM takes: padding rows are computed
-        alignment=gemm.contiguous_row_block(scheme, device),
+        # CPU: the reference takes any alignment (padding rows are computed); CUDA: the layer's
+        # default, and this GPU's measured alignment per call size
+        alignment=None if torch.device(device).type == "cuda" else 1,
     )
     try:
         return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)
