@@ -462,9 +462,73 @@ def test_row_block_and_alignment_error(scheme):
         import deep_gemm
 
         assert block == deep_gemm.get_mk_alignment_for_contiguous_layout()
-    if block > 1:
-        with pytest.raises(ValueError, match="alignment expected a multiple of"):
-            EPMoE(8, 256, 128, 2, quant=scheme, alignment=block // 2, backend="local", device=dev)
+    smallest = gemm.smallest_row_block(scheme, dev)
+    assert smallest == (1 if scheme == "bf16" else 16)  # (bf16: torch._grouped_mm takes any)
+    if smallest > 1:
+        with pytest.raises(ValueError, match="alignment expected a multiple of 16"):
+            EPMoE(8, 256, 128, 2, quant=scheme, alignment=24, backend="local", device=dev)
+
+
+# our Triton kernels at the row blocks deep_gemm cannot take, autotuned as the layer runs them
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("align", [16, 32, 64])
+def test_triton_contiguous_small_row_blocks(scheme, align):
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(30 + align)
+    m_idx = _layout([37, 0, align, 5], align).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 4, 256, 512, dev, gen)
+    y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=align)
+    live = m_idx >= 0
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+    # the op at that alignment: deep_gemm cannot take it, ours (or grouped_mm for bf16) runs it
+    y2 = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws, alignment=align)
+    assert rel_l2(y2[live], want[live]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_triton_masked_every_scheme(scheme):
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(33)
+    E, T = 4, 40
+    a, as_, w, ws = _operands(scheme, (E, T), E, 256, 512, dev, gen)
+    mm = torch.tensor([0, 7, 40, 16], dtype=torch.int32, device=dev)
+    y = _triton.masked_triton(a, w, mm, as_, ws, expected_m=16)
+    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
+    assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("align", [16, 64])
+def test_layer_small_alignment_matches_reference(scheme, align):
+    """The whole one-rank layer at a permute alignment deep_gemm cannot take (graph replay too)."""
+    from epmoe import EPMoE
+    from tests._moe import global_weights, tokens
+
+    dev = torch.device("cuda")
+    shape = dict(num_experts=8, hidden_size=256, intermediate_size=256, top_k=2)
+    layer = EPMoE(**shape, quant=scheme, mode="ht", alignment=align, backend="local", device=dev)
+    w1, w2 = global_weights(**shape)
+    layer.load_weights(w1, w2)
+    x, ids, w = (t.to(dev) for t in tokens(48, seed=align, **shape))
+    layer.warmup([48])
+    out = layer(x, ids, w)
+    want = reference.quantized_moe(x, ids, w, w1.to(dev), w2.to(dev), scheme)
+    assert rel_l2(out, want) < 2e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = layer(x, ids, w)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
 
 
 @pytest.mark.gpu
