@@ -233,6 +233,9 @@ def test_weights_are_shared_between_mode_layers():
     auto = sr.layer("fp8", "auto", 8)
     assert all(getattr(auto, n) is getattr(ht, n) for n in bench.WEIGHTS)
     assert isinstance(auto, epmoe.EPMoE) and auto.mode == "auto"
+    aligned = sr.layer("fp8", "ht32", 8)  # (HT at permute alignment 32, the same weights)
+    assert aligned.mode == "ht" and aligned.alignment == 32 and ht.alignment == 128
+    assert aligned.w1 is ht.w1 and bench.parse_only(["ht16,ht64"]) == {"mode": ["ht16", "ht64"]}
     sr.layer("int8", "ht", 8)  # a new scheme frees the previous one's layers
     assert ("auto", None) not in sr.layers
     sr.close()
