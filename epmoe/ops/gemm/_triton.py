@@ -207,6 +207,9 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1),
     _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
     _cfg(4, 5, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1),
+    # K tiles of 64 divide K = 2880 (gpt-oss), where 128 and 256 leave a masked tail every step
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+    _cfg(4, 5, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -216,6 +219,8 @@ _MASKED_CONFIGS = [
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128),
     _cfg(4, 3, BLOCK_N=32, BLOCK_K=512),
     _cfg(8, 3, BLOCK_N=128, BLOCK_K=128),
+    _cfg(4, 6, BLOCK_N=64, BLOCK_K=64),
+    _cfg(4, 5, BLOCK_N=128, BLOCK_K=64),
 ]
 
 
