@@ -71,17 +71,18 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
     saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._masked_kernel,
-             G._contiguous_kernel)  # fmt: skip
+             G._contiguous_kernel, G._contiguous_gate_kernel)  # fmt: skip
     _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
     _checks.check_values = _checks.check_codes = lambda *a, **k: None
     # the GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._masked_kernel = _Recorder(G._masked_kernel, calls)
     G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
+    G._contiguous_gate_kernel = _Recorder(G._contiguous_gate_kernel, calls)
     try:
         launch()
     finally:
         _launch.kernel, _checks.check_values, _checks.check_codes = saved[:3]
-        G._masked_kernel, G._contiguous_kernel = saved[3:]
+        G._masked_kernel, G._contiguous_kernel, G._contiguous_gate_kernel = saved[3:]
     return calls
 
 
@@ -323,6 +324,25 @@ def cases() -> Dict[str, Callable[[], object]]:
             for sch in ("bf16", "fp8", "int8")
             for c in G._CONTIGUOUS_CONFIGS
             if G.fits(c.all_kwargs(), _code(sch), 128)
+        ],  # fmt: skip
+        "GEMM1 + gate (bf16 / fp8, every candidate config; gpt-oss's gate with biases)": lambda: [
+            G.contiguous_gate_triton(
+                *_gemm_operands(sch, (256,), 4, gate.get(spec).width(256), 512, mn_major=True),
+                gate.get(spec),
+                torch.zeros((4, gate.get(spec).width(256))) if bias else None,
+                torch.empty((256, 256), dtype=torch.float8_e4m3fn if sch == "fp8" else bf.dtype),
+                torch.empty((2, 256)).t() if sch == "fp8" else torch.empty((256, 0)),
+                row_block=128,
+                config=_launch_options(c),
+            )
+            for sch in ("bf16", "fp8")
+            for c in G._GATE_CONFIGS
+            if G.fits_gate(c.all_kwargs(), _code(sch), 128)
+            for spec, bias in (
+                ("silu", False),
+                ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True),
+                ("relu2:glu=0", False),
+            )
         ],  # fmt: skip
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
             G.masked_triton(

@@ -90,6 +90,56 @@ def test_gemm_inputs_that_need_grad_are_refused(seed):
             assert not call().requires_grad
 
 
+# ---------------------------------------------------------------- GEMM1 and the gate, fused
+GATE_SPECS = ("silu", "silu:alpha=1.702,limit=7.0,up_offset=1.0", "relu2:glu=0")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec", GATE_SPECS)
+def test_gemm_gate_is_the_unfused_pair(scheme, spec, seed):
+    """grouped_gemm_gate == GEMM1 then the activation stage, bit for bit (the CPU kernels are the
+    references of both), with a bias and -1 rows; both scale layouts."""
+    from epmoe import gate as G
+
+    g = G.get(spec)
+    E, I, Kd = 3, 128, 256
+    a, as_, w, ws, _, _ = _operands(scheme, (20,), E, g.width(I), Kd)
+    m_idx = torch.randint(-1, E, (20,), dtype=torch.int32)
+    bias = torch.randn(E, g.width(I))
+    y = ops.grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws)
+    live = m_idx >= 0
+    for layout in ("row", "deepgemm"):
+        h, s = ops.grouped_gemm_gate(a, w, m_idx, as_, ws, spec, bias, scale_layout=layout)
+        if scheme == "bf16":
+            want = ops.silu_and_mul(y, m_indices=m_idx, gate=spec, bias=bias)
+            assert s.shape == (20, 0) and torch.equal(h[live], want[live])
+            continue
+        q, qs = ops.silu_and_mul_quant(y, "fp8", m_indices=m_idx, scale_layout=layout, gate=spec,
+                                       bias=bias)  # fmt: skip
+        assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8))
+        assert torch.equal(s[live], qs[live]) and s.stride() == qs.stride()
+
+
+def test_gemm_gate_opcheck_and_bad_input(seed):
+    a, as_, w, ws, _, _ = _operands("fp8", (8,), 2, 256, 128)
+    m_idx = torch.tensor([0, 0, 1, -1, 1, 1, -1, 0], dtype=torch.int32)
+    b = torch.randn(2, 256)
+    opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (a, w, m_idx, as_, ws, "silu", b))
+    ab, _, wb, _, _, _ = _operands("bf16", (8,), 2, 64, 32)
+    opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (ab, wb, m_idx), dict(gate="relu2:glu=0"))
+    ai, asi, wi, wsi, _, _ = _operands("int8", (8,), 2, 256, 128)
+    cases = [
+        ((ai, wi, m_idx, asi, wsi), {}, "grouped_gemm_gate: a expected bf16 or fp8 codes"),
+        ((a, w, m_idx, as_, ws), dict(gate="swish"), "grouped_gemm_gate: gate expected a gate"),
+        ((a, w[:, :128], m_idx, as_, ws[:, :1]), {}, "grouped_gemm_gate: I expected a multiple"),
+        ((a, w, m_idx, as_, ws), dict(bias=b[:, :5]), "grouped_gemm_gate: bias expected shape"),
+        ((ab, wb[:, :63], m_idx), {}, "grouped_gemm_gate: w.shape\\[1\\] expected a multiple"),
+    ]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.grouped_gemm_gate(*args, **kw)
+
+
 @pytest.mark.parametrize("which", ["masked", "contiguous"])
 def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     """After the autotuner's first call per key, the Triton GEMMs launch the tuned config's

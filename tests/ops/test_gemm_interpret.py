@@ -214,3 +214,39 @@ def test_fits_keeps_row_blocks_inside_an_expert():
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
                        for c in _triton._CONTIGUOUS_CONFIGS)  # fmt: skip
+
+
+# GEMM1 + gate in one kernel: the bytes of our GEMM1 kernel followed by the activation stage
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "spec", ["silu", "silu:alpha=1.702,limit=7.0,up_offset=1.0", "relu2:glu=0"]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias):
+    from epmoe import gate as G
+    from epmoe.ops import activation
+
+    g = G.get(spec)
+    gen = torch.Generator().manual_seed(14)
+    E, I, K = 3, 128, 256
+    m_idx = torch.cat([_contiguous_layout([5, 0, 20], 16), torch.full((16,), -1)]).int()
+    a, as_, w, ws = _operands((m_idx.numel(),), E, g.width(I), K, gen, scheme)
+    w = w * 4 if scheme == "bf16" else w  # (gates past the clamp limit too)
+    bias = torch.randn(E, g.width(I), generator=gen) if with_bias else None
+    gemm_cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1)
+    y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=gemm_cfg)
+    h = torch.full((m_idx.numel(), I), 3.0).to(a.dtype)
+    hs = torch.full((m_idx.numel(), I // 128), -1.0)
+    cfg = dict(BLOCK_M=16, BLOCK_N=128 if scheme == "fp8" else 64, BLOCK_K=64, GROUP_M=2)
+    _triton.contiguous_gate_triton(a, w, m_idx, as_, ws, g, bias, h, hs, row_block=16, config=cfg)
+    live = m_idx >= 0
+    if scheme == "bf16":
+        want = activation._silu_and_mul_triton(y, m_indices=m_idx, gate=spec, bias=bias)
+        assert torch.equal(h[live], want[live])
+    else:
+        q, s = activation._silu_and_mul_quant_triton(y, "fp8", m_indices=m_idx, gate=spec,
+                                                     bias=bias)  # fmt: skip
+        assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8))
+        assert torch.equal(hs[live], s[live])
+    dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
+    assert dead.any() and (h[dead].float() == 3.0).all() and (hs[dead] == -1.0).all()

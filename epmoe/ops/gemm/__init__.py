@@ -5,6 +5,9 @@ Contract:
   -1 = skip) -> bf16 `[M_sum, N]`. Rows with m_indices == -1 are unspecified, never read downstream.
   Optional expert_offsets int32 `[E + 1]` (permute's block starts; last = used rows) lets the
   torch._grouped_mm backend skip deriving group ends from m_indices.
+- gate (:func:`grouped_gemm_gate`, contiguous layout, bf16 / fp8): GEMM1 and the activation
+  stage in one kernel (our Triton kernel; elsewhere the two stages): h `[M_sum, I]` and its fp8
+  scales, the bytes of the unfused pair on the same backend.
 - masked: a `[E, T, Kd]`, w `[E, N, Kd]`, masked_m int32 `[E]` -> bf16 `[E, T, N]`; rows
   t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the typical
   rows per expert (0 = T); it picks tile shapes, never results.
@@ -46,7 +49,12 @@ import or patch a private name in the module that defines it (``_ops._backend``,
 ``_triton._masked_kernel``).
 """
 
-from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_contiguous, grouped_gemm_masked
+from epmoe.ops.gemm._ops import (
+    grouped_gemm,
+    grouped_gemm_contiguous,
+    grouped_gemm_gate,
+    grouped_gemm_masked,
+)
 from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
@@ -61,6 +69,7 @@ __all__ = [
     "empty_fp8_act_scales",
     "grouped_gemm",
     "grouped_gemm_contiguous",
+    "grouped_gemm_gate",
     "grouped_gemm_masked",
     "masked_row_block",
     "prepare_weights",

@@ -3,23 +3,26 @@
 kernels that dispatch to the backend :func:`_backend` picks), and the public :func:`grouped_gemm`
 that picks one of them."""
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from epmoe import _checks, reference
+from epmoe import _checks, quant, reference
+from epmoe import gate as _gate
 from epmoe._stage import stage
+from epmoe.kernels.scales import alloc_scales, as_layout
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked
 from epmoe.ops.gemm._select import (
     OP,
     _backend,
     _dg_functions,
+    _runs,
     contiguous_row_block,
     masked_row_block,
     scheme_of,
 )
-from epmoe.ops.gemm._triton import contiguous_triton, masked_triton
-from epmoe.ops.gemm._validate import CONTIGUOUS, MASKED, _check_counts
+from epmoe.ops.gemm._triton import contiguous_gate_triton, contiguous_triton, masked_triton
+from epmoe.ops.gemm._validate import CONTIGUOUS, GATE, MASKED, _check_counts
 
 
 # ---------------------------------------------------------------------------------- CUDA backends
@@ -220,3 +223,91 @@ def grouped_gemm(
         )
     em = int(expected_m or 0)
     return grouped_gemm_masked(a, w, masked_m, a_scales, w_scales, em, trusted)
+
+
+# -------------------------------------------------------------------- GEMM1 and the gate, fused
+def _gate_outputs(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
+                  scale_layout="row", alignment=0, trusted=False):  # fmt: skip
+    """(h `[M_sum, I]` in a's dtype, float32 scales `[M_sum, I/128]` (fp8) or `[M_sum, 0]`)."""
+    g = _gate.get(gate, "grouped_gemm_gate", "gate")
+    inter, lead = (w.shape[1] // 2 if g.glu else w.shape[1]), (a.shape[0],)
+    h = a.new_empty((*lead, inter))
+    groups = quant.of_dtype(a.dtype).act_scale_cols(inter)
+    if not groups:
+        return h, a.new_empty((*lead, 0), dtype=torch.float32)
+    return h, alloc_scales(lead, groups, scale_layout, a.device)
+
+
+def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
+                    scale_layout="row", alignment=0, trusted=False):  # fmt: skip
+    y = _contiguous_reference(a, w, m_indices, a_scales, w_scales)
+    if a.dtype == torch.bfloat16:
+        h = reference.silu_and_mul(y, gate, bias, m_indices)
+        return h, a.new_empty((a.shape[0], 0), dtype=torch.float32)
+    q, s = reference.silu_and_mul_quant(y, "fp8", quant.FP8_GROUP, gate, bias, m_indices)
+    return q, as_layout(s, scale_layout)
+
+
+def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
+               scale_layout="row", alignment=0, trusted=False):  # fmt: skip
+    """grouped_gemm_gate on CUDA: our fused kernel where it runs, else GEMM1 and the activation
+    stage (the same values: the kernel rounds GEMM1's output to bf16 before the gate)."""
+    if not trusted:
+        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+    scheme = scheme_of(a.dtype)
+    block = alignment or contiguous_row_block(scheme, a.device)
+    g = _gate.get(gate, "grouped_gemm_gate", "gate")
+    if _runs("triton", quant.get(scheme), "contiguous", a.device, w.shape[1], a.shape[1], block):
+        h, s = _gate_outputs(a, w, m_indices, gate=g.spec, scale_layout=scale_layout)
+        contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, block)
+        return h, s
+    from epmoe.ops import activation  # (the unfused pair: no fused kernel on this GPU)
+
+    y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block)
+    if a.dtype == torch.bfloat16:
+        h = activation.silu_and_mul(y, m_indices=m_indices, gate=g.spec, bias=bias)
+        return h, a.new_empty((a.shape[0], 0), dtype=torch.float32)
+    return activation.silu_and_mul_quant(y, "fp8", m_indices=m_indices, scale_layout=scale_layout,
+                                         gate=g.spec, bias=bias)  # fmt: skip
+
+
+@stage(
+    contract=GATE,
+    fake=_gate_outputs,
+    reference=_gate_reference,
+    cuda=_gate_cuda,
+    triton=False,
+    chain=dict(trusted=True),  # the layer's rows come from its own permute: -1 or in range
+)
+def grouped_gemm_gate(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
+    alignment: int = 0,
+    trusted: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 and the activation stage in one kernel on the contiguous layout: h = the gate of
+    (a[r] @ w[m_indices[r]].T rounded to bf16, plus bias[m_indices[r]] in float32), rounded to
+    bf16, then (fp8) quantized per 128 channels: the bytes of :func:`grouped_gemm_contiguous` then
+    :func:`epmoe.ops.silu_and_mul` / ``silu_and_mul_quant`` on the same GEMM backend, without y's
+    round trip through memory or the activation's launch.
+
+    Args:
+        a: bf16/fp8 `[M_sum, Kd]` (int8: ValueError; its per-row scale needs the whole row).
+        w: same dtype `[E, W, Kd]`: W = 2I, the gate rows then the up rows (I without a gate
+            half), as returned by :func:`prepare_weights`.
+        m_indices: int32 `[M_sum]` expert per row, -1 to skip; blocks aligned to ``alignment``.
+        a_scales, w_scales: float32 scales for fp8 (see the package docstring).
+        gate: the gate's spec (:func:`epmoe.gate.parse`). bias: optional float `[E, W]`.
+        scale_layout: fp8 output scales "row" or "deepgemm" (what GEMM2 reads without a copy).
+        alignment: as in :func:`grouped_gemm_contiguous`.
+        trusted: m_indices comes from permute (the CUDA kernel skips its value check).
+    Returns:
+        (h bf16/fp8 `[M_sum, I]`, float32 `[M_sum, I/128]` (fp8) or `[M_sum, 0]` (bf16)); rows
+        with m_indices == -1 unspecified. CUDA-graph safe after warmup.
+    """

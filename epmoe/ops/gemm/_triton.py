@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from epmoe import _launch, quant
+from epmoe._jit import _quant_fp8_groups, round_float
+from epmoe.ops._activation_kernels import _gate_rounded
 from epmoe.ops.gemm import _tuned
 
 MIN_ROW_BLOCK = 16  # tl.dot's smallest M tile: the contiguous kernel's smallest BLOCK_M
@@ -61,6 +63,18 @@ def _dot_k(
 
 
 @triton.jit
+def _block_mn(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid``: GROUP_M row blocks (mostly of the same
+    expert) sweep the N tiles together, so weight tiles and activation rows are reused from L2."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    return pid_m, (pid % num_pid_in_group) // group_size_m
+
+
+@triton.jit
 def _tile(
     a_row_ptr, w_ptr, a_scale_row_ptr, w_scale_ptr, rows, cols, offs_k, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk,
@@ -101,17 +115,7 @@ def _contiguous_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row blocks (mostly of the same expert) sweep the N tiles together: weight tiles and
-    # activation rows are reused from L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _block_mn(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
     if expert < 0:
@@ -128,7 +132,101 @@ def _contiguous_kernel(
               QUANT, SCALE_K)  # fmt: skip
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(o_ptrs, y.to(tl.bfloat16), mask=o_mask)
+    tl.store(o_ptrs, round_float(y, tl.bfloat16), mask=o_mask)
+
+
+@triton.jit
+def _dot_gate_up(
+    a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, UP, UP_S, stride_ak, stride_wk, stride_ask,
+    stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr, GLU: tl.constexpr,
+):  # fmt: skip
+    """:func:`_dot_k` (bf16 / fp8) of the gate rows at ``w_ptrs`` and the up rows ``UP`` elements
+    (their scales ``UP_S``) further, one load of each a tile for both: float32 (gate, up); without
+    GLU the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused)."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bu = tl.load(w_ptrs + UP)
+            bg = tl.load(w_ptrs) if GLU else None
+        else:
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            bu = tl.load(w_ptrs + UP, mask=offs_k[:, None] < k_left, other=0)
+            bg = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0) if GLU else None
+        if QUANT == 1:  # (BLOCK_K divides SCALE_K: one scale group per step)
+            g = kb * BLOCK_K // SCALE_K
+            a_s = tl.load(as_ptrs + g * stride_ask)[:, None]
+            acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
+            if GLU:
+                acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
+        else:
+            acc_u = tl.dot(a, bu, acc=acc_u)
+            if GLU:
+                acc_g = tl.dot(a, bg, acc=acc_g)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    return acc_g, acc_u
+
+
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit(do_not_specialize=["M"])
+def _contiguous_gate_kernel(
+    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, b_ptr, h_ptr, hs_ptr,
+    # sizes: I the gate's outputs (w's rows: the I gate rows, then the I up rows with GLU)
+    M, I, K, E,
+    # strides
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_be, stride_bw, stride_hm, stride_hn,
+    stride_hsm, stride_hsg,
+    # meta
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    # the gate (epmoe.gate.Gate.meta)
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _block_mn(tl.program_id(0), M, I, BLOCK_M, BLOCK_N, GROUP_M)
+    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_m % M).to(tl.int64)  # (tail rows wrap onto valid memory, never stored)
+    wc = cols % I
+    offs_k = tl.arange(0, BLOCK_K)
+    up = I if GLU else 0  # (the up rows' offset in w and in the bias)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_e = w_ptr + expert * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    ws_e = w_scale_ptr + expert * stride_wse + (wc // SCALE_K) * stride_wsn
+    acc_g, acc_u = _dot_gate_up(
+        a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
+        (up // SCALE_K) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
+        BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
+    )  # fmt: skip
+    bg, bu = None, None
+    if HAS_BIAS:  # (the bias row of the block's expert, as the activation stage adds it)
+        b_row = b_ptr + expert * stride_be
+        bu = tl.load(b_row + (up + wc) * stride_bw)[None, :]
+        bg = tl.load(b_row + wc * stride_bw)[None, :] if GLU else None
+    # GEMM1's bf16 output, then the activation stage's math on it: the unfused chain's bytes
+    g = round_float(acc_g, tl.bfloat16) if GLU else None
+    h = _gate_rounded(g, round_float(acc_u, tl.bfloat16), bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT,
+                      CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
+    m = (offs_m[:, None] < M) & (cols[None, :] < I)
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + cols[None, :] * stride_hn
+    if QUANT == 1:  # (BLOCK_N == SCALE_K: the tile is one activation scale group per row)
+        q, hs = _quant_fp8_groups(h)
+        tl.store(h_ptrs, q, mask=m)
+        tl.store(hs_ptr + offs_m.to(tl.int64) * stride_hsm + pid_n * stride_hsg, hs,
+                 mask=offs_m < M)  # fmt: skip
+    else:
+        tl.store(h_ptrs, round_float(h, tl.bfloat16), mask=m)
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -181,7 +279,7 @@ def _masked_kernel(
             + offs_n[None, :] * stride_on
         )
         o_mask = (offs_t[:, None] < count) & (offs_n[None, :] < N)
-        tl.store(o_ptrs, y.to(tl.bfloat16), mask=o_mask)
+        tl.store(o_ptrs, round_float(y, tl.bfloat16), mask=o_mask)
 
 
 _FP8_MAX_TILE = 64 * 128  # fp8 output tile elements that compile without spills on sm90
@@ -224,6 +322,30 @@ _MASKED_CONFIGS = [
 ]
 
 
+# GEMM1 + gate in one kernel: two float32 accumulators (gate, up) per tile; fp8 out wants tiles of
+# one activation scale group (BLOCK_N = 128)
+_GATE_CONFIGS = [
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+    _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4),
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1),
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1),
+]
+
+
+def fits_gate(config: Dict, quant_code: int, row_block: int) -> bool:
+    """Whether ``config`` runs GEMM1 + gate for the scheme of kernel code ``quant_code`` (bf16 0,
+    fp8 1; int8's per-row scale needs the whole row: never) at ``row_block``."""
+    if quant_code == 2 or row_block % config["BLOCK_M"]:
+        return False
+    tile = config["BLOCK_M"] * config["BLOCK_N"]
+    if quant_code == 1:
+        return config["BLOCK_N"] == quant.FP8_GROUP and tile <= _FP8_MAX_TILE // 2 and \
+            quant.FP8_GROUP % config["BLOCK_K"] == 0  # fmt: skip
+    return tile <= 64 * 128
+
+
 def fits(config: Dict, quant_code: int, row_block: int = 0) -> bool:
     """Whether tile ``config`` (BLOCK_M / BLOCK_N / BLOCK_K keys) runs the scheme of kernel code
     ``quant_code`` on expert blocks aligned to ``row_block`` rows (0: the masked layout)."""
@@ -237,13 +359,17 @@ def fits(config: Dict, quant_code: int, row_block: int = 0) -> bool:
 
 @_launch.memo
 def _tuner(layout: str, quant_code: int, row_block: int):
-    """Triton's autotuner over the candidate configs that fit (see :func:`fits`). Its keys are
-    static dims only (never token counts): it tunes once per weight shape, in warmup()."""
+    """Triton's autotuner over the candidate configs of ``layout`` ("contiguous", "gate",
+    "masked") that fit (:func:`fits`, :func:`fits_gate`). Its keys are static dims only (never
+    token counts): it tunes once per weight shape, in warmup()."""
+    test = fits
     if layout == "contiguous":
         fn, configs, key = _contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]
+    elif layout == "gate":
+        fn, configs, key, test = _contiguous_gate_kernel, _GATE_CONFIGS, ["I", "K", "E"], fits_gate
     else:
         fn, configs, key = _masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]
-    keep = [c for c in configs if fits(c.all_kwargs(), quant_code, row_block)]
+    keep = [c for c in configs if test(c.all_kwargs(), quant_code, row_block)]
     return triton.autotune(keep or configs[-1:], key=key)(fn)
 
 
@@ -429,3 +555,59 @@ def masked_triton(
     tuner = _tuner("masked", meta["QUANT"], 0)
     _launch_tuned(tuner, key, grid, tensors, sizes, meta, table)
     return out
+
+
+def contiguous_gate_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    m_indices: torch.Tensor,
+    a_scales: Optional[torch.Tensor],
+    w_scales: Optional[torch.Tensor],
+    gate,
+    bias: Optional[torch.Tensor],
+    h: torch.Tensor,
+    h_scales: torch.Tensor,
+    row_block: int = 128,
+    config: Optional[dict] = None,
+) -> None:
+    """Launch GEMM1 + gate in one kernel (also on CPU tensors under TRITON_INTERPRET=1): h =
+    gate(bf16(a @ w[e].T) + bias[e]) rounded to bf16, quantized per 128 channels for fp8.
+
+    Args:
+        a: bf16/fp8 `[M_sum, Kd]`. w: same dtype `[E, W, Kd]` (W = 2I: gate rows, then up; I
+            without a gate half). m_indices: int32 `[M_sum]`, contiguous. a_scales / w_scales:
+            float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
+        gate: a :class:`epmoe.gate.Gate`. bias: float `[E, W]` or None.
+        h: bf16 / fp8 `[M_sum, I]`, written. h_scales: float32 `[M_sum, I / 128]` (fp8; any
+            strides), written; unused for bf16.
+        row_block: as in :func:`contiguous_triton`. config: explicit meta-parameters (tests);
+            None = the tuned table's, else autotuned.
+    Rows of -1 blocks are left unwritten.
+    """
+    M, K = a.shape
+    E, I = w.shape[0], h.shape[1]
+    if M == 0 or I == 0:
+        return
+    m_indices = m_indices.contiguous()
+    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 1)
+    hs = h_scales if h_scales.dim() == 2 and h_scales.shape[1] else h
+    b = bias if bias is not None else w
+
+    def grid(meta):
+        return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"]),)
+
+    tensors = (a, w, a_s, w_s, m_indices, b, h, hs)
+    sizes = (
+        M, I, K, E,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *as_strides,
+        *ws_strides, *(bias.stride() if bias is not None else (0, 0)), h.stride(0), h.stride(1),
+        *(hs.stride() if hs is not h else (0, 0)),
+    )  # fmt: skip
+    meta = dict(_meta(a), HAS_BIAS=bias is not None, FAST=not _launch._INTERPRET, **gate.meta())
+    if config is not None:
+        _contiguous_gate_kernel[grid](*tensors, *sizes, **meta, **config)
+        return
+    scheme, dev = quant.of_dtype(a.dtype), a.device
+    table = lambda: _tuned.lookup("gate", scheme, I, K, E, row_block, M, dev)  # noqa: E731
+    key = (I, K, E, row_block, _launch.pow2(M), a.dtype, gate.spec, bias is not None)
+    _launch_tuned(_tuner("gate", meta["QUANT"], row_block), key, grid, tensors, sizes, meta, table)

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 DIR = Path(__file__).resolve().with_name("tuned")
-LAYOUTS = ("contiguous", "masked")
+LAYOUTS = ("contiguous", "masked", "gate")  # ("gate": GEMM1 and the gate in one kernel)
 
 
 def file_name(device_name: str) -> str:

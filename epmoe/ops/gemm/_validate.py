@@ -4,7 +4,8 @@ then the row argument of each layout (m_indices and expert_offsets, or masked_m)
 import torch
 
 from epmoe import _checks
-from epmoe._contract import Case, Contract, Multiple, Rule, Shape, Tensor
+from epmoe import gate as _gate
+from epmoe._contract import Case, Choice, Contract, Multiple, Rule, Shape, Tensor
 from epmoe._range import range_ok
 from epmoe.ops.gemm._select import A_DTYPES, OP, scheme_of
 
@@ -72,6 +73,44 @@ MASKED = Contract(
     *_operands(masked=True),
     Tensor("masked_m", _checks.INT32, shape=("w.shape[0]",)),
     consts=_CONSTS,
+)
+
+
+def _gate_ok(spec) -> bool:
+    try:
+        _gate.parse(spec)
+    except (ValueError, TypeError):  # (TypeError: an unhashable non-string)
+        return False
+    return True
+
+
+OP_GATE = "grouped_gemm_gate"
+# GEMM1 + gate: the contiguous operands, then the gate (its halves in w's rows), the bias rows and
+# the output scales; int8's per-row output scale needs the whole row: refused
+_GLU = "gate == 'silu' or _parse(gate).glu"
+GATE = Contract(
+    OP_GATE,
+    "a w m_indices a_scales w_scales gate bias scale_layout",
+    *_operands(masked=False),
+    Tensor("m_indices", _checks.INT32, shape=("a.shape[0]",)),
+    Rule(
+        "a.dtype is not INT8",
+        "a",
+        "bf16 or fp8 codes (int8: GEMM1, then the act stage)",
+        lambda n: n.a.dtype,
+    ),  # fmt: skip
+    Rule("gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
+    Case(
+        _GLU,
+        [Multiple("w.shape[1]", "w.shape[1]", 2, "(gate and up halves)")],
+    ),
+    Case(
+        "a.dtype is FP8",
+        [Case(_GLU, [Multiple("I", "w.shape[1] // 2", 128, "(fp8 output groups)")])],
+    ),
+    Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
+    Choice("scale_layout", ("row", "deepgemm")),
+    consts=dict(_CONSTS, INT8=torch.int8, _gate_ok=_gate_ok, _parse=_gate.parse),
 )
 
 
