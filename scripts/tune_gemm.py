@@ -1,0 +1,636 @@
+"""Tune the grouped GEMMs on this GPU model: writes (merges into) the tuned table
+``epmoe/ops/gemm/tuned/<gpu>.json`` that :mod:`epmoe.ops.gemm._tuned` reads (its docstring has the
+format). Run it once per GPU model and again after a Triton upgrade; commit the written file.
+
+    PYTHONPATH=. python scripts/tune_gemm.py [--shapes qwen3-30b-a3b,W] [--schemes bf16,fp8,int8]
+        [--row-blocks 16,32,64,128] [--tokens 8,32,128,512,2048,4096,16384]
+        [--layouts contiguous,masked] [--paths | --paths-only] [--resume] [--budget-s 3000]
+        [--iters 30] [--out PATH] [--dry-run]
+
+GEMM entries: per shape (``benchmarks/_configs.py``, its ``local_experts``: E), scheme and GEMM of
+the layer (GEMM1: N = the gate's width of I, K = H; GEMM2: N = H, K = I; fp8 at the sizes the layer
+pads to, multiples of 128), on random operands in the layer's layouts (fp8 activation scales in
+deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
+
+- contiguous, per row block (the permute alignment) and T: M = ``permuted_rows(T, K, E, block)``
+  rows with the m_indices (and expert offsets) the reference permute builds from that routing;
+- masked (T up to LL_MAX_TOKENS, the LL sizes): slots of C = T rounded up to 128 rows, the routing's
+  counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m).
+
+Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
+every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm / torch.bmm for
+bf16) on the same operands. The entry keeps the fastest Triton config, the fastest backend and the
+best µs of each; a config that fails to compile or to launch is skipped (its error in the log).
+
+Path entries (``--paths``): per shape and scheme, each T of ``--tokens`` above the shape's GEMV
+cutoff (``epmoe.layer.gemv_max_tokens``) and up to LL_MAX_TOKENS: the whole one-rank layer (local
+backend, same weights, the same routing for every variant, ``warmup([T])`` first) as mode "ll"
+(max_tokens_per_rank = T) and as mode "ht" at each alignment of PATH_ALIGNMENTS, reading the GEMM
+entries of this run (and of the file) as the layer does; the fastest becomes the path entry.
+
+Timing: ``benchmarks/_timing.time_cuda``, the project's timer: one call captured in a CUDA graph,
+replayed ``--iters`` times, each replay after an L2 flush and between two CUDA events; the median.
+Its flush reads a 512 MiB buffer: a write flush would leave dirty lines whose write-back lands in
+the timed call (~10 us, more than a decode-sized GEMM takes).
+
+The file is rewritten after each shape x scheme (a run cut by its timeout keeps what it measured);
+entries and paths of the same key (problem + m, layer + t) are replaced, the rest kept, all sorted.
+``--budget-s`` stops the run cleanly between measurements; ``--resume`` skips the problems and
+path sizes the file already has (a long tuning in several sessions). A summary table goes to
+stdout; ``--dry-run`` prints the merged file instead of writing it.
+"""
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Collection, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (str(REPO), str(REPO / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _configs  # noqa: E402
+import _timing  # noqa: E402
+
+import epmoe  # noqa: E402
+from epmoe import gate as _gate  # noqa: E402
+from epmoe import quant, reference  # noqa: E402
+from epmoe.layer import AUTO_LL_MAX_TOKENS, gemv_max_tokens  # noqa: E402
+from epmoe.ops.gemm import _select, _triton, _tuned  # noqa: E402
+from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked  # noqa: E402
+
+SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "W", "gpt-oss-20b")
+SCHEMES = ("bf16", "fp8", "int8")
+ROW_BLOCKS = (16, 32, 64, 128)
+TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
+LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
+MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
+PATH_ALIGNMENTS = (128, 64, 32, 16)
+OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm", "bmm")}
+ITERS = 30  # replays per measurement (median)
+SEED = 0
+W_STD = 0.02  # path layers' bf16 weights: O(1) outputs, as the benchmarks build them
+_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
+          "illegal instruction", "misaligned address")  # fmt: skip
+
+
+class Problem(NamedTuple):
+    """One GEMM problem to tune: the entry's key (the first seven fields) and how to build it."""
+
+    layout: str  # "contiguous" | "masked"
+    scheme: str
+    N: int
+    K: int
+    E: int
+    block: int  # contiguous: the row block; masked: the kernel's BLOCK_M
+    m: int  # contiguous: M_sum; masked: expected_m
+    tokens: int  # T of the routing
+    rows: int  # rows of a: contiguous M_sum, masked the slot capacity C
+    top_k: int
+
+
+class Measured(NamedTuple):
+    """One backend (and Triton config) timed on a problem."""
+
+    backend: str
+    config: Optional[Dict]  # Triton's meta-parameters and num_warps / num_stages; None otherwise
+    us: Optional[float]  # None: it did not run (``error`` says why)
+    error: str = ""
+
+
+class OutOfTime(Exception):
+    """The run's --budget-s is spent."""
+
+
+class Fatal(Exception):
+    """The CUDA context is gone: nothing later can run."""
+
+
+# ------------------------------------------------------------------------------------ the problems
+def gemm_sizes(cfg, scheme) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """((N, K) of GEMM1, (N, K) of GEMM2) of a one-rank layer of ``cfg`` in ``scheme``, at the sizes
+    the layer runs (fp8: H and I padded to multiples of 128)."""
+    of = quant.get(scheme).size_multiple
+    H, I = reference.round_up(cfg.hidden, of), reference.round_up(cfg.intermediate, of)  # noqa: E741
+    return (_gate.get(cfg.gate).width(I), H), (H, I)
+
+
+def contiguous_problems(cfg, scheme: str, row_blocks: Iterable[int],
+                        tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
+    """The contiguous problems of both GEMMs: per row block rb and T, M = permuted_rows(T, K, E,
+    rb)."""
+    E, K, seen = cfg.local_experts, cfg.top_k, set()
+    for n, k in gemm_sizes(cfg, scheme):
+        for rb in row_blocks:
+            for t in tokens:
+                m = reference.permuted_rows(t, K, E, rb)
+                p = Problem("contiguous", scheme, n, k, E, rb, m, t, m, K)
+                if p[:7] not in seen:
+                    seen.add(p[:7])
+                    yield p
+
+
+def masked_problems(cfg, scheme: str, tokens: Iterable[int],
+                    max_tokens: int = LL_MAX_TOKENS) -> Iterator[Problem]:  # fmt: skip
+    """The masked problems of both GEMMs for each T <= ``max_tokens``: slots of C = T rounded up to
+    MASKED_SLOT rows, expected_m = ceil(T*K/E), block = the kernel's BLOCK_M there."""
+    E, K, seen = cfg.local_experts, cfg.top_k, set()
+    for n, k in gemm_sizes(cfg, scheme):
+        for t in tokens:
+            if t > max_tokens:
+                continue
+            c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
+            block_m, _ = _triton._masked_tiling(c, em)
+            p = Problem("masked", scheme, n, k, E, block_m, em, t, c, K)
+            if p[:7] not in seen:
+                seen.add(p[:7])
+                yield p
+
+
+def config_dict(config: "triton.Config") -> Dict:
+    """A candidate as the table stores it: meta-parameters, num_warps, num_stages."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def candidates(layout: str, scheme: str, block: int) -> List[Dict]:
+    """The candidate Triton configs that run ``scheme`` on this layout (contiguous: expert blocks
+    of ``block`` rows)."""
+    configs = _triton._CONTIGUOUS_CONFIGS if layout == "contiguous" else _triton._MASKED_CONFIGS
+    code, row_block = quant.get(scheme).kernel_code, block if layout == "contiguous" else 0
+    return [config_dict(c) for c in configs if _triton.fits(c.all_kwargs(), code, row_block)]
+
+
+# ------------------------------------------------------------------------------- choices and files
+def winner(measured: Iterable[Measured], runnable: Optional[Collection[str]] = None):
+    """(fastest backend, fastest Triton config, {backend: its best µs}) over the measurements that
+    ran, of backends in ``runnable`` (None: any); None without a Triton measurement (an entry
+    carries Triton's config). A tie goes to the backend whose name sorts first (deterministic)."""
+    ok = [x for x in measured if x.us is not None and math.isfinite(x.us) and x.us > 0]
+    ok = [x for x in ok if runnable is None or x.backend in runnable]
+    ours = [x for x in ok if x.backend == "triton"]
+    if not ours:
+        return None
+    best: Dict[str, float] = {}
+    for x in ok:
+        best[x.backend] = min(best.get(x.backend, math.inf), x.us)
+    backend = min(sorted(best), key=lambda b: best[b])
+    config = min(ours, key=lambda x: x.us).config
+    return backend, dict(config), {b: round(best[b], 2) for b in sorted(best)}
+
+
+def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
+    """The table entry of problem ``p`` (``_tuned`` module docstring)."""
+    return dict(layout=p.layout, scheme=p.scheme, N=p.N, K=p.K, E=p.E, block=p.block, m=p.m,
+                config=config, backend=backend, us=us)  # fmt: skip
+
+
+def path_tokens(cfg, scheme: str, tokens: Iterable[int], max_tokens: int = LL_MAX_TOKENS):
+    """The T of ``tokens`` a path entry is measured at: above the one-rank layer's GEMV cutoff
+    (those calls take the GEMVs), at most ``max_tokens`` (above it "auto" takes HT)."""
+    cutoff = gemv_max_tokens(quant.get(scheme), cfg.local_experts, cfg.top_k)
+    return [t for t in sorted(set(tokens)) if cutoff < t <= max_tokens]
+
+
+def variant_name(path: str, alignment: int) -> str:
+    """Key of a path variant in a path entry's "us": "ll" or "ht@<alignment>"."""
+    return "ll" if path == "ll" else f"ht@{alignment}"
+
+
+def path_entry(cfg, scheme: str, t: int, us: Dict[str, Optional[float]]) -> Optional[Dict]:
+    """The path entry of T = ``t`` from the µs of each variant ("ll", "ht@128", ...; None: did not
+    run): the fastest; None when none ran."""
+    ran = {v: u for v, u in us.items() if u is not None and math.isfinite(u) and u > 0}
+    if not ran:
+        return None
+    best = min(sorted(ran), key=lambda v: ran[v])
+    path, alignment = ("ll", 0) if best == "ll" else ("ht", int(best.split("@")[1]))
+    return dict(layer_sizes(cfg, scheme), t=t, path=path, alignment=alignment,
+                us={v: round(u, 2) for v, u in ran.items()})  # fmt: skip
+
+
+def layer_sizes(cfg, scheme: str) -> Dict:
+    """The layer fields of a path entry: the sizes the layer is built with (H, I unpadded)."""
+    return dict(scheme=scheme, E=cfg.local_experts, H=cfg.hidden, I=cfg.intermediate, K=cfg.top_k)
+
+
+def entry_key(e: Dict) -> Tuple:
+    return _tuned.problem(e) + (e["m"],)
+
+
+def path_key(p: Dict) -> Tuple:
+    return _tuned.layer_key(p) + (p["t"],)
+
+
+def pending(old: Optional[Dict], problems: Iterable[Problem] = (), cfg=None, scheme: str = "",
+            tokens: Iterable[int] = ()):  # fmt: skip
+    """--resume: (the ``problems`` without an entry in ``old``, the path ``tokens`` of ``cfg`` x
+    ``scheme`` without a path entry there)."""
+    entries = {entry_key(e) for e in (old or {}).get("entries", [])}
+    paths = {path_key(p) for p in (old or {}).get("paths", [])}
+    todo = [p for p in problems if tuple(p[:7]) not in entries]
+    if cfg is None:
+        return todo, list(tokens)
+    sizes = layer_sizes(cfg, scheme)
+    return todo, [t for t in tokens if path_key(dict(sizes, t=t)) not in paths]
+
+
+def merge(old: Optional[Dict], entries: Iterable[Dict], paths: Iterable[Dict],
+          header: Dict) -> Dict:  # fmt: skip
+    """``old`` (a table's document, or None) with ``entries`` / ``paths`` replacing those of the
+    same key (problem + m; layer + t), the rest kept, both sorted by key; ``header``'s fields
+    (device, versions, date, commit) over old's."""
+    old = old or {}
+    by_key = {entry_key(e): e for e in old.get("entries", [])}
+    by_key.update((entry_key(e), e) for e in entries)
+    by_layer = {path_key(p): p for p in old.get("paths", [])}
+    by_layer.update((path_key(p), p) for p in paths)
+    rest = {k: v for k, v in old.items() if k not in header and k not in ("entries", "paths")}
+    return {**header, **rest, "entries": [by_key[k] for k in sorted(by_key)],
+            "paths": [by_layer[k] for k in sorted(by_layer)]}  # fmt: skip
+
+
+def dumps(doc: Dict) -> str:
+    """The document as JSON text with one entry / path per line (diffs show the problems that
+    changed)."""
+    parts = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            rows = ",\n".join("    " + json.dumps(x) for x in value)
+            parts.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write(path: Path, doc: Dict) -> None:
+    """Write ``doc`` to ``path`` atomically (a reader never sees half a table)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(doc))
+    os.replace(tmp, path)
+
+
+@functools.cache
+def commit() -> str:
+    """The tree measured: .tree-rev where a device copy carries it (its .git may be stale), else
+    ``git describe --always --dirty``, else "unknown"."""
+    rev = REPO / ".tree-rev"
+    if rev.is_file() and rev.read_text().strip():
+        return rev.read_text().strip()
+    try:
+        res = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
+
+
+def header(device_name: str) -> Dict:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(device=device_name, triton=triton.__version__, torch=torch.__version__,
+                date=now.strftime("%Y-%m-%d %H:%M:%S UTC"), commit=commit())  # fmt: skip
+
+
+def summary(entries: List[Dict], paths: List[Dict]) -> str:
+    """A short table of this run's entries and paths."""
+    lines = [f"{'layout':10} {'scheme':6} {'N':>6} {'K':>6} {'E':>4} {'block':>5} {'m':>7}  "
+             f"{'winner':10} µs by backend"]  # fmt: skip
+    for e in entries:
+        us = " ".join(f"{b}={u:g}" for b, u in e["us"].items())
+        lines.append(f"{e['layout']:10} {e['scheme']:6} {e['N']:>6} {e['K']:>6} {e['E']:>4} "
+                     f"{e['block']:>5} {e['m']:>7}  {e['backend']:10} {us}")  # fmt: skip
+    if paths:
+        lines.append(f"\n{'scheme':6} {'E':>4} {'H':>5} {'I':>6} {'K':>2} {'t':>4}  "
+                     f"{'path':7} µs by variant")  # fmt: skip
+    for p in paths:
+        us = " ".join(f"{v}={u:g}" for v, u in p["us"].items())
+        way = variant_name(p["path"], p["alignment"])
+        lines.append(f"{p['scheme']:6} {p['E']:>4} {p['H']:>5} {p['I']:>6} {p['K']:>2} "
+                     f"{p['t']:>4}  {way:7} {us}")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- GPU: operands
+def routing(T: int, E: int, K: int, device, seed: int = SEED) -> torch.Tensor:
+    """int64 `[T, K]`: K distinct experts per token, uniformly at random (seeded per T, E, K)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + T * 1009 + E * 31 + K)
+    return torch.rand((T, E), generator=g).argsort(dim=1)[:, :K].contiguous().to(device)
+
+
+def _codes(shape, scheme, gen: torch.Generator, device) -> torch.Tensor:
+    """Random codes of ``scheme``'s dtype (no float32 copy of the whole tensor)."""
+    if scheme is quant.INT8:
+        return torch.randint(-127, 128, shape, dtype=torch.int8, device=device, generator=gen)
+    x = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
+    return x if scheme is quant.BF16 else x.to(scheme.act_dtype)
+
+
+def _acts(scheme, lead: Tuple[int, ...], K: int, gen, device):
+    """(codes `[*lead, K]`, float32 scales in the layout the layer's CUDA GEMMs read, or None)."""
+    a = _codes((*lead, K), scheme, gen, device)
+    if not scheme.quantized:
+        return a, None
+    cols = scheme.act_scale_cols(K)
+    if scheme.cuda_scale_layout == "deepgemm":
+        s = _select.empty_fp8_act_scales(lead, cols, device)
+    else:
+        s = torch.empty((*lead, cols), dtype=torch.float32, device=device)
+    return a, s.uniform_(0.5e-2, 1.5e-2, generator=gen)
+
+
+def _weights(scheme, E: int, N: int, K: int, gen, device):
+    w = _codes((E, N, K), scheme, gen, device)
+    shape = scheme.weight_scale_shape(E, N, K)
+    s = None if shape is None else torch.empty(shape, dtype=torch.float32, device=device)
+    return w, None if s is None else s.uniform_(0.5e-3, 1.5e-3, generator=gen)
+
+
+# ------------------------------------------------------------------------------------- GPU: timing
+class Tuner:
+    """Times problems and layers on one CUDA device within a wall-clock deadline."""
+
+    def __init__(self, device: torch.device, iters: int, deadline: float):
+        self.device, self.iters, self.deadline = device, iters, deadline
+        self.gen = torch.Generator(device=device).manual_seed(SEED)
+        self.errors = 0
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise OutOfTime()
+
+    def time_us(self, fn: Callable[[], object]) -> float:
+        """Median µs of a CUDA-graph replay of ``fn()``, L2 flushed before each (module doc)."""
+        t = _timing.time_cuda(fn, iters=self.iters)
+        if t.method != "cuda_graph":
+            raise RuntimeError("CUDA graph capture failed")
+        return t.ms * 1e3
+
+    def measure(self, backend: str, fn: Callable[[], object], config=None) -> Measured:
+        self.check_time()
+        try:
+            return Measured(backend, config, self.time_us(fn))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit / launch
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            if any(f in str(e) for f in _FATAL):
+                raise Fatal(msg) from e
+            self.errors += 1
+            print(f"  skipped {backend} {config or ''}: {msg}", flush=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return Measured(backend, config, None, msg)
+
+    def backends(self, p: Problem) -> List[str]:
+        """The backends that run ``p`` on this device (``_select._runs``), Triton first."""
+        scheme, row_block = quant.get(p.scheme), p.block if p.layout == "contiguous" else 0
+        names = ("triton", *OTHER_BACKENDS[p.layout])
+        return [
+            b for b in names if _select._runs(b, scheme, p.layout, self.device, p.N, p.K, row_block)
+        ]
+
+    def gemm(self, p: Problem, w, w_s, backends: Collection[str]) -> List[Measured]:
+        """Every fitting Triton config and each other backend of ``backends``, on one set of
+        operands of ``p`` (weights ``w`` / ``w_s``)."""
+        scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
+        if "triton" not in backends:
+            return []
+        ids = routing(p.tokens, p.E, p.top_k, dev)
+        if p.layout == "contiguous":
+            a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
+            _, _, m_idx, _, offsets = reference.permute(
+                torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
+            )
+            y = torch.empty((p.rows, p.N), dtype=torch.bfloat16, device=dev)
+            run = part(_triton.contiguous_triton, a, w, m_idx, a_s, w_s, p.block, out=y)
+            out = [self.measure("triton", part(run, config=c), c)
+                   for c in candidates(p.layout, p.scheme, p.block)]  # fmt: skip
+            if "deep_gemm" in backends:
+                dg = _select._dg_functions()[f"{scheme}_contiguous"]
+                out.append(self.measure("deep_gemm", part(_deep_gemm_contiguous, dg, a, w, m_idx,
+                                                          a_s, w_s)))  # fmt: skip
+            if "grouped_mm" in backends:
+                offs = offsets[1:].contiguous()  # (the layer passes permute's expert ends)
+                fn = part(torch._grouped_mm, a, w.transpose(1, 2), offs=offs)
+                out.append(self.measure("grouped_mm", fn))
+            return out
+        a, a_s = _acts(scheme, (p.E, p.rows), p.K, self.gen, dev)
+        counts = torch.bincount(ids.flatten(), minlength=p.E).to(torch.int32)
+        y = torch.empty((p.E, p.rows, p.N), dtype=torch.bfloat16, device=dev)
+        run = part(_triton.masked_triton, a, w, counts, a_s, w_s, p.m, out=y)
+        out = [self.measure("triton", part(run, config=c), c)
+               for c in candidates(p.layout, p.scheme, p.block)]  # fmt: skip
+        if "deep_gemm" in backends:
+            dg = _select._dg_functions()[f"{scheme}_masked"]
+            block = _select.masked_row_block(scheme, dev)
+            fn = part(_deep_gemm_masked, dg, a, w, counts, a_s, w_s, p.m, block)
+            out.append(self.measure("deep_gemm", fn))
+        if "bmm" in backends:
+            out.append(self.measure("bmm", part(torch.bmm, a, w.transpose(1, 2))))
+        return out
+
+    def gemm_entries(self, problems: List[Problem]) -> Iterator[Dict]:
+        """The entry of each problem (weights made once per GEMM)."""
+        weights: Dict[Tuple, Tuple] = {}
+        for p in problems:
+            self.check_time()
+            key = (p.scheme, p.E, p.N, p.K)
+            if key not in weights:
+                weights.clear()
+                torch.cuda.empty_cache()
+                weights[key] = _weights(quant.get(p.scheme), p.E, p.N, p.K, self.gen, self.device)
+            runs = self.backends(p)
+            best = winner(self.gemm(p, *weights[key], runs), runs)
+            if best is None:
+                print(f"  no entry for {p[:7]}: nothing ran", flush=True)
+                continue
+            e = gemm_entry(p, *best)
+            print(json.dumps(e), flush=True)
+            yield e
+
+    def paths(self, cfg, scheme: str, tokens: List[int], alignments) -> Iterator[Dict]:
+        """The path entry of each T of ``tokens`` (see the module docstring)."""
+        torch.cuda.empty_cache()  # (the GEMM phase's or the previous shape's cached blocks)
+        dev, E, H, I = self.device, cfg.local_experts, cfg.hidden, cfg.intermediate  # noqa: E741
+        width = _gate.get(cfg.gate).width(I)
+        g = torch.Generator(device=dev).manual_seed(SEED)
+
+        def randn(*shape, std):
+            return torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16).mul_(std)
+
+        w1, w2 = randn(E, width, H, std=W_STD), randn(E, H, I, std=W_STD)
+        b1 = randn(E, width, std=0.1) if cfg.bias else None
+        b2 = randn(E, H, std=0.1) if cfg.bias else None
+        kw = dict(quant=scheme, backend="local", device=dev, gate=cfg.gate, bias=cfg.bias)
+        held = None  # the first layer: its prepared weights are shared by the others
+
+        def layer(**more):
+            nonlocal held
+            x = epmoe.EPMoE(E, H, I, cfg.top_k, **kw, **more)
+            if held is None:
+                x.load_weights(w1, w2, b1=b1, b2=b2)
+                held = x
+            else:
+                for name, buf in held.named_buffers(recurse=False):
+                    setattr(x, name, buf)
+            return x
+
+        ht = {a: layer(mode="ht", alignment=a, max_tokens_per_rank=max(tokens), worst_case=True)
+              for a in alignments}  # fmt: skip
+        for t in tokens:
+            self.check_time()
+            ids = routing(t, E, cfg.top_k, dev)
+            gx = torch.Generator(device=dev).manual_seed(SEED + t)
+            x = torch.randn((t, H), generator=gx, device=dev, dtype=torch.bfloat16)
+            tw = torch.softmax(torch.randn((t, cfg.top_k), generator=gx, device=dev), dim=1)
+            us: Dict[str, Optional[float]] = {}
+            for name, m in [("ll", layer(mode="ll", max_tokens_per_rank=t))] + [
+                (variant_name("ht", a), ht[a]) for a in alignments
+            ]:
+                m.warmup([t])
+                us[name] = self.measure(name, functools.partial(m, x, ids, tw)).us
+            p = path_entry(cfg, scheme, t, us)
+            if p is not None:
+                print(json.dumps(p), flush=True)
+                yield p
+
+
+@contextlib.contextmanager
+def reading_table(doc: Dict, device_name: str):
+    """The GEMM ops read ``doc`` as this GPU's tuned table (a temporary directory in place of
+    ``_tuned.DIR``): path layers run with the configs just tuned, whatever --out / --dry-run."""
+    caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block)
+    saved = _tuned.DIR
+    with tempfile.TemporaryDirectory() as tmp:
+        write(Path(tmp) / _tuned.file_name(device_name), doc)
+        _tuned.DIR = Path(tmp)
+        for c in caches:
+            c.cache_clear()
+        try:
+            yield
+        finally:
+            _tuned.DIR = saved
+            for c in caches:
+                c.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------- main
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _names(s: str, known: Collection[str], what: str) -> List[str]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"tune_gemm: unknown {what} {bad}; known: {sorted(known)}")
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="benchmarks/_configs.py names")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--row-blocks", default=",".join(map(str, ROW_BLOCKS)))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--layouts", default="contiguous,masked")
+    ap.add_argument("--paths", action="store_true", help="also the path entries (whole layers)")
+    ap.add_argument("--paths-only", action="store_true", help="only the path entries")
+    ap.add_argument("--budget-s", type=float, default=3000.0, help="wall-clock budget of the run")
+    ap.add_argument("--iters", type=int, default=ITERS)
+    ap.add_argument("--out", help="the file to merge into (default: the table of this GPU)")
+    ap.add_argument("--dry-run", action="store_true", help="print the merged file, write nothing")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the problems and path sizes the file already has (a run in parts)",
+    )
+    a = ap.parse_args(argv)
+    a.shapes = _names(a.shapes, _configs.CONFIGS, "shape")
+    a.schemes = _names(a.schemes, quant.SCHEMES, "scheme")
+    a.layouts = _names(a.layouts, _tuned.LAYOUTS, "layout")
+    a.row_blocks, a.tokens = _ints(a.row_blocks), _ints(a.tokens)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_gemm: needs a CUDA GPU (it times kernels)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    out = Path(a.out) if a.out else _tuned.DIR / _tuned.file_name(name)
+    run(a, Tuner(device, a.iters, time.monotonic() + a.budget_s), name, out)
+    return 0
+
+
+def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
+    """Tune what ``a`` selects on ``tuner``'s device (GPU model ``name``), merging into ``out``
+    after each shape x scheme; returns the merged document."""
+    t0 = time.monotonic()
+    old = json.loads(out.read_text()) if out.is_file() else None
+    entries: List[Dict] = []
+    paths: List[Dict] = []
+    stop = ""
+
+    def save() -> Dict:
+        doc = merge(old, entries, paths, header(name))
+        if not a.dry_run:
+            write(out, doc)
+        return doc
+
+    work = [(s, q) for s in a.shapes for q in a.schemes]
+    try:
+        for shape, scheme in work if not a.paths_only else ():
+            cfg = _configs.CONFIGS[shape]
+            print(f"== {shape} {scheme}", flush=True)
+            problems = []
+            if "contiguous" in a.layouts:
+                problems += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
+            if "masked" in a.layouts:
+                problems += masked_problems(cfg, scheme, a.tokens)
+            if a.resume:
+                problems, _ = pending(old, problems)
+            first = {}  # one GEMM's problems together: its weights are made once
+            problems.sort(key=lambda p: first.setdefault((p.N, p.K), len(first)))
+            for e in tuner.gemm_entries(problems):
+                entries.append(e)
+            save()
+        if a.paths or a.paths_only:
+            with reading_table(merge(old, entries, paths, header(name)), name):
+                for shape, scheme in work:
+                    cfg = _configs.CONFIGS[shape]
+                    ts = path_tokens(cfg, scheme, a.tokens)
+                    if a.resume:
+                        _, ts = pending(old, (), cfg, scheme, ts)
+                    if ts:
+                        print(f"== paths {shape} {scheme}", flush=True)
+                        for p in tuner.paths(cfg, scheme, ts, PATH_ALIGNMENTS):
+                            paths.append(p)
+                        save()
+    except OutOfTime:
+        stop = f"budget of {a.budget_s:g} s spent: stopped"
+    except Fatal as e:
+        stop = f"CUDA context lost ({e}): stopped"
+    doc = save()
+    print("\n" + summary(entries, paths))
+    print(f"\n{len(entries)} entries, {len(paths)} paths, {tuner.errors} skipped measurements, "
+          f"{time.monotonic() - t0:.0f} s" + (f"; {stop}" if stop else ""))  # fmt: skip
+    print(dumps(doc) if a.dry_run else f"wrote {out}")
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

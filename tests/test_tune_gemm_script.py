@@ -1,0 +1,324 @@
+"""scripts/tune_gemm.py (the GPU tuner of epmoe/ops/gemm/tuned/<gpu>.json) on CPU: the problems it
+enumerates, the winner it keeps, how it merges into a file, and that the file it writes is read back
+by epmoe.ops.gemm._tuned as written."""
+
+import importlib.util
+import json
+import pathlib
+import random
+
+import pytest
+import torch
+
+from epmoe import reference
+from epmoe.ops.gemm import _select, _triton, _tuned
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("tune_gemm", REPO / "scripts/tune_gemm.py")
+tg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tg)
+CONFIGS = tg._configs.CONFIGS
+CFG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+
+
+# ------------------------------------------------------------------------------------- problems
+@pytest.mark.parametrize(
+    "shape, scheme, gemm1, gemm2",
+    [
+        ("qwen3-30b-a3b", "bf16", (1536, 2048), (2048, 768)),
+        ("W", "int8", (4096, 7168), (7168, 2048)),
+        ("mixtral-8x7b", "fp8", (28672, 4096), (4096, 14336)),
+        # gpt-oss's 2880 is no multiple of 128: fp8 runs the padded 2944, bf16 the real sizes
+        ("gpt-oss-20b", "bf16", (5760, 2880), (2880, 2880)),
+        ("gpt-oss-20b", "fp8", (5888, 2944), (2944, 2944)),
+    ],
+)
+def test_gemm_sizes(shape, scheme, gemm1, gemm2):
+    assert tg.gemm_sizes(CONFIGS[shape], scheme) == (gemm1, gemm2)
+
+
+def test_gemm_sizes_of_a_gate_without_a_gate_half():
+    cfg = CONFIGS["qwen3-30b-a3b"]
+    plain = type(cfg)(**{**cfg.__dict__, "gate": "relu2:glu=0"})  # (NemotronH: GEMM1 writes I)
+    assert tg.gemm_sizes(plain, "bf16") == ((768, 2048), (2048, 768))
+
+
+def test_contiguous_problems():
+    cfg = CONFIGS["gpt-oss-20b"]
+    E, K = cfg.local_experts, cfg.top_k
+    ps = list(tg.contiguous_problems(cfg, "fp8", (16, 128), (8, 4096)))
+    assert len(ps) == 2 * 2 * 2  # GEMMs x row blocks x T
+    assert {(p.N, p.K) for p in ps} == {(5888, 2944), (2944, 2944)}
+    for p in ps:
+        assert p.layout == "contiguous" and p.scheme == "fp8" and p.E == E == 32
+        assert p.m == p.rows == reference.permuted_rows(p.tokens, K, E, p.block)
+        assert p.m % p.block == 0
+    assert {(p.block, p.tokens, p.m) for p in ps} == {
+        (16, 8, 512), (16, 4096, 16864), (128, 8, 4096), (128, 4096, 20480)
+    }  # fmt: skip
+    assert tuple(ps[0])[:7] == ("contiguous", "fp8", 5888, 2944, 32, 16, 512)
+
+
+def test_masked_problems():
+    cfg = CONFIGS["qwen3-30b-a3b"]  # E 128, top-8
+    ps = list(tg.masked_problems(cfg, "bf16", (8, 100, 512, 2048)))
+    assert len(ps) == 2 * 3  # 2048 > the LL sizes: no masked problem
+    by_t = {p.tokens: p for p in ps if p.N == 1536}
+    rows_m = {t: (p.rows, p.m) for t, p in by_t.items()}  # (C, expected_m = ceil(T * 8 / 128))
+    assert rows_m == {8: (128, 1), 100: (128, 7), 512: (512, 32)}
+    for p in ps:
+        assert p.layout == "masked" and p.block == _triton._masked_tiling(p.rows, p.m)[0]
+    assert by_t[8].block == 16 and by_t[512].block == 32
+
+
+def test_candidates_are_the_fitting_configs():
+    for rb in (16, 32, 64, 128):
+        got = tg.candidates("contiguous", "bf16", rb)
+        assert got and all(rb % c["BLOCK_M"] == 0 for c in got)
+        assert all(set(c) == {*CFG} for c in got)
+    assert len(tg.candidates("contiguous", "bf16", 128)) == len(_triton._CONTIGUOUS_CONFIGS)
+    fp8 = tg.candidates("contiguous", "fp8", 128)
+    assert fp8 and all(c["BLOCK_K"] <= 128 for c in fp8)  # (one scale group per K step)
+    assert len(fp8) < len(_triton._CONTIGUOUS_CONFIGS)
+    assert len(tg.candidates("masked", "int8", 32)) == len(_triton._MASKED_CONFIGS)
+
+
+# ----------------------------------------------------------------------------------- the winner
+def _m(backend, us, config=None, error=""):
+    return tg.Measured(backend, config, us, error)
+
+
+def test_the_fastest_backend_wins_and_the_fastest_config_is_kept():
+    slow, fast = dict(CFG, BLOCK_N=128), dict(CFG)
+    got = tg.winner([_m("triton", 30.0, slow), _m("triton", 20.0, fast), _m("deep_gemm", 25.0)])
+    assert got == ("triton", fast, {"deep_gemm": 25.0, "triton": 20.0})
+    got = tg.winner([_m("triton", 30.0, slow), _m("triton", 28.0, fast), _m("deep_gemm", 25.0)])
+    assert got == ("deep_gemm", fast, {"deep_gemm": 25.0, "triton": 28.0})
+
+
+def test_a_backend_that_cannot_run_the_problem_never_wins():
+    ms = [_m("triton", 30.0, CFG), _m("deep_gemm", 10.0), _m("grouped_mm", 20.0)]
+    assert tg.winner(ms, runnable={"triton", "grouped_mm"})[0] == "grouped_mm"
+    backend, _, us = tg.winner(ms, runnable={"triton"})
+    assert backend == "triton" and us == {"triton": 30.0}
+
+
+def test_failed_measurements_are_ignored():
+    bad = dict(CFG, BLOCK_N=256)
+    ms = [_m("triton", float("nan"), bad), _m("triton", None, bad, "OutOfResources"),
+          _m("triton", 40.0, CFG), _m("deep_gemm", None, error="RuntimeError")]  # fmt: skip
+    assert tg.winner(ms) == ("triton", CFG, {"triton": 40.0})
+    # no Triton config ran: no entry (the table's entries carry one)
+    assert tg.winner([_m("triton", None, CFG, "x"), _m("deep_gemm", 5.0)]) is None
+    assert tg.winner([]) is None
+
+
+def test_path_entries():
+    cfg = CONFIGS["qwen3-30b-a3b"]
+    # the GEMV cutoff of qwen3 (E 128, top-8) lies between 8 and 32; nothing above the LL sizes
+    assert tg.path_tokens(cfg, "fp8", (2048, 8, 32, 512, 128, 32)) == [32, 128, 512]
+    p = tg.path_entry(cfg, "fp8", 32, {"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0, "ht@32": None})
+    assert (p["path"], p["alignment"], p["t"]) == ("ht", 16, 32)
+    assert (p["E"], p["H"], p["I"], p["K"]) == (128, 2048, 768, 8)
+    assert p["us"] == {"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0}
+    p = tg.path_entry(cfg, "fp8", 32, {"ll": 80.0, "ht@16": 84.0})
+    assert (p["path"], p["alignment"]) == ("ll", 0)
+    assert tg.path_entry(cfg, "fp8", 32, {"ll": None}) is None
+
+
+# ------------------------------------------------------------------------------------ the file
+def _entry(scheme, block, m, backend="triton", us=10.0, N=256, K=512, E=4, layout="contiguous"):
+    p = tg.Problem(layout, scheme, N, K, E, block, m, 0, m, 2)
+    return tg.gemm_entry(p, backend, dict(CFG), {backend: us})
+
+
+def _path(t, path="ll", alignment=0, scheme="fp8"):
+    return dict(scheme=scheme, E=4, H=512, I=256, K=2, t=t, path=path, alignment=alignment,
+                us={"ll": 1.0})  # fmt: skip
+
+
+HEADER = dict(device="NVIDIA H200", triton="3.x", torch="2.x", date="d", commit="c")
+
+
+def test_merge_replaces_same_keys_and_keeps_the_rest_in_order():
+    old = dict(device="NVIDIA H200", triton="old", note="kept", entries=[
+        _entry("fp8", 128, 256, us=50.0), _entry("fp8", 128, 4096), _entry("bf16", 16, 64)],
+        paths=[_path(32), _path(128)])  # fmt: skip
+    new = [_entry("fp8", 128, 256, backend="deep_gemm", us=40.0), _entry("int8", 16, 64)]
+    doc = tg.merge(old, new, [_path(32, "ht", 16)], HEADER)
+    keys = [tg.entry_key(e) for e in doc["entries"]]
+    assert keys == sorted(keys) and len(keys) == 4
+    replaced = [e for e in doc["entries"] if tg.entry_key(e) == tg.entry_key(new[0])]
+    assert replaced == [new[0]]  # (the old entry of that key is gone)
+    assert _entry("fp8", 128, 4096) in doc["entries"] and _entry("bf16", 16, 64) in doc["entries"]
+    assert [(p["t"], p["path"]) for p in doc["paths"]] == [(32, "ht"), (128, "ll")]
+    assert doc["triton"] == "3.x" and doc["note"] == "kept"
+    # deterministic: the same document whatever order the inputs come in
+    shuffled = dict(old, entries=old["entries"][::-1], paths=old["paths"][::-1])
+    assert tg.dumps(tg.merge(shuffled, new[::-1], [_path(32, "ht", 16)], HEADER)) == tg.dumps(doc)
+    assert tg.merge(None, [], [], HEADER) == dict(HEADER, entries=[], paths=[])
+
+
+@pytest.fixture
+def tuned_dir(monkeypatch, tmp_path):
+    monkeypatch.setattr(_tuned, "DIR", tmp_path)
+    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    caches = (_tuned.table, _tuned._paths, _select._backend)
+    for c in caches:
+        c.cache_clear()
+    yield tmp_path
+    for c in caches:
+        c.cache_clear()
+
+
+def test_a_written_file_reads_back(tuned_dir):
+    entries = [_entry("fp8", 128, m, backend="deep_gemm" if m > 1000 else "triton")
+               for m in (4096, 256)]  # fmt: skip
+    entries[1]["config"]["BLOCK_N"] = 128
+    masked = _entry("bf16", 16, 2, layout="masked", backend="bmm")
+    paths = [_path(128, "ht", 16), _path(32)]
+    random.Random(0).shuffle(entries)
+    doc = tg.merge(None, entries + [masked], paths, HEADER)
+    path = tuned_dir / _tuned.file_name("NVIDIA H200")
+    tg.write(path, doc)
+    assert json.loads(path.read_text()) == doc
+    assert not list(tuned_dir.glob("*.tmp"))
+    dev = torch.device("cuda", 0)
+    cfg = _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, dev)
+    assert cfg == dict(CFG, BLOCK_N=128)  # (the m 256 entry: the smallest m >= 100)
+    assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 9999, dev) == CFG
+    assert _tuned.backend("contiguous", "fp8", 256, 512, 4, 128, 300, dev) == "deep_gemm"
+    assert _tuned.backend("contiguous", "fp8", 256, 512, 4, 128, 200, dev) == "triton"
+    assert _tuned.lookup("masked", "bf16", 256, 512, 4, 16, 2, dev) == CFG
+    assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 64, 100, dev) is None  # (no entry)
+    got = _tuned.paths("fp8", 4, 512, 256, 2, dev)
+    assert [(p["t"], p["path"], p["alignment"]) for p in got] == [(32, "ll", 0), (128, "ht", 16)]
+
+
+def test_reading_table_points_the_ops_at_a_document(tuned_dir):
+    """The path layers read this run's entries (whatever --out / --dry-run), then the real table."""
+    (tuned_dir / "nvidia_h200.json").write_text(json.dumps(dict(entries=[], paths=[])))
+    dev = torch.device("cuda", 0)
+    doc = tg.merge(None, [_entry("fp8", 128, 256)], [], HEADER)
+    with tg.reading_table(doc, "NVIDIA H200"):
+        assert _tuned.DIR != tuned_dir
+        assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 1, dev) == CFG
+    assert _tuned.DIR == tuned_dir
+    assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 1, dev) is None
+
+
+def test_main_needs_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tg.main(["--dry-run", "--shapes", "qwen3-30b-a3b"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown shape"):
+        tg.parse_args(["--shapes", "nope"])
+
+
+# ------------------------------------------------------------- the GPU code path, on CPU tensors
+@pytest.fixture
+def cpu_tuner(monkeypatch):
+    """A Tuner on CPU tensors: each timing runs the call once (the Triton kernels under
+    TRITON_INTERPRET=1, the layers on their CPU kernels) and reports a fixed µs per backend."""
+    calls = []
+
+    def time_us(self, fn):
+        fn()
+        calls.append(fn)
+        return 10.0 + len(calls)  # (later measurements slower: the first config wins)
+
+    monkeypatch.setattr(tg.Tuner, "time_us", time_us)
+    monkeypatch.setattr(_select, "_runs", lambda name, *args: name == "triton")
+    return tg.Tuner(torch.device("cpu"), iters=1, deadline=float("inf")), calls
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_gemm_entries_run_every_candidate(cpu_tuner, scheme):
+    tuner, calls = cpu_tuner
+    cfg = CONFIGS["tiny-1rank"]  # H 256, I 128, E 8, top-2
+    problems = list(tg.contiguous_problems(cfg, scheme, (16,), (4,)))
+    problems += list(tg.masked_problems(cfg, scheme, (4,)))
+    entries = list(tuner.gemm_entries(problems))
+    assert [tg.entry_key(e) for e in entries] == [p[:7] for p in problems]
+    n = sum(len(tg.candidates(p.layout, scheme, p.block)) for p in problems)
+    assert len(calls) == n and tuner.errors == 0
+    for e, p in zip(entries, problems, strict=True):
+        assert e["backend"] == "triton"
+        assert e["config"] == tg.candidates(p.layout, scheme, p.block)[0]
+
+
+def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
+    tuner, _ = cpu_tuner
+
+    def boom(*args, config=None, **kw):
+        if config["BLOCK_N"] == 128:
+            raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(_triton, "masked_triton", boom)
+    (p,) = [p for p in tg.masked_problems(CONFIGS["tiny-1rank"], "int8", (4,)) if p.K == 128]
+    (e,) = tuner.gemm_entries([p])
+    assert tuner.errors == 3 and e["config"]["BLOCK_N"] != 128  # (3 of the 6 candidates)
+    with pytest.raises(tg.OutOfTime):
+        list(tg.Tuner(torch.device("cpu"), iters=1, deadline=0.0).gemm_entries([p]))
+
+
+def test_paths_time_every_variant(cpu_tuner):
+    tuner, calls = cpu_tuner
+    cfg = CONFIGS["tiny-gpt-oss"]  # (biases, a gate of its own, sizes no multiple of 128)
+    (p,) = tuner.paths(cfg, "bf16", [8], (128, 16))
+    assert len(calls) == 3 and (p["path"], p["alignment"], p["t"]) == ("ll", 0, 8)
+    assert list(p["us"]) == ["ll", "ht@128", "ht@16"]
+    assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
+
+
+def test_resume_skips_what_the_file_has():
+    cfg = CONFIGS["qwen3-30b-a3b"]
+    problems = list(tg.contiguous_problems(cfg, "fp8", (16, 128), (32,)))
+    entry = tg.gemm_entry(problems[1], "triton", dict(CFG), {"triton": 1.0})
+    path = dict(tg.layer_sizes(cfg, "fp8"), t=128, path="ll", alignment=0, us={})
+    old = dict(entries=[entry], paths=[path])
+    todo, ts = tg.pending(old, problems, cfg, "fp8", [32, 128, 512])
+    assert todo == problems[:1] + problems[2:] and ts == [32, 512]
+    assert tg.pending(old, problems, cfg, "bf16", [128])[1] == [128]  # (another layer)
+    assert tg.pending(None, problems) == (problems, [])
+
+
+@pytest.mark.interpret
+def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
+    """run() end to end on CPU tensors: GEMM entries and paths written after each shape x scheme,
+    read back by _tuned; --resume measures nothing the file has; --dry-run writes nothing."""
+    tuner, calls = cpu_tuner
+    out = tuned_dir / _tuned.file_name("NVIDIA H200")
+    old = _entry("fp8", 128, 4096)  # (another problem: kept)
+    tg.write(out, tg.merge(None, [old], [], HEADER))
+    argv = ["--shapes", "tiny-1rank", "--schemes", "int8", "--row-blocks", "16", "--tokens", "4",
+            "--paths"]  # fmt: skip
+    doc = tg.run(tg.parse_args(argv), tuner, "NVIDIA H200", out)
+    assert json.loads(out.read_text()) == doc and old in doc["entries"]
+    assert {(e["layout"], e["N"], e["K"]) for e in doc["entries"] if e != old} == {
+        (layout, 256, k) for layout in ("contiguous", "masked") for k in (256, 128)
+    }
+    (p,) = doc["paths"]
+    assert (p["t"], p["E"], p["H"], p["I"], p["K"], p["scheme"]) == (4, 8, 256, 128, 2, "int8")
+    dev = torch.device("cuda", 0)
+    assert _tuned.lookup("contiguous", "int8", 256, 128, 8, 16, 1, dev) is not None
+    assert _tuned.paths("int8", 8, 256, 128, 2, dev) == doc["paths"]
+    assert "wrote" in capsys.readouterr().out
+
+    n = len(calls)
+    again = tg.run(tg.parse_args(argv + ["--resume"]), tuner, "NVIDIA H200", out)
+    assert len(calls) == n and again["entries"] == doc["entries"]
+    before = out.read_text()
+    tg.run(tg.parse_args(argv + ["--dry-run", "--layouts", "masked"]), tuner, "NVIDIA H200", out)
+    assert out.read_text() == before and len(calls) > n
+    assert '"entries": [' in capsys.readouterr().out  # (the merged file, printed)
+
+
+def test_a_spent_budget_stops_cleanly(tuned_dir, capsys):
+    out = tuned_dir / "t.json"
+    tuner = tg.Tuner(torch.device("cpu"), iters=1, deadline=0.0)
+    args = tg.parse_args(["--shapes", "tiny-1rank", "--schemes", "int8", "--tokens", "4"])
+    doc = tg.run(args, tuner, "NVIDIA H200", out)
+    assert doc["entries"] == [] and json.loads(out.read_text()) == doc
+    assert "budget of" in capsys.readouterr().out
