@@ -15,7 +15,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 - contiguous, per row block (the permute alignment) and T: M = ``permuted_rows(T, K, E, block)``
   rows with the m_indices (and expert offsets) the reference permute builds from that routing;
 - masked (T up to LL_MAX_TOKENS, the LL sizes): slots of C = T rounded up to 128 rows, the routing's
-  counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m).
+  counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m);
+- gate (bf16 / fp8), as contiguous: GEMM1 and the config's gate (and biases) as one kernel
+  (``grouped_gemm_gate``) against "unfused", GEMM1 on the backend the layer picks then the
+  activation stage; N = I (h's channels). The layer fuses where "triton" won.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm / torch.bmm for
@@ -69,7 +72,8 @@ import epmoe  # noqa: E402
 from epmoe import gate as _gate  # noqa: E402
 from epmoe import quant, reference  # noqa: E402
 from epmoe.layer import AUTO_LL_MAX_TOKENS, gemv_max_tokens  # noqa: E402
-from epmoe.ops.gemm import _select, _triton, _tuned  # noqa: E402
+from epmoe.ops import activation, gemm  # noqa: E402
+from epmoe.ops.gemm import _ops, _select, _triton, _tuned  # noqa: E402
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "W", "gpt-oss-20b")
@@ -79,7 +83,8 @@ TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
 PATH_ALIGNMENTS = (128, 64, 32, 16)
-OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm", "bmm")}
+OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm", "bmm"),
+                  "gate": ("unfused",)}  # fmt: skip
 ITERS = 30  # replays per measurement (median)
 SEED = 0
 W_STD = 0.02  # path layers' bf16 weights: O(1) outputs, as the benchmarks build them
@@ -100,6 +105,8 @@ class Problem(NamedTuple):
     tokens: int  # T of the routing
     rows: int  # rows of a: contiguous M_sum, masked the slot capacity C
     top_k: int
+    gate: str = "silu"  # "gate" problems: the layer's gate and whether it has biases
+    bias: bool = False
 
 
 class Measured(NamedTuple):
@@ -160,6 +167,25 @@ def masked_problems(cfg, scheme: str, tokens: Iterable[int],
                 yield p
 
 
+def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
+                  tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
+    """GEMM1 and the gate as one kernel (bf16 / fp8: int8's row scale needs the whole row), per
+    row block and T as the contiguous problems: N = I (h's channels), K = H, the config's gate and
+    biases."""
+    if quant.get(scheme) is quant.INT8:
+        return
+    (width, k), _ = gemm_sizes(cfg, scheme)
+    inter = width // 2 if _gate.get(cfg.gate).glu else width
+    E, K, seen = cfg.local_experts, cfg.top_k, set()
+    for rb in row_blocks:
+        for t in tokens:
+            m = reference.permuted_rows(t, K, E, rb)
+            p = Problem("gate", scheme, inter, k, E, rb, m, t, m, K, cfg.gate, cfg.bias)
+            if p[:7] not in seen:
+                seen.add(p[:7])
+                yield p
+
+
 def config_dict(config: "triton.Config") -> Dict:
     """A candidate as the table stores it: meta-parameters, num_warps, num_stages."""
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -168,8 +194,12 @@ def config_dict(config: "triton.Config") -> Dict:
 def candidates(layout: str, scheme: str, block: int) -> List[Dict]:
     """The candidate Triton configs that run ``scheme`` on this layout (contiguous: expert blocks
     of ``block`` rows)."""
+    code = quant.get(scheme).kernel_code
+    if layout == "gate":
+        return [config_dict(c) for c in _triton._GATE_CONFIGS
+                if _triton.fits_gate(c.all_kwargs(), code, block)]  # fmt: skip
     configs = _triton._CONTIGUOUS_CONFIGS if layout == "contiguous" else _triton._MASKED_CONFIGS
-    code, row_block = quant.get(scheme).kernel_code, block if layout == "contiguous" else 0
+    row_block = block if layout == "contiguous" else 0
     return [config_dict(c) for c in configs if _triton.fits(c.all_kwargs(), code, row_block)]
 
 
@@ -393,8 +423,13 @@ class Tuner:
             return Measured(backend, config, None, msg)
 
     def backends(self, p: Problem) -> List[str]:
-        """The backends that run ``p`` on this device (``_select._runs``), Triton first."""
-        scheme, row_block = quant.get(p.scheme), p.block if p.layout == "contiguous" else 0
+        """The backends that run ``p`` on this device (``_select._runs``), Triton first ("gate":
+        our fused kernel, and "unfused": GEMM1 then the activation stage, as the layer runs
+        them)."""
+        scheme, row_block = quant.get(p.scheme), p.block if p.layout != "masked" else 0
+        if p.layout == "gate":
+            ok = _select._runs("triton", scheme, "contiguous", self.device, p.N, p.K, row_block)
+            return ["triton", "unfused"] if ok else []
         names = ("triton", *OTHER_BACKENDS[p.layout])
         return [
             b for b in names if _select._runs(b, scheme, p.layout, self.device, p.N, p.K, row_block)
@@ -407,6 +442,8 @@ class Tuner:
         if "triton" not in backends:
             return []
         ids = routing(p.tokens, p.E, p.top_k, dev)
+        if p.layout == "gate":
+            return self.gate(p, w, w_s, ids)
         if p.layout == "contiguous":
             a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
             _, _, m_idx, _, offsets = reference.permute(
@@ -440,16 +477,48 @@ class Tuner:
             out.append(self.measure("bmm", part(torch.bmm, a, w.transpose(1, 2))))
         return out
 
+    def gate(self, p: Problem, w, w_s, ids) -> List[Measured]:
+        """Every fitting config of the fused GEMM1 + gate kernel, and the unfused pair (the GEMM1
+        backend the layer picks, then the activation stage), on one set of operands."""
+        scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
+        g = _gate.get(p.gate)
+        a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
+        _, _, m_idx, _, offsets = reference.permute(
+            torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
+        )
+        bias = None
+        if p.bias:
+            bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
+                -0.1, 0.1, generator=self.gen
+            )
+        layout = scheme.cuda_scale_layout
+        h, hs = _ops._gate_outputs(a, w, m_idx, gate=g.spec, scale_layout=layout)
+        run = part(_triton.contiguous_gate_triton, a, w, m_idx, a_s, w_s, g, bias, h, hs, p.block)
+        out = [self.measure("triton", part(run, config=c), c)
+               for c in candidates("gate", p.scheme, p.block)]  # fmt: skip
+        kw = dict(m_indices=m_idx, expert_offsets=offsets)
+
+        def unfused():
+            y = gemm.grouped_gemm_contiguous(a, w, m_idx, a_s, w_s, offsets, True, p.block)
+            if not scheme.quantized:
+                return activation.silu_and_mul(y, gate=g.spec, bias=bias, **kw)
+            return activation.silu_and_mul_quant(y, p.scheme, scale_layout=layout, gate=g.spec,
+                                                 bias=bias, **kw)  # fmt: skip
+
+        out.append(self.measure("unfused", unfused))
+        return out
+
     def gemm_entries(self, problems: List[Problem]) -> Iterator[Dict]:
         """The entry of each problem (weights made once per GEMM)."""
         weights: Dict[Tuple, Tuple] = {}
         for p in problems:
             self.check_time()
-            key = (p.scheme, p.E, p.N, p.K)
+            rows = _gate.get(p.gate).width(p.N) if p.layout == "gate" else p.N  # (w1's rows)
+            key = (p.scheme, p.E, rows, p.K)
             if key not in weights:
                 weights.clear()
                 torch.cuda.empty_cache()
-                weights[key] = _weights(quant.get(p.scheme), p.E, p.N, p.K, self.gen, self.device)
+                weights[key] = _weights(quant.get(p.scheme), p.E, rows, p.K, self.gen, self.device)
             runs = self.backends(p)
             best = winner(self.gemm(p, *weights[key], runs), runs)
             if best is None:
@@ -510,7 +579,8 @@ class Tuner:
 def reading_table(doc: Dict, device_name: str):
     """The GEMM ops read ``doc`` as this GPU's tuned table (a temporary directory in place of
     ``_tuned.DIR``): path layers run with the configs just tuned, whatever --out / --dry-run."""
-    caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block)
+    caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block,
+              _select.fuses_gate)  # fmt: skip
     saved = _tuned.DIR
     with tempfile.TemporaryDirectory() as tmp:
         write(Path(tmp) / _tuned.file_name(device_name), doc)
@@ -544,7 +614,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--row-blocks", default=",".join(map(str, ROW_BLOCKS)))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--layouts", default="contiguous,masked")
+    ap.add_argument("--layouts", default=",".join(_tuned.LAYOUTS))
     ap.add_argument("--paths", action="store_true", help="also the path entries (whole layers)")
     ap.add_argument("--paths-only", action="store_true", help="only the path entries")
     ap.add_argument("--budget-s", type=float, default=3000.0, help="wall-clock budget of the run")
@@ -601,6 +671,8 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
                 problems += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
             if "masked" in a.layouts:
                 problems += masked_problems(cfg, scheme, a.tokens)
+            if "gate" in a.layouts:
+                problems += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
             if a.resume:
                 problems, _ = pending(old, problems)
             first = {}  # one GEMM's problems together: its weights are made once

@@ -186,6 +186,40 @@ def test_auto_follows_this_gpus_measured_paths(monkeypatch):
     assert given.plan(1) == ("ll", 64)
 
 
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_ht_fused_gate_where_measured(quant, monkeypatch):
+    """Where this GPU's table measured GEMM1 and the gate faster as one kernel, HT runs
+    grouped_gemm_gate: the same bytes as GEMM1 then the activation (its CPU kernel is their
+    references), with the gate, the biases and the padded sizes the layer passes."""
+    from epmoe import layer as layer_mod
+
+    asked = []
+
+    def fuses(scheme, device, inter, k, e, row_block, m):
+        asked.append((str(scheme), inter, k, e, row_block, m))
+        return True
+
+    gate = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
+    shape = dict(num_experts=8, hidden_size=200, intermediate_size=72, top_k=2)
+    kw = dict(quant=quant, mode="ht", alignment=16, gate=gate, bias=True, backend="local",
+              device="cpu")  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = torch.randn(8, 144, 200, generator=g) / 14, torch.randn(8, 200, 72, generator=g) / 9
+    b1, b2 = torch.randn(8, 144, generator=g), torch.randn(8, 200, generator=g)
+    x, ids, w = tokens(24, seed=3, **shape)
+    plain = epmoe.EPMoE(**shape, **kw)
+    plain.load_weights(w1, w2, b1=b1, b2=b2)
+    want = plain(x, ids, w)
+    monkeypatch.setattr(layer_mod, "fuses_gate", fuses)
+    fused = epmoe.EPMoE(**shape, **kw)
+    fused.load_weights(w1, w2, b1=b1, b2=b2)
+    with fused.record_stages() as rec:
+        out = fused(x, ids, w)
+    assert torch.equal(out, want) and "gemm1" not in rec and "act" in rec
+    Hp, Ip = fused.hidden_padded, fused.inter_padded
+    assert asked == [(quant, Ip, Hp, 8, 16, rec["permute"].m_indices.shape[0])]
+
+
 def test_auto_mode_bad_config():
     with pytest.raises(ValueError, match="EPMoE: ll_max_tokens expected a positive int, got 0"):
         _bad(mode="auto", ll_max_tokens=0)()

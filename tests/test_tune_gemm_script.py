@@ -59,6 +59,22 @@ def test_contiguous_problems():
     assert tuple(ps[0])[:7] == ("contiguous", "fp8", 5888, 2944, 32, 16, 512)
 
 
+def test_gate_problems():
+    """GEMM1 + gate: bf16 / fp8 only, N = h's channels, K = H, the config's gate and biases."""
+    cfg = CONFIGS["gpt-oss-20b"]
+    ps = list(tg.gate_problems(cfg, "fp8", (16, 128), (8, 4096)))
+    assert len(ps) == 2 * 2 and {(p.N, p.K, p.E) for p in ps} == {(2944, 2944, 32)}
+    assert all(p.gate == cfg.gate and p.bias and p.layout == "gate" for p in ps)
+    assert [p.m for p in ps] == [reference.permuted_rows(t, 4, 32, b)
+                                 for b in (16, 128) for t in (8, 4096)]  # fmt: skip
+    assert list(tg.gate_problems(cfg, "int8", (16,), (8,))) == []  # (its row scale: whole rows)
+    plain = type(cfg)(**{**CONFIGS["qwen3-30b-a3b"].__dict__, "gate": "relu2:glu=0"})
+    (p,) = tg.gate_problems(plain, "bf16", (16,), (8,))
+    assert (p.N, p.K) == (768, 2048)
+    assert len(tg.candidates("gate", "fp8", 16)) >= 1 and tg.candidates("gate", "int8", 16) == []
+    assert all(c["BLOCK_N"] == 128 for c in tg.candidates("gate", "fp8", 128))
+
+
 def test_masked_problems():
     cfg = CONFIGS["qwen3-30b-a3b"]  # E 128, top-8
     ps = list(tg.masked_problems(cfg, "bf16", (8, 100, 512, 2048)))
@@ -248,6 +264,19 @@ def test_gemm_entries_run_every_candidate(cpu_tuner, scheme):
         assert e["config"] == tg.candidates(p.layout, scheme, p.block)[0]
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, scheme):
+    tuner, calls = cpu_tuner
+    cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
+    (p,) = tg.gate_problems(cfg, scheme, (16,), (4,))
+    (e,) = tuner.gemm_entries([p])
+    n = len(tg.candidates("gate", scheme, 16))
+    assert len(calls) == n + 1 and tuner.errors == 0  # (every config, then the unfused pair)
+    assert set(e["us"]) == {"triton", "unfused"} and e["backend"] == "triton"
+    assert e["config"] == tg.candidates("gate", scheme, 16)[0] and e["layout"] == "gate"
+
+
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     tuner, _ = cpu_tuner
 
@@ -258,7 +287,8 @@ def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     monkeypatch.setattr(_triton, "masked_triton", boom)
     (p,) = [p for p in tg.masked_problems(CONFIGS["tiny-1rank"], "int8", (4,)) if p.K == 128]
     (e,) = tuner.gemm_entries([p])
-    assert tuner.errors == 3 and e["config"]["BLOCK_N"] != 128  # (3 of the 6 candidates)
+    wide = sum(c["BLOCK_N"] == 128 for c in tg.candidates("masked", "int8", p.block))
+    assert 0 < wide and tuner.errors == wide and e["config"]["BLOCK_N"] != 128
     with pytest.raises(tg.OutOfTime):
         list(tg.Tuner(torch.device("cpu"), iters=1, deadline=0.0).gemm_entries([p]))
 

@@ -58,6 +58,7 @@ from epmoe.ops.gemm._ops import (
 from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
+    fuses_gate,
     masked_row_block,
     scheme_of,
     smallest_row_block,
@@ -67,6 +68,7 @@ from epmoe.ops.gemm._weights import prepare_weights, warmup
 __all__ = [
     "contiguous_row_block",
     "empty_fp8_act_scales",
+    "fuses_gate",
     "grouped_gemm",
     "grouped_gemm_contiguous",
     "grouped_gemm_gate",

@@ -9,7 +9,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from epmoe import _checks, _deps, quant
+from epmoe import _checks, _deps, _launch, quant
 from epmoe.ops.gemm import _tuned
 
 OP = "grouped_gemm"
@@ -138,19 +138,33 @@ def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int =
     """The implementation of ``scheme`` (a name or a scheme) x ``layout`` ("contiguous"/"masked")
     for an N x K problem on a CUDA device: the tuned table's faster backend for (e, row_block, m)
     where it has one, else the first of _ORDER that runs it, else "reference". ``row_block``: the
-    contiguous layout's alignment (0: the default backend's, :func:`contiguous_row_block`);
-    masked: the rows hint (expected_m)."""
+    contiguous layout's alignment (0: the default backend's, :func:`contiguous_row_block`), the
+    masked kernel's BLOCK_M (the table's block); ``m``: M_sum, or masked expected_m."""
     scheme = quant.get(scheme, OP, "scheme")
     if layout == "contiguous" and not row_block:
         row_block = contiguous_row_block(scheme, device)
+    best = _tuned.backend(layout, scheme, n, k, e, row_block, m, device) if e else None
     block = row_block if layout == "contiguous" else 0
-    best = _tuned.backend(layout, scheme, n, k, e, block, m, device) if e else None
     if best is not None and _runs(best, scheme, layout, device, n, k, block):
         return best
     for name in _ORDER:
         if _runs(name, scheme, layout, device, n, k, block):
             return name
     return "reference"
+
+
+@_launch.memo  # (as _backend; sizes may be SymInts under torch.compile: computed, not cached)
+def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_block: int,
+               m: int) -> bool:  # fmt: skip
+    """Whether GEMM1 and the gate of an HT call run as one kernel (:func:`grouped_gemm_gate`):
+    where this GPU's tuned table measured the fused kernel faster than GEMM1 then the activation
+    stage ("gate" entries), for h of ``inter`` channels, GEMM1's reduction ``k``, ``e`` experts,
+    expert blocks of ``row_block`` rows and ``m`` rows."""
+    scheme = quant.get(scheme, OP, "scheme")
+    if scheme is quant.INT8 or torch.device(device).type != "cuda":
+        return False
+    best = _tuned.backend("gate", scheme, inter, k, e, row_block, m, device)
+    return best == "triton" and _runs("triton", scheme, "contiguous", device, inter, k, row_block)
 
 
 def contiguous_row_block(scheme, device: torch.device) -> int:
