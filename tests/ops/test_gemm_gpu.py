@@ -506,6 +506,39 @@ def test_triton_masked_every_scheme(scheme):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec,bias", [("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0",
+                                       True), ("relu2:glu=0", False)])  # fmt: skip
+@pytest.mark.parametrize("align", [16, 128])
+def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
+    """GEMM1 + gate in one kernel on the GPU (autotuned) vs the references, and its graph replay."""
+    from epmoe import gate as G
+
+    dev = torch.device("cuda")
+    g = G.get(spec)
+    gen = torch.Generator().manual_seed(40 + align)
+    m_idx = _layout([37, 0, align, 5], align).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 4, g.width(256), 512, dev, gen)
+    b = torch.randn(4, g.width(256), generator=gen).to(dev) if bias else None
+    y = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    h, s = gemm.grouped_gemm_gate(a, w, m_idx, as_, ws, spec, b, "deepgemm", align)
+    live = m_idx >= 0
+    if scheme == "bf16":
+        want = reference.silu_and_mul(y, g, b, m_idx)
+        assert s.shape == (m_idx.numel(), 0) and rel_l2(h[live], want[live]) < 2e-2
+    else:
+        q, qs = reference.silu_and_mul_quant(y, "fp8", 128, g, b, m_idx)
+        got = reference.dequantize(h[live], s[live])
+        assert rel_l2(got, reference.dequantize(q[live], qs[live])) < 3e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h2, s2 = gemm.grouped_gemm_gate(a, w, m_idx, as_, ws, spec, b, "deepgemm", align)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h2[live].view(torch.uint8), h[live].view(torch.uint8))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("align", [16, 64])
 def test_layer_small_alignment_matches_reference(scheme, align):
