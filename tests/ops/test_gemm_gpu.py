@@ -583,3 +583,38 @@ def test_masked_counts_out_of_range_debug():
             )
     finally:
         _checks.set_debug(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_layer_fused_gate_warms_up_and_replays(scheme, monkeypatch):
+    """A layer whose table fuses GEMM1 and the gate: warmup compiles the fused kernel (nothing
+    compiles inside the capture), the replay gives the eager bytes, both near the unfused layer."""
+    from epmoe import EPMoE
+    from epmoe import layer as layer_mod
+    from epmoe.ops.gemm import _weights
+    from tests._moe import global_weights, tokens
+
+    dev = torch.device("cuda")
+    shape = dict(num_experts=8, hidden_size=256, intermediate_size=256, top_k=2)
+    kw = dict(quant=scheme, mode="ht", alignment=32, backend="local", device=dev,
+              gate="silu:alpha=1.702,limit=7.0,up_offset=1.0")  # fmt: skip
+    w1, w2 = global_weights(**shape)
+    x, ids, w = (t.to(dev) for t in tokens(40, seed=9, **shape))
+    plain = EPMoE(**shape, **kw)
+    plain.load_weights(w1, w2)
+    want = plain(x, ids, w)
+    for mod in (layer_mod, _weights):
+        monkeypatch.setattr(mod, "fuses_gate", lambda *args: True)
+    fused = EPMoE(**shape, **kw)
+    fused.load_weights(w1, w2)
+    fused.warmup([40])
+    with fused.record_stages() as rec:
+        out = fused(x, ids, w)
+    assert "gemm1" not in rec and rel_l2(out, want) < 2e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = fused(x, ids, w)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
