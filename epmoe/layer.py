@@ -492,12 +492,13 @@ class EPMoE(nn.Module):
 
     def _route(self, st, x, topk_ids, topk_weights):
         T = x.shape[0]
-        plan = self._plans.get(T) if type(T) is int else None  # (SymInts: planned afresh)
-        if plan is None:
-            plan = self.plan(T)
-            if type(T) is int:
-                self._plans[T] = plan
-        path, alignment = plan
+        if torch.compiler.is_compiling():  # (a dict written in a traced frame guards the graph)
+            path, alignment = self.plan(T)
+        else:
+            plan = self._plans.get(T)
+            if plan is None:
+                plan = self._plans[T] = self.plan(T)
+            path, alignment = plan
         if path == "gemv":
             return self._forward_gemv(st, x, topk_ids, topk_weights)
         if path == "ll":
