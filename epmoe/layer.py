@@ -334,6 +334,11 @@ class EPMoE(nn.Module):
                 self.scheme, num_experts, hidden_size, intermediate_size, top_k, device
             )
         self._alignment_given = alignment_given
+        # HT may run GEMM1 and the gate as one kernel: only where this GPU's table has measured it
+        self._may_fuse = _tuned.has(
+            "gate", self.scheme, self.inter_padded, self.hidden_padded, self.num_local_experts,
+            device,
+        )  # fmt: skip
         if mode == "auto" and self.worst_case and not self.local:
             raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
         # masked-layout rows per expert: on one rank a multiple of the masked GEMM's row block
@@ -642,8 +647,9 @@ class EPMoE(nn.Module):
         kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
         mm, gk = st.grouped_gemm_contiguous, dict(kw, trusted=True, alignment=alignment)
         E, M = self.num_local_experts, p.m_indices.shape[0]
-        if fuses_gate(self.scheme, self.device, self.inter_padded, self.hidden_padded, E,
-                      alignment, M):  # fmt: skip
+        if self._may_fuse and fuses_gate(
+            self.scheme, self.device, self.inter_padded, self.hidden_padded, E, alignment, M
+        ):
             # (this GPU measured GEMM1 and the gate faster as one kernel at this size)
             h, hs = st.grouped_gemm_gate(
                 p.x, b["w1"], p.m_indices, p.x_scales, b["w1_scale"], self._gate_spec, b["b1"],

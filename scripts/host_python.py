@@ -57,7 +57,7 @@ def stub_launches() -> None:
     """Every kernel launch and deep_gemm call becomes a no-op, on a :func:`cuda_like_host`."""
     _launch.kernel = _launch.direct = lambda k: _NoLaunch()
     _launch.Prepared.__call__ = lambda self, *tensors: None
-    _triton._launch_tuned = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
+    _triton._launch_plan = lambda *args, **kwargs: None  # (the autotuner's first call benchmarks)
     cuda_like_host()
 
 

@@ -211,6 +211,7 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
     plain.load_weights(w1, w2, b1=b1, b2=b2)
     want = plain(x, ids, w)
     monkeypatch.setattr(layer_mod, "fuses_gate", fuses)
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)  # (a table with "gate")
     fused = epmoe.EPMoE(**shape, **kw)
     fused.load_weights(w1, w2, b1=b1, b2=b2)
     with fused.record_stages() as rec:

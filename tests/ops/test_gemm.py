@@ -142,9 +142,10 @@ def test_gemm_gate_opcheck_and_bad_input(seed):
 
 @pytest.mark.parametrize("which", ["masked", "contiguous"])
 def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
-    """After the autotuner's first call per key, the Triton GEMMs launch the tuned config's
-    JITFunction directly, with the heuristics' EVEN_K filled in (through the heuristics layer,
-    Triton's own run binds every argument again on each call)."""
+    """After the autotuner's first call per launch plan, the Triton GEMMs launch the tuned
+    config's JITFunction directly, with the heuristics' EVEN_K filled in (through the heuristics
+    layer, Triton's own run binds every argument again on each call); a plan the tuned table has
+    takes its config without autotuning."""
     import triton
 
     from epmoe import _launch
@@ -152,7 +153,8 @@ def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
 
     tuned = _triton._tuner(which, 2, 128 if which == "contiguous" else 0)
     cfg = tuned.configs[0]
-    through_tuner, direct = [], []
+    table_cfg = dict(tuned.configs[-1].all_kwargs())
+    through_tuner, direct, tables = [], [], {}
 
     def tuner_run(*args, grid, warmup, **meta):
         through_tuner.append(grid)
@@ -166,33 +168,34 @@ def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     monkeypatch.setattr(_launch.Prepared, "_launch", prepared_launch)
     monkeypatch.setattr(tuned, "run", tuner_run)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(_triton, "_BEST", {})
+    monkeypatch.setattr(_triton._tuned, "lookup", lambda *key: tables.get(key[-2]))
     names = tuned.fn.arg_names
     K = 384  # not a multiple of 256: EVEN_K is False for BLOCK_K = 256
-    args = tuple(K if n == "K" else 1 for n in names[: names.index("QUANT")])
+    n = 7 if which == "masked" else 6  # (leading tensor arguments)
+    sizes = tuple(K if x == "K" else 1 for x in names[n : names.index("QUANT")])
     meta = dict(QUANT=2, SCALE_K=128)
     meta.update({"BLOCK_M": 16, "M_SPLIT": 1} if which == "masked" else {})
-    table_cfg = dict(tuned.configs[-1].all_kwargs())
 
-    def grid(m):
-        return (m["BLOCK_N"], 1, 1)
+    def plan(rows):
+        table = (which, "int8", 1, K, 1, 16 if which == "masked" else 128, rows, "cuda")
+        return _triton._Plan(which, 2, 128 if which == "contiguous" else 0, table,
+                             lambda m: (m["BLOCK_N"], 1, 1), sizes, dict(meta))  # fmt: skip
 
-    n = 7 if which == "masked" else 6  # (leading tensor arguments)
+    tensors = tuple(range(n))
+    tables[99] = table_cfg  # (99 rows: the table has them; 1 row: it does not)
+    p1, p99 = plan(1), plan(99)
     for _ in range(3):
-        _triton._launch_tuned(tuned, (which, K), grid, args[:n], args[n:], dict(meta))
-    # a tuned table's entry: no autotuning, its config from the first call on
+        _triton._launch_plan(p1, tensors)
     for _ in range(2):
-        _triton._launch_tuned(tuned, ("table", K), grid, args[:n], args[n:], dict(meta),
-                              table=lambda: table_cfg)  # fmt: skip
+        _triton._launch_plan(p99, tensors)
     assert len(through_tuner) == 1 and len(direct) == 4
-    assert all(direct[-1][3][k] == v for k, v in table_cfg.items())
-    direct = direct[:2]
-    fn, g, a, m = direct[-1]
+    fn, g, a, m = direct[1]
     assert not isinstance(fn, triton.runtime.autotuner.Heuristics) and fn is tuned.fn.fn
-    assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == args  # (Prepared pads the grid to 3-D)
+    assert g == (cfg.kwargs["BLOCK_N"], 1, 1) and a == tensors + sizes  # (grid padded to 3-D)
     assert m["EVEN_K"] == (K % cfg.kwargs["BLOCK_K"] == 0)
     assert m["num_warps"] == cfg.num_warps and m["num_stages"] == cfg.num_stages
     assert all(m[k] == v for k, v in {**cfg.kwargs, **meta}.items())
+    assert all(direct[-1][3][k] == v for k, v in table_cfg.items())  # (the table's config)
 
 
 # ------------------------------------------------------------------ backend choice, tuned table
@@ -257,6 +260,9 @@ def test_backend_follows_the_tuned_table(sm90):
     assert backend("bf16", "contiguous", dev, 256, 512, 4, 16, 64) == "triton"
     assert backend("int8", "contiguous", dev, 256, 512, 4, 128, 64) == "triton"
     assert backend("fp8", "contiguous", dev, 256, 512, 8, 128, 64) == "deep_gemm"  # (other E)
+    assert _tuned.has("contiguous", "fp8", 256, 512, 4, dev)
+    assert not _tuned.has("gate", "fp8", 256, 512, 4, dev)
+    assert not _tuned.has("contiguous", "fp8", 256, 512, 4, torch.device("cpu"))
     cfg = _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, dev)
     assert cfg == entries[0]["config"]
     assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, torch.device("cpu")) is None

@@ -606,6 +606,7 @@ def test_layer_fused_gate_warms_up_and_replays(scheme, monkeypatch):
     want = plain(x, ids, w)
     for mod in (layer_mod, _weights):
         monkeypatch.setattr(mod, "fuses_gate", lambda *args: True)
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)  # (a table with "gate")
     fused = EPMoE(**shape, **kw)
     fused.load_weights(w1, w2)
     fused.warmup([40])

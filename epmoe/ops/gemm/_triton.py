@@ -6,7 +6,7 @@ takes any row block (permute ``alignment``) that is a multiple of 16, the masked
 Tile configs: the tuned table for this GPU (:mod:`epmoe.ops.gemm._tuned`) where it has the shape,
 else Triton's autotuner over the candidates below (once per static key, in warmup)."""
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -373,48 +373,60 @@ def _tuner(layout: str, quant_code: int, row_block: int):
     return triton.autotune(keep or configs[-1:], key=key)(fn)
 
 
-_BEST: Dict[Tuple, Tuple] = {}  # (autotuner, device, static key) -> (JITFunction, launch kwargs)
+class _Plan:
+    """One GEMM call's static launch: its layout and scheme, the tuned table's key of it, the
+    grid (a function of the meta-parameters), the trailing sizes / strides and the constexprs;
+    ``prepared`` holds the chosen config's launch per device, made on the first call."""
+
+    __slots__ = ("layout", "code", "row_block", "table", "grid", "sizes", "meta", "prepared")
+
+    def __init__(self, layout, code, row_block, table, grid, sizes, meta):
+        self.layout, self.code, self.row_block, self.table = layout, code, row_block, table
+        self.grid, self.sizes, self.meta = grid, sizes, meta
+        self.prepared: Dict[int, _launch.Prepared] = {}
 
 
-def _launch_tuned(tuned, key: Tuple, grid, tensors: Tuple, sizes: Tuple, meta: dict,
-                  table: Optional[Callable[[], Optional[Dict]]] = None) -> None:  # fmt: skip
-    """Launch autotuned kernel ``tuned`` on its leading ``tensors`` and the ``sizes`` (sizes and
-    strides) after them. Its first call per static ``key`` takes the config ``table()`` returns
-    (the tuned table's entry) or, where that is None, goes through the autotuner (tuning if
-    needed); later calls launch the chosen config's JITFunction as a cached
-    :class:`epmoe._launch.Prepared`, without the autotuner's and the heuristics' per-call
-    re-binding (the kernels run inside an opaque op: never traced)."""
-    if _launch._INTERPRET:
-        tuned[grid](*tensors, *sizes, **meta)
-        return
-    key = (id(tuned), torch._C._cuda_getDevice(), *key)
-    hit = _BEST.get(key)
-    if hit is None:
-        config = table() if table is not None else None
-        if config is None:  # (the autotuner's run launches the kernel too)
-            tuned[grid](*tensors, *sizes, **meta)
-            best = tuned.best_config.all_kwargs()
-            _BEST[key] = _resolved(tuned.fn, (*tensors, *sizes), meta, best)
+def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> None:
+    """Launch ``plan`` on its leading ``tensors``. ``config`` given (tests): that config. Else the
+    first call per device takes the tuned table's config for the call's problem or, without one,
+    goes through Triton's autotuner (tuning once per static key); later calls launch the chosen
+    config's JITFunction as a cached :class:`epmoe._launch.Prepared`, without the autotuner's and
+    the heuristics' per-call re-binding (the kernels run inside an opaque op: never traced)."""
+    tuned = None
+    if config is None:
+        if _launch._INTERPRET:
+            tuned = _tuner(plan.layout, plan.code, plan.row_block)
+            tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
             return
-        hit = _BEST[key] = _resolved(tuned.fn, (*tensors, *sizes), meta, config)
-    full = {**meta, **hit[1]}
-    _tuned_launch(key, grid(full), sizes, tuple(full.items())).untraced(*tensors)
+        dev = torch._C._cuda_getDevice()
+        prepared = plan.prepared.get(dev)
+        if prepared is not None:
+            prepared.untraced(*tensors)
+            return
+        tuned = _tuner(plan.layout, plan.code, plan.row_block)
+        config = _tuned.lookup(*plan.table)
+        if config is None:  # (the autotuner's run launches the kernel too)
+            tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
+            config = tuned.best_config.all_kwargs()
+            plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
+            return
+        plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
+        plan.prepared[dev].untraced(*tensors)
+        return
+    kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
+                  gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
+    kernel[plan.grid](*tensors, *plan.sizes, **plan.meta, **config)
 
 
-@_launch.memo
-def _tuned_launch(key: Tuple, grid: Tuple, tail: Tuple, meta: Tuple) -> _launch.Prepared:
-    """The tuned config's launch for these sizes (``key``: the _BEST entry it launches)."""
-    return _launch.Prepared(_BEST[key][0], grid, tail, dict(meta))
-
-
-def _resolved(fn, args: Tuple, meta: dict, best: dict) -> Tuple:
-    """(the jitted function under ``fn``, its launch kwargs): config ``best`` plus the values of
-    the heuristics between them (ours read key-static arguments only: fixed per key)."""
+def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
+    """The launch of ``config`` (plus the values of the heuristics under the autotuner ``fn``:
+    ours read key-static arguments only, fixed per plan)."""
+    meta = {**plan.meta, **config}
     while isinstance(fn, triton.runtime.autotuner.Heuristics):
-        named = {**dict(zip(fn.arg_names, args, strict=False)), **meta, **best}
-        best = {**best, **{name: value(named) for name, value in fn.values.items()}}
+        named = {**dict(zip(fn.arg_names, (*tensors, *plan.sizes), strict=False)), **meta}
+        meta = {**meta, **{name: value(named) for name, value in fn.values.items()}}
         fn = fn.fn
-    return fn, best
+    return _launch.Prepared(fn, plan.grid(meta), plan.sizes, meta)
 
 
 @_launch.memo  # (sizes only: the same for every call of a layer)
@@ -424,20 +436,6 @@ def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
     block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, _launch.pow2(em)))
     split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
     return block_m, split
-
-
-def _scales(a, w, a_scales, w_scales, lead: int) -> Tuple:
-    """(a_scales, w_scales, their strides padded to ``lead`` + 1 / 3 entries): bf16 passes w in
-    place of the absent scales (the kernels never read them) and zero strides."""
-    if a_scales is None:
-        return w, w, (0,) * (lead + 1), (0, 0, 0)
-    ws = tuple(w_scales.stride()) + (0,) * (3 - w_scales.dim())  # (int8: [E, N], no K stride)
-    return a_scales, w_scales, tuple(a_scales.stride()), ws
-
-
-def _meta(a: torch.Tensor) -> Dict:
-    scheme = quant.of_dtype(a.dtype)
-    return dict(QUANT=scheme.kernel_code, SCALE_K=quant.FP8_GROUP)
 
 
 def contiguous_triton(
@@ -470,29 +468,42 @@ def contiguous_triton(
     if M == 0 or N == 0:
         return out
     m_indices = m_indices.contiguous()
-    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 1)
-
-    def grid(meta):
-        return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(N, meta["BLOCK_N"]),)
-
-    tensors = (a, w, a_s, w_s, m_indices, out)
-    sizes = (
-        M, N, K, E,
-        a.stride(0), a.stride(1),
-        w.stride(0), w.stride(1), w.stride(2),
-        *as_strides, *ws_strides,
-        out.stride(0), out.stride(1),
+    a_s, w_s = (w, w) if a_scales is None else (a_scales, w_scales)
+    plan = _contiguous_plan(
+        a.dtype, M, N, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
+        out.stride(), row_block, a.device,
     )  # fmt: skip
-    meta = _meta(a)
-    if config is not None:
-        _contiguous_kernel[grid](*tensors, *sizes, **meta, **config)
-        return out
-    scheme, dev = quant.of_dtype(a.dtype), a.device
-    table = lambda: _tuned.lookup("contiguous", scheme, N, K, E, row_block, M, dev)  # noqa: E731
-    key = (N, K, E, row_block, _launch.pow2(M), a.dtype, out.dtype)  # (the table's M classes)
-    tuner = _tuner("contiguous", meta["QUANT"], row_block)
-    _launch_tuned(tuner, key, grid, tensors, sizes, meta, table)
+    _launch_plan(plan, (a, w, a_s, w_s, m_indices, out), config)
     return out
+
+
+def _stride(t: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+    return None if t is None else t.stride()
+
+
+def _scale_strides(a_s, w_s, lead: int) -> Tuple[int, ...]:
+    """The scale strides the kernels take: a's ``lead`` + 1 and w's 3 (zeros for bf16's absent
+    scales, never read; int8's w scales `[E, N]` have no K stride)."""
+    if a_s is None:
+        return (0,) * (lead + 1) + (0, 0, 0)
+    return (*a_s, *w_s, *(0,) * (3 - len(w_s)))
+
+
+def _constexprs(dtype: torch.dtype) -> Dict:
+    return dict(QUANT=quant.of_dtype(dtype).kernel_code, SCALE_K=quant.FP8_GROUP)
+
+
+@_launch.memo
+def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, device) -> _Plan:
+    """The contiguous kernel's launch plan for these sizes, strides and row block."""
+    meta = _constexprs(dtype)
+    sizes = (M, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *so)
+
+    def grid(m):
+        return (_launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(N, m["BLOCK_N"]),)
+
+    table = ("contiguous", quant.of_dtype(dtype), N, K, E, row_block, M, device)
+    return _Plan("contiguous", meta["QUANT"], row_block, table, grid, sizes, meta)
 
 
 def masked_triton(
@@ -528,33 +539,35 @@ def masked_triton(
     if E == 0 or T == 0 or N == 0:
         return out
     masked_m = masked_m.contiguous()
-    block_m, split = _masked_tiling(T, expected_m)
-    meta = dict(config or {})
-    meta.setdefault("BLOCK_M", block_m)
-    meta.setdefault("M_SPLIT", split)
-    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 2)
+    a_s, w_s = (w, w) if a_scales is None else (a_scales, w_scales)
+    block_m = split = 0
+    if config is not None:
+        block_m, split = config.get("BLOCK_M", 0), config.get("M_SPLIT", 0)
+        config = {k: v for k, v in config.items() if k not in ("BLOCK_M", "M_SPLIT")}
+    plan = _masked_plan(
+        a.dtype, T, N, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
+        out.stride(), expected_m, ok is not None, block_m, split, a.device,
+    )  # fmt: skip
+    tensors = (a, w, a_s, w_s, masked_m, out, ok if ok is not None else masked_m)
+    _launch_plan(plan, tensors, config)
+    return out
+
+
+@_launch.memo
+def _masked_plan(dtype, T, N, K, E, sa, sw, sas, sws, so, expected_m, check, block_m, split,
+                 device) -> _Plan:  # fmt: skip
+    """The masked kernel's launch plan (BLOCK_M / M_SPLIT from expected_m unless given)."""
+    tiling = _masked_tiling(T, expected_m)
+    block_m, split = block_m or tiling[0], split or tiling[1]
+    meta = dict(_constexprs(dtype), BLOCK_M=block_m, M_SPLIT=split, CHECK=check,
+                E_PAD=_launch.pow2(E))  # fmt: skip
+    sizes = (T, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 2), *so)
 
     def grid(m):
         return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
 
-    tensors = (a, w, a_s, w_s, masked_m, out, ok if ok is not None else masked_m)
-    sizes = (
-        T, N, K, E,
-        a.stride(0), a.stride(1), a.stride(2),
-        w.stride(0), w.stride(1), w.stride(2),
-        *as_strides, *ws_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-    )  # fmt: skip
-    meta.update(_meta(a), CHECK=ok is not None, E_PAD=_launch.pow2(E))
-    if config is not None:
-        _masked_kernel[grid](*tensors, *sizes, **meta)
-        return out
-    scheme, dev, bm = quant.of_dtype(a.dtype), a.device, meta["BLOCK_M"]
-    table = lambda: _tuned.lookup("masked", scheme, N, K, E, bm, expected_m or T, dev)  # noqa: E731
-    key = (N, K, E, bm, _launch.pow2(expected_m or T), a.dtype, out.dtype)
-    tuner = _tuner("masked", meta["QUANT"], 0)
-    _launch_tuned(tuner, key, grid, tensors, sizes, meta, table)
-    return out
+    table = ("masked", quant.of_dtype(dtype), N, K, E, block_m, expected_m or T, device)
+    return _Plan("masked", meta["QUANT"], 0, table, grid, sizes, meta)
 
 
 def contiguous_gate_triton(
@@ -589,25 +602,28 @@ def contiguous_gate_triton(
     if M == 0 or I == 0:
         return
     m_indices = m_indices.contiguous()
-    a_s, w_s, as_strides, ws_strides = _scales(a, w, a_scales, w_scales, 1)
+    a_s, w_s = (w, w) if a_scales is None else (a_scales, w_scales)
     hs = h_scales if h_scales.dim() == 2 and h_scales.shape[1] else h
-    b = bias if bias is not None else w
-
-    def grid(meta):
-        return (_launch.cdiv(M, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"]),)
-
-    tensors = (a, w, a_s, w_s, m_indices, b, h, hs)
-    sizes = (
-        M, I, K, E,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *as_strides,
-        *ws_strides, *(bias.stride() if bias is not None else (0, 0)), h.stride(0), h.stride(1),
-        *(hs.stride() if hs is not h else (0, 0)),
+    plan = _gate_plan(
+        a.dtype, M, I, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
+        _stride(bias), h.stride(), hs.stride() if hs is not h else (0, 0), gate, row_block,
+        a.device,
     )  # fmt: skip
-    meta = dict(_meta(a), HAS_BIAS=bias is not None, FAST=not _launch._INTERPRET, **gate.meta())
-    if config is not None:
-        _contiguous_gate_kernel[grid](*tensors, *sizes, **meta, **config)
-        return
-    scheme, dev = quant.of_dtype(a.dtype), a.device
-    table = lambda: _tuned.lookup("gate", scheme, I, K, E, row_block, M, dev)  # noqa: E731
-    key = (I, K, E, row_block, _launch.pow2(M), a.dtype, gate.spec, bias is not None)
-    _launch_tuned(_tuner("gate", meta["QUANT"], row_block), key, grid, tensors, sizes, meta, table)
+    b = bias if bias is not None else w
+    _launch_plan(plan, (a, w, a_s, w_s, m_indices, b, h, hs), config)
+
+
+@_launch.memo
+def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block,  # noqa: E741
+               device) -> _Plan:  # fmt: skip
+    """The GEMM1 + gate kernel's launch plan (``gate``: an epmoe.gate.Gate; ``sb`` None: no
+    bias)."""
+    meta = dict(_constexprs(dtype), HAS_BIAS=sb is not None, FAST=not _launch._INTERPRET,
+                **gate.meta())  # fmt: skip
+    sizes = (M, I, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *(sb or (0, 0)), *sh, *shs)
+
+    def grid(m):
+        return (_launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(I, m["BLOCK_N"]),)
+
+    table = ("gate", quant.of_dtype(dtype), I, K, E, row_block, M, device)
+    return _Plan("gate", meta["QUANT"], row_block, table, grid, sizes, meta)

@@ -117,3 +117,14 @@ def paths(scheme, E: int, H: int, I: int, K: int, device) -> List[Dict]:  # noqa
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _paths(_device_name(index)).get((str(scheme), E, H, I, K), [])
+
+
+def has(layout, scheme, n: int, k: int, e: int, device) -> bool:
+    """Whether ``device``'s table has any entry of this layout, scheme and N / K / E (any block
+    and rows): callers skip a per-call lookup that cannot find one."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (layout, str(scheme), n, k, e)
+    return any(p[:5] == key for p in table(_device_name(index)))
