@@ -644,23 +644,22 @@ class EPMoE(nn.Module):
         )
         p, b = self._emit("permute", p), self._buffers
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
-        kw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-        mm, gk = st.grouped_gemm_contiguous, dict(kw, trusted=True, alignment=alignment)
-        E, M = self.num_local_experts, p.m_indices.shape[0]
+        rows, offsets, mm = p.m_indices, p.expert_offsets, st.grouped_gemm_contiguous
         if self._may_fuse and fuses_gate(
-            self.scheme, self.device, self.inter_padded, self.hidden_padded, E, alignment, M
-        ):
+            self.scheme, self.device, self.inter_padded, self.hidden_padded,
+            self.num_local_experts, alignment, rows.shape[0],
+        ):  # fmt: skip
             # (this GPU measured GEMM1 and the gate faster as one kernel at this size)
             h, hs = st.grouped_gemm_gate(
-                p.x, b["w1"], p.m_indices, p.x_scales, b["w1_scale"], self._gate_spec, b["b1"],
+                p.x, b["w1"], rows, p.x_scales, b["w1_scale"], self._gate_spec, b["b1"],
                 scale_layout=self._scale_layout, alignment=alignment, trusted=True,
             )  # fmt: skip
             h, hs = self._emit("act", (h, hs if self.scheme.quantized else None))
         else:
-            y = mm(p.x, b["w1"], a_scales=p.x_scales, w_scales=b["w1_scale"], **gk)
+            y = mm(p.x, b["w1"], rows, p.x_scales, b["w1_scale"], offsets, True, alignment)
             y = self._emit("gemm1", y)
-            h, hs = self._emit("act", self._act(st, y, **kw))
-        y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **gk)
+            h, hs = self._emit("act", self._act(st, y, None, rows, offsets))
+        y = mm(h, b["w2"], rows, hs, b["w2_scale"], offsets, True, alignment)
         y = self._emit("gemm2", y)
         b2 = b["b2"]
         out = st.unpermute(

@@ -231,8 +231,8 @@ def test_backend_without_a_table_keeps_the_measured_defaults(sm90):
     assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 64) == "deep_gemm"
     assert backend("bf16", "contiguous", dev, 256, 512, 4, 128, 64) == "deep_gemm"
     assert backend("int8", "contiguous", dev, 256, 512, 4, 128, 64) == "triton"
-    assert backend("fp8", "masked", dev, 256, 512, 4, 0, 8) == "deep_gemm"
-    assert backend("int8", "masked", dev, 256, 512, 4, 0, 8) == "triton"
+    assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "deep_gemm"
+    assert backend("int8", "masked", dev, 256, 512, 4, 128, 8) == "triton"
     # alignments deep_gemm cannot take: our kernels (bf16: torch._grouped_mm takes any)
     assert backend("fp8", "contiguous", dev, 256, 512, 4, 16, 64) == "triton"
     assert backend("bf16", "contiguous", dev, 256, 512, 4, 32, 64) == "grouped_mm"
@@ -251,6 +251,7 @@ def test_backend_follows_the_tuned_table(sm90):
         _entry("contiguous", "fp8", 128, 4096, "deep_gemm"),
         _entry("contiguous", "bf16", 16, 512, "triton"),
         _entry("contiguous", "int8", 128, 512, "deep_gemm"),  # (cannot run int8: ignored)
+        _entry("masked", "fp8", 16, 8, "triton"),  # (block: the kernel's BLOCK_M at T, em)
     ]
     (tmp / "nvidia_h200.json").write_text(json.dumps(dict(device="NVIDIA H200", entries=entries)))
     assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 200) == "triton"
@@ -260,6 +261,8 @@ def test_backend_follows_the_tuned_table(sm90):
     assert backend("bf16", "contiguous", dev, 256, 512, 4, 16, 64) == "triton"
     assert backend("int8", "contiguous", dev, 256, 512, 4, 128, 64) == "triton"
     assert backend("fp8", "contiguous", dev, 256, 512, 8, 128, 64) == "deep_gemm"  # (other E)
+    assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "triton"  # (T 128: BLOCK_M 16)
+    assert backend("fp8", "masked", dev, 256, 512, 4, 512, 64) == "deep_gemm"  # (BLOCK_M 64)
     assert _tuned.has("contiguous", "fp8", 256, 512, 4, dev)
     assert not _tuned.has("gate", "fp8", 256, 512, 4, dev)
     assert not _tuned.has("contiguous", "fp8", 256, 512, 4, torch.device("cpu"))

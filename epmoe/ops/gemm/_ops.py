@@ -21,12 +21,7 @@ from epmoe.ops.gemm._select import (
     masked_row_block,
     scheme_of,
 )
-from epmoe.ops.gemm._triton import (
-    _masked_tiling,
-    contiguous_gate_triton,
-    contiguous_triton,
-    masked_triton,
-)
+from epmoe.ops.gemm._triton import contiguous_gate_triton, contiguous_triton, masked_triton
 from epmoe.ops.gemm._validate import CONTIGUOUS, GATE, MASKED, _check_counts
 
 
@@ -77,8 +72,7 @@ def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, tru
     scheme = scheme_of(a.dtype)
     E, T, K = a.shape
     N, dev = w.shape[1], a.device
-    block_m = _masked_tiling(T, expected_m)[0]  # (the tuned table's masked block)
-    backend = _backend(scheme, "masked", dev, N, K, E, block_m, expected_m or T)
+    backend = _backend(scheme, "masked", dev, N, K, E, T, expected_m or T)
     if backend == "triton":  # the kernel itself checks the counts (trusted: none to check)
         ok = None if trusted else torch.empty((), dtype=torch.bool, device=dev)
         out = masked_triton(a, w, masked_m, a_scales, w_scales, expected_m, ok=ok)

@@ -11,6 +11,7 @@ import torch
 
 from epmoe import _checks, _deps, _launch, quant
 from epmoe.ops.gemm import _tuned
+from epmoe.ops.gemm._triton import _masked_tiling
 
 OP = "grouped_gemm"
 A_DTYPES = tuple(s.act_dtype for s in quant.SCHEMES.values())
@@ -138,12 +139,14 @@ def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int =
     """The implementation of ``scheme`` (a name or a scheme) x ``layout`` ("contiguous"/"masked")
     for an N x K problem on a CUDA device: the tuned table's faster backend for (e, row_block, m)
     where it has one, else the first of _ORDER that runs it, else "reference". ``row_block``: the
-    contiguous layout's alignment (0: the default backend's, :func:`contiguous_row_block`), the
-    masked kernel's BLOCK_M (the table's block); ``m``: M_sum, or masked expected_m."""
+    contiguous layout's alignment (0: the default backend's, :func:`contiguous_row_block`); masked:
+    T, the slot's rows. ``m``: M_sum, or masked expected_m."""
     scheme = quant.get(scheme, OP, "scheme")
     if layout == "contiguous" and not row_block:
         row_block = contiguous_row_block(scheme, device)
-    best = _tuned.backend(layout, scheme, n, k, e, row_block, m, device) if e else None
+    # (masked: the table's block is the kernel's BLOCK_M for T = row_block rows)
+    table_block = row_block if layout == "contiguous" else _masked_tiling(row_block, m)[0]
+    best = _tuned.backend(layout, scheme, n, k, e, table_block, m, device) if e else None
     block = row_block if layout == "contiguous" else 0
     if best is not None and _runs(best, scheme, layout, device, n, k, block):
         return best
