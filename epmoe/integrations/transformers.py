@@ -81,7 +81,7 @@ import torch
 
 from epmoe import _checks, quant, reference
 from epmoe import gate as _gate
-from epmoe.layer import EPMoE
+from epmoe.layer import DEFAULT_ALIGNMENT, EPMoE
 from epmoe.ops import gemm
 
 # backend name -> compute scheme: "epmoe" bf16, "epmoe_<scheme>" each quantized scheme
@@ -583,6 +583,11 @@ def _requantize_fp8(layer: EPMoE, module, scheme: quant.QuantScheme) -> None:
         setattr(layer, n + "_scale", ws)
 
 
+def _alignment(scheme: quant.QuantScheme, device) -> Optional[int]:
+    block = gemm.contiguous_row_block(scheme, device)
+    return None if block == DEFAULT_ALIGNMENT else block
+
+
 def _new_layer(
     E: int, H: int, I: int, top_k: int, scheme: quant.QuantScheme, device, gate, bias: bool
 ) -> EPMoE:
@@ -596,9 +601,9 @@ def _new_layer(
         quant=scheme.name,
         backend="local",
         device=device,
-        # CPU: the reference takes any alignment (padding rows are computed); CUDA: the layer's
-        # default, and this GPU's measured alignment per call size
-        alignment=None if torch.device(device).type == "cuda" else 1,
+        # the default backend's row block (CPU and torch._grouped_mm: 1, no padding rows); the
+        # layer's default (None) lets this GPU's measured alignment per call size apply
+        alignment=_alignment(scheme, device),
     )
     try:
         return EPMoE(mode="auto", ll_max_tokens=_CONFIG["ll_max_tokens"], **kw)
