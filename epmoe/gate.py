@@ -178,6 +178,16 @@ def parse(spec: str, op: str = "gate", arg: str = "gate") -> Gate:
         raise _checks.fail(op, arg, SPEC_EXPECTED, repr(spec)) from None
 
 
+def is_spec(spec) -> bool:
+    """Whether ``spec`` names a gate (the op contracts' test; their full check raises parse's
+    ValueError)."""
+    try:
+        parse(spec)
+    except (ValueError, TypeError):  # (TypeError: an unhashable non-string)
+        return False
+    return True
+
+
 def get(gate: Union[str, Gate, None], op: str = "gate", arg: str = "gate") -> Gate:
     """A Gate from a Gate, a spec string or None (SiLU)."""
     if gate is None:

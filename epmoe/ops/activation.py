@@ -296,15 +296,6 @@ _ROWS_WANTED = "int32 [M_sum] (each row's expert) with a bias on a 2-D y"
 _GLU = "gate == 'silu' or _parse(gate).glu"
 
 
-def _gate_ok(spec) -> bool:
-    """``spec`` names a gate (the contracts' test; their full check raises parse's ValueError)."""
-    try:
-        _gate.parse(spec)
-    except (ValueError, TypeError):  # (TypeError: an unhashable non-string)
-        return False
-    return True
-
-
 def _act_steps():
     """The contract steps of y, its row arguments, the gate and the bias, shared by both ops."""
     rows = [
@@ -345,7 +336,7 @@ def _act_steps():
     )
 
 
-_CONSTS = dict(_gate_ok=_gate_ok, _parse=_gate.parse, SCHEMES=quant.SCHEMES)
+_CONSTS = dict(_gate_ok=_gate.is_spec, _parse=_gate.parse, SCHEMES=quant.SCHEMES)
 CONTRACT = Contract(
     OP, "y masked_m m_indices expert_offsets gate bias", *_act_steps(), consts=_CONSTS
 )

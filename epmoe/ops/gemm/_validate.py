@@ -76,14 +76,6 @@ MASKED = Contract(
 )
 
 
-def _gate_ok(spec) -> bool:
-    try:
-        _gate.parse(spec)
-    except (ValueError, TypeError):  # (TypeError: an unhashable non-string)
-        return False
-    return True
-
-
 OP_GATE = "grouped_gemm_gate"
 # GEMM1 + gate: the contiguous operands, then the gate (its halves in w's rows), the bias rows and
 # the output scales; int8's per-row output scale needs the whole row: refused
@@ -110,7 +102,7 @@ GATE = Contract(
     ),
     Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
     Choice("scale_layout", ("row", "deepgemm")),
-    consts=dict(_CONSTS, INT8=torch.int8, _gate_ok=_gate_ok, _parse=_gate.parse),
+    consts=dict(_CONSTS, INT8=torch.int8, _gate_ok=_gate.is_spec, _parse=_gate.parse),
 )
 
 
