@@ -5,7 +5,8 @@
 
 Reads what the benchmarks write: ``benchmarks/bench_one_gpu.py --out``, ``bench_layer.py --out``,
 ``bench_hf.py --out``, ``bench_deepep.py --out``, a pytest-benchmark ``--benchmark-json`` and
-``python -m epmoe bench``'s ``bench.json`` (the format is recognised from the document). Each line
+``python -m epmoe bench``'s ``bench.json`` and ``scripts/tune_gemm.py``'s table (the format is
+recognised from the document). Each line
 is one JSON object::
 
     {"gpu": "h200", "commit": "ab03a73", "date": "2026-12-03 11:52:36",
@@ -99,9 +100,12 @@ def kind(doc: dict) -> str:
         return "bench_hf"
     if isinstance(doc.get("cases"), list):
         return "bench_one_gpu"
+    if isinstance(doc.get("entries"), list) and "device" in doc:
+        return "tune_gemm"
     raise ValueError(
         "record_results: expected the JSON of bench_one_gpu.py, bench_layer.py, bench_hf.py, "
-        f"bench_deepep.py, pytest-benchmark or epmoe bench, got keys {sorted(doc)[:12]}"
+        f"bench_deepep.py, pytest-benchmark, epmoe bench or tune_gemm.py, got keys "
+        f"{sorted(doc)[:12]}"
     )
 
 
@@ -171,6 +175,21 @@ def _epmoe_bench(doc: dict) -> Iterator[Row]:
                 yield f"{shape}/T{r['T']}/{name}", key, r[key], "ms", extra
 
 
+def _tune_gemm(doc: dict) -> Iterator[Row]:
+    """The tuned table (scripts/tune_gemm.py): each GEMM problem's best µs per backend, each path
+    entry's µs per variant (the winner in ``path``)."""
+    for e in doc["entries"]:
+        case = (f"{e['layout']}/{e['scheme']}/N{e['N']}-K{e['K']}-E{e['E']}/block{e['block']}"
+                f"/M{e['m']}")  # fmt: skip
+        for backend, us in sorted(e["us"].items()):
+            yield case, f"{backend}_us", us, "us", {"path": e["backend"]}
+    for p in doc.get("paths", []):
+        case = f"path/{p['scheme']}/E{p['E']}-H{p['H']}-I{p['I']}-K{p['K']}/T{p['t']}"
+        way = "ll" if p["path"] == "ll" else f"ht@{p['alignment']}"
+        for variant, us in sorted(p["us"].items()):
+            yield case, f"{variant}_us", us, "us", {"path": way}
+
+
 READERS = {
     "bench_one_gpu": _one_gpu,
     "bench_hf": _hf,
@@ -178,6 +197,7 @@ READERS = {
     "bench_deepep": _deepep,
     "pytest_benchmark": _pytest_benchmark,
     "epmoe_bench": _epmoe_bench,
+    "tune_gemm": _tune_gemm,
 }
 
 
@@ -185,6 +205,8 @@ def _commit(doc: dict) -> Optional[str]:
     git = (doc.get("versions") or {}).get("git")
     if git:
         return str(git)
+    if isinstance(doc.get("commit"), str) and doc["commit"] != "unknown":  # (tune_gemm)
+        return doc["commit"]
     ci = doc.get("commit_info") or {}
     if ci.get("id") and ci["id"] != "unknown":
         return ci["id"][:7] + ("-dirty" if ci.get("dirty") else "")
@@ -195,6 +217,7 @@ def _date(doc: dict) -> Optional[str]:
     raw = doc.get("date") or doc.get("datetime")
     if not raw:
         return None
+    raw = str(raw).removesuffix(" UTC")  # (tune_gemm writes the zone)
     try:  # pytest-benchmark: ISO with a UTC offset
         t = datetime.datetime.fromisoformat(str(raw))
     except ValueError:

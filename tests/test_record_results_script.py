@@ -185,6 +185,31 @@ def test_epmoe_bench_json_lines():
     assert all(v > 0 and u == "ms" for v, u in got.values())
 
 
+def test_tune_gemm_table_lines():
+    """scripts/tune_gemm.py's table: each backend's µs of each problem, each variant's of each
+    path size, the winner as ``path``; the header's commit and date."""
+    doc = {
+        "device": "NVIDIA H200", "triton": "3.6.0", "date": "2026-12-05 10:00:00 UTC",
+        "commit": "abc1234",
+        "entries": [dict(layout="contiguous", scheme="fp8", N=1536, K=2048, E=128, block=16,
+                         m=2176, config={"BLOCK_M": 16}, backend="triton",
+                         us={"triton": 40.5, "deep_gemm": 44.0})],
+        "paths": [dict(scheme="fp8", E=128, H=2048, I=768, K=8, t=32, path="ht", alignment=16,
+                       us={"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0})],
+    }  # fmt: skip
+    lines = rr.rows(doc, "h200", "tuned.json")
+    assert {(x["case"], x["metric"], x["value"], x["path"]) for x in lines} == {
+        ("contiguous/fp8/N1536-K2048-E128/block16/M2176", "triton_us", 40.5, "triton"),
+        ("contiguous/fp8/N1536-K2048-E128/block16/M2176", "deep_gemm_us", 44.0, "triton"),
+        ("path/fp8/E128-H2048-I768-K8/T32", "ll_us", 90.0, "ht@16"),
+        ("path/fp8/E128-H2048-I768-K8/T32", "ht@128_us", 120.0, "ht@16"),
+        ("path/fp8/E128-H2048-I768-K8/T32", "ht@16_us", 84.0, "ht@16"),
+    }
+    assert {(x["benchmark"], x["commit"], x["date"], x["unit"]) for x in lines} == {
+        ("tune_gemm", "abc1234", "2026-12-05 10:00:00", "us")
+    }
+
+
 def test_main_appends_and_never_rewrites(tmp_path, capsys):
     src = tmp_path / "run.json"
     src.write_text(json.dumps(_one_gpu()))
