@@ -392,30 +392,26 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
     goes through Triton's autotuner (tuning once per static key); later calls launch the chosen
     config's JITFunction as a cached :class:`epmoe._launch.Prepared`, without the autotuner's and
     the heuristics' per-call re-binding (the kernels run inside an opaque op: never traced)."""
-    tuned = None
-    if config is None:
-        if _launch._INTERPRET:
-            tuned = _tuner(plan.layout, plan.code, plan.row_block)
-            tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
-            return
+    if config is not None:
+        kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
+                      gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
+        kernel[plan.grid](*tensors, *plan.sizes, **plan.meta, **config)
+        return
+    if not _launch._INTERPRET:
         dev = torch._C._cuda_getDevice()
         prepared = plan.prepared.get(dev)
         if prepared is not None:
             prepared.untraced(*tensors)
             return
-        tuned = _tuner(plan.layout, plan.code, plan.row_block)
         config = _tuned.lookup(*plan.table)
-        if config is None:  # (the autotuner's run launches the kernel too)
-            tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
-            config = tuned.best_config.all_kwargs()
-            plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
-            return
-        plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
-        plan.prepared[dev].untraced(*tensors)
+    tuned = _tuner(plan.layout, plan.code, plan.row_block)
+    if config is None:  # (the autotuner's run launches the kernel too)
+        tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
+        if not _launch._INTERPRET:
+            plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, tuned.best_config.all_kwargs())
         return
-    kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
-                  gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
-    kernel[plan.grid](*tensors, *plan.sizes, **plan.meta, **config)
+    plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
+    plan.prepared[dev].untraced(*tensors)
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
