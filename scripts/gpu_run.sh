@@ -3,7 +3,7 @@
 # Usage (repo root, wheels carried in .whl): source .whl/install.sh && bash scripts/gpu_run.sh STEP...
 # (the device's .git may be stale: carry .tree-rev, written here by `git describe --always --dirty > .tree-rev`)
 # steps: tests bench cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo gemv_sweep host tune (EPMOE_CAP_<step> caps one step's seconds)
-# (tune: scripts/tune_gemm.py merges into epmoe/ops/gemm/tuned/<gpu>.json; the file comes back in $OUT/tuned/, to commit)
+# (tune: scripts/tune_gemm.py, default --paths --resume, merges into epmoe/ops/gemm/tuned/<gpu>.json; the file comes back in $OUT/tuned/, to commit)
 # (host: scripts/host_python.py --device cuda, against the checkout EPMOE_HOST_BASE when set)
 # Record the JSON it writes (after fetching $OUT) with scripts/record_results.py --gpu h200 ... (CONTRIBUTING.md).
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
@@ -87,7 +87,7 @@ for step in "$@"; do
         ${EPMOE_HOST_BASE:+--against "$EPMOE_HOST_BASE"} ${EPMOE_HOST_ARGS:-} > "$OUT/host.log" 2>&1
       echo "host rc=$?" >> "$OUT/summary.txt" ;;
     tune)
-      timeout $((t - 10)) python3 scripts/tune_gemm.py --budget-s $((t - 30)) ${EPMOE_TUNE_ARGS:-} \
+      timeout $((t - 10)) python3 scripts/tune_gemm.py --budget-s $((t - 30)) ${EPMOE_TUNE_ARGS:---paths --resume} \
         > "$OUT/tune.log" 2>&1
       echo "tune rc=$?" >> "$OUT/summary.txt"
       mkdir -p "$OUT/tuned" && cp epmoe/ops/gemm/tuned/*.json "$OUT/tuned/" 2>/dev/null ;;

@@ -663,35 +663,37 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
 
     work = [(s, q) for s in a.shapes for q in a.schemes]
     try:
-        for shape, scheme in work if not a.paths_only else ():
+        # one shape x scheme at a time, its paths right after its GEMMs (reading them): a run cut
+        # by its budget leaves whole shapes, paths included
+        for shape, scheme in work:
             cfg = _configs.CONFIGS[shape]
-            print(f"== {shape} {scheme}", flush=True)
-            problems = []
-            if "contiguous" in a.layouts:
-                problems += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
-            if "masked" in a.layouts:
-                problems += masked_problems(cfg, scheme, a.tokens)
-            if "gate" in a.layouts:
-                problems += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
+            if not a.paths_only:
+                print(f"== {shape} {scheme}", flush=True)
+                problems = []
+                if "contiguous" in a.layouts:
+                    problems += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
+                if "masked" in a.layouts:
+                    problems += masked_problems(cfg, scheme, a.tokens)
+                if "gate" in a.layouts:
+                    problems += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
+                if a.resume:
+                    problems, _ = pending(old, problems)
+                first = {}  # one GEMM's problems together: its weights are made once
+                problems.sort(key=lambda p: first.setdefault((p.N, p.K), len(first)))
+                for e in tuner.gemm_entries(problems):
+                    entries.append(e)
+                save()
+            if not (a.paths or a.paths_only):
+                continue
+            ts = path_tokens(cfg, scheme, a.tokens)
             if a.resume:
-                problems, _ = pending(old, problems)
-            first = {}  # one GEMM's problems together: its weights are made once
-            problems.sort(key=lambda p: first.setdefault((p.N, p.K), len(first)))
-            for e in tuner.gemm_entries(problems):
-                entries.append(e)
-            save()
-        if a.paths or a.paths_only:
-            with reading_table(merge(old, entries, paths, header(name)), name):
-                for shape, scheme in work:
-                    cfg = _configs.CONFIGS[shape]
-                    ts = path_tokens(cfg, scheme, a.tokens)
-                    if a.resume:
-                        _, ts = pending(old, (), cfg, scheme, ts)
-                    if ts:
-                        print(f"== paths {shape} {scheme}", flush=True)
-                        for p in tuner.paths(cfg, scheme, ts, PATH_ALIGNMENTS):
-                            paths.append(p)
-                        save()
+                _, ts = pending(old, (), cfg, scheme, ts)
+            if ts:
+                print(f"== paths {shape} {scheme}", flush=True)
+                with reading_table(merge(old, entries, paths, header(name)), name):
+                    for p in tuner.paths(cfg, scheme, ts, PATH_ALIGNMENTS):
+                        paths.append(p)
+                save()
     except OutOfTime:
         stop = f"budget of {a.budget_s:g} s spent: stopped"
     except Fatal as e:
