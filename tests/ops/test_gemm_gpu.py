@@ -1,6 +1,6 @@
-"""grouped_gemm CUDA backends (deep_gemm FP8/BF16, torch._grouped_mm, Triton INT8) vs the
-quant-aware reference; layout invariants (-1 rows, masked rows past the count, empty experts);
-opcheck; CUDA graphs.
+"""grouped_gemm CUDA backends (deep_gemm FP8/BF16, torch._grouped_mm, our Triton kernels for every
+scheme and row blocks from 16, GEMM1 + gate fused) vs the quant-aware reference; layout invariants
+(-1 rows, masked rows past the count, empty experts); opcheck; CUDA graphs.
 
 Run on a GPU machine: pytest tests/ops/test_gemm_gpu.py  (the CPU-only helper tests run anywhere).
 """
