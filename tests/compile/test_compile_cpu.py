@@ -37,6 +37,24 @@ def test_fullgraph_matches_eager_and_compiles_once(quant, mode, worst):
     assert cnt.frame_count == 1, f"recompiled: {cnt.frame_count} compiles for 4 token counts"
 
 
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_fused_gemm1_gate_compiles_to_the_eager_bytes(quant, monkeypatch):
+    """HT with GEMM1 and the gate as one op (where a GPU's table fuses them): one graph, no break,
+    the eager bytes at two token counts."""
+    from epmoe import layer as layer_mod
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)
+    monkeypatch.setattr(layer_mod, "fuses_gate", lambda *args: True)
+    layer = small_layer(quant, "ht", alignment=16, gate="silu:alpha=1.702,limit=7.0")
+    compiled = torch.compile(layer, fullgraph=True)
+    for T in (20, 33):
+        x, ids, w = tokens(T, seed=T, **SMALL)
+        with layer.record_stages() as rec:
+            eager = layer(x, ids, w)
+        assert "gemm1" not in rec and torch.equal(compiled(x, ids, w), eager)
+
+
 @pytest.mark.parametrize("mode,worst", CONFIGS)
 def test_no_graph_breaks(mode, worst):
     torch._dynamo.reset()
