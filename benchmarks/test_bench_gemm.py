@@ -6,6 +6,8 @@
 - INT8 / FP8 masked (decode, few rows per expert): time vs the HBM weight-read floor, i.e. the
   weights' bytes over the device-to-device copy bandwidth measured here (``vs_floor``).
 - BF16 contiguous: our op vs torch._grouped_mm on the same inputs (``vs_grouped_mm``).
+- Our Triton contiguous kernel (fp8, bf16; autotuned as without a tuned table) vs deep_gemm on the
+  same inputs at its 128-row blocks (``vs_raw``): where the tuned table can pick ours at prefill.
 
 TFLOP/s count 2*N*K per live row; timings are medians of CUDA-event timings, measured alternately
 for the two sides of a comparison. Needs CUDA and deep_gemm (skips otherwise).
@@ -259,4 +261,41 @@ def test_bf16_contiguous_vs_grouped_mm(benchmark, which):
         tflops=_tflops(rows, N, K, t["ours"]),
         grouped_mm_tflops=_tflops(rows, N, K, t["grouped_mm"]),
         vs_grouped_mm=t["grouped_mm"] / t["ours"],
+    )
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "bf16"])
+@pytest.mark.parametrize("which", GEMMS)
+def test_triton_contiguous_vs_deep_gemm(benchmark, scheme, which):
+    from epmoe.ops.gemm import _triton
+
+    N, K = _dims(which)
+    w, ws = _weights(scheme, which)
+    m_idx, _ = _prefill_layout()
+    rows = m_idx.numel()
+    a, a_s = _acts(scheme, (rows,), K)
+    out = torch.empty((rows, N), dtype=torch.bfloat16, device="cuda")
+    mine = torch.empty_like(out)
+
+    def ours():
+        return _triton.contiguous_triton(a, w, m_idx, a_s, ws, W["A"], out=mine)
+
+    ours()  # (the autotuner's first call)
+
+    def raw():
+        return raw_deep_gemm_contiguous(scheme, a, a_s, w, ws, m_idx, out)
+
+    t = _paired_ms(ours=ours, raw=raw)
+    live = m_idx >= 0
+    _record(
+        benchmark,
+        ours,
+        gemm=which,
+        scheme=scheme,
+        tflops=_tflops(rows, N, K, t["ours"]),
+        raw_tflops=_tflops(rows, N, K, t["raw"]),
+        vs_raw=t["raw"] / t["ours"],
+        rel_l2_vs_raw=float(
+            (mine[live].float() - out[live].float()).norm() / out[live].float().norm()
+        ),  # fmt: skip
     )
