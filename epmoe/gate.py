@@ -103,6 +103,10 @@ class Gate:
         """Columns GEMM1 writes for ``inter`` channels of h: 2I (gate and up) or I."""
         return 2 * inter if self.glu else inter
 
+    def inter(self, width: int) -> int:
+        """Channels of h of GEMM1's ``width`` columns (the inverse of :meth:`width`)."""
+        return width // 2 if self.glu else width
+
     # ------------------------------------------------------------------------------- reference
     def reference(self, y: torch.Tensor) -> torch.Tensor:
         """y float `[..., width(I)]` -> float32 `[..., I]` (not rounded)."""

@@ -698,7 +698,7 @@ class EPMoE(nn.Module):
                 rows = [self.world_size * (cap or t) for t in sizes]
                 m = [reference.permuted_rows(r, self.top_k, E, alignment) for r in rows]
                 # (GEMM1 as the forward pass runs it: fused with the gate where measured faster)
-                gate = dict(gate=self._gate_spec, bias=self.b1, inter=I) if gemm1 else {}
+                gate = dict(gate=self._gate_spec, bias=self.b1) if gemm1 else {}
                 gemm.warmup(
                     self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s,
                     alignment=alignment, **gate,

@@ -175,7 +175,7 @@ def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
     if quant.get(scheme) is quant.INT8:
         return
     (width, k), _ = gemm_sizes(cfg, scheme)
-    inter = width // 2 if _gate.get(cfg.gate).glu else width
+    inter = _gate.get(cfg.gate).inter(width)
     E, K, seen = cfg.local_experts, cfg.top_k, set()
     for rb in row_blocks:
         for t in tokens:

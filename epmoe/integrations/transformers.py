@@ -396,7 +396,7 @@ def _unsupported(module, scheme, fp8: bool) -> Optional[str]:
         return f"{up} {tuple(w1.shape)} / down_proj {tuple(w2.shape)} not 3-D"
     transposed = getattr(module, "is_transposed", False)
     E, width, H = (w1.shape[0], w1.shape[2], w1.shape[1]) if transposed else tuple(w1.shape)
-    I = width // 2 if gate.glu else width
+    I = gate.inter(width)
     if gate.width(I) != width:
         return f"{up} {tuple(w1.shape)} has an odd gate/up width {width}"
     want = (E, I, H) if transposed else (E, H, I)

@@ -144,14 +144,9 @@ def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig)
     return slots
 
 
-def _inter(g: _gate.Gate, width: int) -> int:
-    """I, the gate's output channels, of y's width W (2I for GLU, I without)."""
-    return width // 2 if g.glu else width
-
-
 def _out_width(spec: str, width: int, op: str) -> int:
     """I of y's width for the gate ``spec`` (the default's without a parse: host time per call)."""
-    return width // 2 if spec == "silu" else _inter(_gate.parse(spec, op), width)
+    return width // 2 if spec == "silu" else _gate.parse(spec, op).inter(width)
 
 
 def _bias_args(b_strides) -> Tuple[Tuple[int, int], dict]:
@@ -166,7 +161,7 @@ def _silu_launch(shape, y_strides, kind, has_rows, spec, b_strides, cfg, qcfg):
     ``spec`` and bias strides ``b_strides`` (None: no bias); ``qcfg`` as in
     :func:`_silu_quant_launch`."""
     g = _gate.parse(spec, OP)
-    inter = _inter(g, shape[-1])
+    inter = g.inter(shape[-1])
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     she, sht = (T * inter if len(shape) == 3 else 0), inter
     block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
@@ -215,7 +210,7 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
     bias). ``qcfg``: the quantize config in force, which the slot and warp counts read (a key of
     the cache only)."""
     g = _gate.parse(spec, OPQ)
-    inter = _inter(g, shape[-1])
+    inter = g.inter(shape[-1])
     E, T, (sye, syt, syh) = dims(shape, y_strides)
     sqe, sqt = (T * inter if len(shape) == 3 else 0), inter
     _, _, (sse, sst, ssg) = dims(shape, s_strides)

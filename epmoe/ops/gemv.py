@@ -459,8 +459,7 @@ def _bias_strides(b: Optional[torch.Tensor]) -> Tuple[int, int]:
 
 def _inter(w1: torch.Tensor, gate: str) -> int:
     """I: the columns of h (w1's rows, halved with a gate half; the default without a parse)."""
-    glu = gate == "silu" or _gate.parse(gate, OP_UP).glu
-    return w1.shape[1] // 2 if glu else w1.shape[1]
+    return w1.shape[1] // 2 if gate == "silu" else _gate.parse(gate, OP_UP).inter(w1.shape[1])
 
 
 def _up_output(x, topk_ids, w1, w1_scales=None, check=True, gate="silu", bias=None):

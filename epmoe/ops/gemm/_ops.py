@@ -22,7 +22,7 @@ from epmoe.ops.gemm._select import (
     scheme_of,
 )
 from epmoe.ops.gemm._triton import contiguous_gate_triton, contiguous_triton, masked_triton
-from epmoe.ops.gemm._validate import CONTIGUOUS, GATE, MASKED, _check_counts
+from epmoe.ops.gemm._validate import CONTIGUOUS, GATE, MASKED, OP_GATE, _check_counts
 
 
 # ---------------------------------------------------------------------------------- CUDA backends
@@ -229,21 +229,25 @@ def grouped_gemm(
 def _gate_outputs(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
                   scale_layout="row", alignment=0, trusted=False):  # fmt: skip
     """(h `[M_sum, I]` in a's dtype, float32 scales `[M_sum, I/128]` (fp8) or `[M_sum, 0]`)."""
-    g = _gate.get(gate, "grouped_gemm_gate", "gate")
-    inter, lead = (w.shape[1] // 2 if g.glu else w.shape[1]), (a.shape[0],)
+    g = _gate.get(gate, OP_GATE, "gate")
+    inter, lead = g.inter(w.shape[1]), (a.shape[0],)
     h = a.new_empty((*lead, inter))
     groups = quant.of_dtype(a.dtype).act_scale_cols(inter)
     if not groups:
-        return h, a.new_empty((*lead, 0), dtype=torch.float32)
+        return h, _no_scales(a)
     return h, alloc_scales(lead, groups, scale_layout, a.device)
+
+
+def _no_scales(a):
+    """bf16 h's scales: float32 `[M_sum, 0]` (the op returns a tensor either way)."""
+    return a.new_empty((a.shape[0], 0), dtype=torch.float32)
 
 
 def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
                     scale_layout="row", alignment=0, trusted=False):  # fmt: skip
     y = _contiguous_reference(a, w, m_indices, a_scales, w_scales)
     if a.dtype == torch.bfloat16:
-        h = reference.silu_and_mul(y, gate, bias, m_indices)
-        return h, a.new_empty((a.shape[0], 0), dtype=torch.float32)
+        return reference.silu_and_mul(y, gate, bias, m_indices), _no_scales(a)
     q, s = reference.silu_and_mul_quant(y, "fp8", quant.FP8_GROUP, gate, bias, m_indices)
     return q, as_layout(s, scale_layout)
 
@@ -253,11 +257,11 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     """grouped_gemm_gate on CUDA: our fused kernel where it runs, else GEMM1 and the activation
     stage (the same values: the kernel rounds GEMM1's output to bf16 before the gate)."""
     if not trusted:
-        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-    scheme = scheme_of(a.dtype)
+        _checks.check_ids(m_indices, w.shape[0], OP_GATE, "m_indices")
+    scheme = quant.of_dtype(a.dtype)
     block = alignment or contiguous_row_block(scheme, a.device)
-    g = _gate.get(gate, "grouped_gemm_gate", "gate")
-    if _runs("triton", quant.get(scheme), "contiguous", a.device, w.shape[1], a.shape[1], block):
+    g = _gate.get(gate, OP_GATE, "gate")
+    if _runs("triton", scheme, "contiguous", a.device, w.shape[1], a.shape[1], block):
         h, s = _gate_outputs(a, w, m_indices, gate=g.spec, scale_layout=scale_layout)
         contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, block)
         return h, s
@@ -266,7 +270,7 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block)
     if a.dtype == torch.bfloat16:
         h = activation.silu_and_mul(y, m_indices=m_indices, gate=g.spec, bias=bias)
-        return h, a.new_empty((a.shape[0], 0), dtype=torch.float32)
+        return h, _no_scales(a)
     return activation.silu_and_mul_quant(y, "fp8", m_indices=m_indices, scale_layout=scale_layout,
                                          gate=g.spec, bias=bias)  # fmt: skip
 

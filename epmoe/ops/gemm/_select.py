@@ -11,14 +11,13 @@ import torch
 
 from epmoe import _checks, _deps, _launch, quant
 from epmoe.ops.gemm import _tuned
-from epmoe.ops.gemm._triton import _masked_tiling
+from epmoe.ops.gemm._triton import MIN_ROW_BLOCK, _masked_tiling
 
 OP = "grouped_gemm"
 A_DTYPES = tuple(s.act_dtype for s in quant.SCHEMES.values())
 
-# Our Triton kernels map each BLOCK_M row block to one expert: any alignment that is a multiple of
-# their smallest BLOCK_M (tl.dot's 16 rows) works; 128 is int8's default (its prefill tiles).
-TRITON_MIN_ROW_BLOCK = 16
+# int8's default alignment (its prefill tiles); our Triton kernels take any multiple of
+# _triton.MIN_ROW_BLOCK (each BLOCK_M row block inside one expert)
 _INT8_ROW_BLOCK = 128
 # GPU capabilities our Triton kernels run each scheme on (fp8 tensor-core dots: sm89+)
 _TRITON_CAP = {quant.BF16: (8, 0), quant.FP8: (8, 9), quant.INT8: (8, 0)}
@@ -116,7 +115,7 @@ def _dg_alignment() -> int:
 def _runs(name: str, scheme, layout: str, device, n: int, k: int, row_block: int) -> bool:
     """Whether backend ``name`` runs this problem on the CUDA ``device``."""
     if name == "triton":
-        return _triton_ok(scheme, device) and (layout == "masked" or row_block % 16 == 0)
+        return _triton_ok(scheme, device) and (layout == "masked" or row_block % MIN_ROW_BLOCK == 0)
     if name == "deep_gemm":
         # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles
         shape_ok = scheme is quant.FP8 or (n % 64 == 0 and k % 64 == 0)
@@ -199,7 +198,7 @@ def smallest_row_block(scheme, device: torch.device) -> int:
         return 1
     if scheme is quant.BF16 and _grouped_mm_ok(device, 64, 64):
         return 1
-    return TRITON_MIN_ROW_BLOCK
+    return MIN_ROW_BLOCK
 
 
 @functools.cache  # (as _backend)

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from epmoe import _checks, quant
+from epmoe import gate as _gate
 from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_gate
 from epmoe.ops.gemm._select import contiguous_row_block, empty_fp8_act_scales, fuses_gate
 
@@ -82,7 +83,6 @@ def warmup(
     alignment: int = 0,
     gate: Optional[str] = None,
     bias: Optional[torch.Tensor] = None,
-    inter: int = 0,
 ) -> None:
     """Compile (and autotune) every kernel one GEMM of a layer will launch, outside graph capture.
 
@@ -103,8 +103,8 @@ def warmup(
         w, w_scales: the layer's prepared weights (avoids allocating dummies of the same size).
         alignment: the contiguous layout's row alignment, as the forward pass passes it (0: the
             default, :func:`contiguous_row_block`).
-        gate, bias, inter: GEMM1 of a layer: its gate spec, gate/up bias and I; the M_sum sizes
-            where :func:`fuses_gate` fuses GEMM1 and the gate also compile that kernel.
+        gate, bias: GEMM1 of a layer (n = the gate's width): its gate spec and gate/up bias; the
+            M_sum sizes where :func:`fuses_gate` fuses GEMM1 and the gate also compile that kernel.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -116,6 +116,7 @@ def warmup(
     else:
         _checks.check_shape("warmup", "w", w, (E, N, K))
     row_block = alignment or contiguous_row_block(scheme, device)
+    inter = None if gate is None else _gate.get(gate, "warmup", "gate").inter(N)  # (h's I)
     layouts = (
         (True, False) if scheme is quant.FP8 else (True,)
     )  # fp8: also deep_gemm's scale transpose
@@ -129,7 +130,7 @@ def warmup(
             grouped_gemm(
                 a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales, alignment=row_block
             )
-        if gate is not None and fuses_gate(scheme, device, inter, K, E, row_block, m):
+        if inter is not None and fuses_gate(scheme, device, inter, K, E, row_block, m):
             a, a_s = _dummy_acts(scheme, (m,), K, device, True)
             layout = scheme.cuda_scale_layout
             grouped_gemm_gate(a, w, m_idx, a_s, w_scales, gate, bias, layout, row_block)
