@@ -1009,7 +1009,7 @@ def _raw_step(sr: ShapeRun, case: Case, layer, path: str, rec: dict, out) -> dic
         block = gemm.masked_row_block(anchor, sr.device)
         cap = getattr(layer, "ll_capacity", 0) or T
         cap = reference.round_up(cap, block)
-        em = int(layer.expected_m()) if hasattr(layer, "expected_m") else T
+        em = int(layer.expected_m(T)) if hasattr(layer, "expected_m") else T
         key, args = (anchor, path, T, cap, em), (cap, em, None)
     else:
         # (deep_gemm's own 128-row blocks anchor the smaller alignments of the ht<A> modes)

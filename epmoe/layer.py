@@ -360,7 +360,6 @@ class EPMoE(nn.Module):
         # widen x on entry) and the gathers' output columns (H of the padded rows); else None
         self._width = self.hidden_padded if self._padded and self.local else None
         self._hidden = hidden_size if self._padded and self.local else None
-        self._expected_m = self.expected_m() if self.ll_max_tokens else 0
 
     def __setattr__(self, name: str, value) -> None:
         # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too
@@ -682,7 +681,7 @@ class EPMoE(nn.Module):
         default = self.ll_max_tokens if self.mode != "ht" else self.max_tokens_per_rank
         counts = sorted(set(token_counts or [default or 1]), reverse=True)
         plans = {t: self.plan(t) for t in counts}
-        ll = any(path == "ll" for path, _ in plans.values())
+        ll = sorted({self.expected_m(t) for t in counts if plans[t][0] == "ll"})
         # HT sizes by alignment, largest first: the largest drives INT8 autotuning
         ht: Dict[int, List[int]] = {}
         for t in counts:
@@ -703,7 +702,7 @@ class EPMoE(nn.Module):
                     self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s,
                     alignment=alignment, **gate,
                 )  # fmt: skip
-            if ll:
+            for em in ll:  # (LL sizes by their expected rows per expert)
                 gemm.warmup(
                     self.quant,
                     E,
@@ -711,15 +710,17 @@ class EPMoE(nn.Module):
                     k,
                     self.device,
                     masked_t=self.ll_capacity,
-                    expected_m=self.expected_m(),
+                    expected_m=em,
                     w=w,
                     w_scales=s,
                 )
 
-    def expected_m(self) -> int:
-        """Static hint of rows per local expert in LL (uniform routing at full capacity)."""
-        rows = self.world_size * self.ll_max_tokens * self.top_k
-        return max(1, -(-rows // self.num_experts))
+    def expected_m(self, num_tokens: Optional[int] = None) -> int:
+        """Static hint of rows per local expert in an LL call of ``num_tokens`` tokens per rank
+        (default: the capacity) under uniform routing: the masked GEMMs size their tiles (and
+        pick their backend) by it, so a T = 32 call is not tiled for the capacity's rows."""
+        t = self.ll_max_tokens if num_tokens is None else min(num_tokens, self.ll_max_tokens)
+        return max(1, -(-(self.world_size * t * self.top_k) // self.num_experts))
 
     def _forward_ll(self, st, x, topk_ids, topk_weights):
         # (the communicator's LL capacity is ll_max_tokens: checked here for the trusted chain)
@@ -741,7 +742,7 @@ class EPMoE(nn.Module):
                 width=self._width,
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m)
+            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m, x.shape[0])
             b2 = self._buffers["b2"]
             out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden)
             return self._emit("ll_gather", out)
@@ -751,7 +752,7 @@ class EPMoE(nn.Module):
         a, s = d.x, d.x_scales
         if self.scheme.quantized and not codes:
             a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
-        y = self._experts_ll(st, a, s, d.masked_m)
+        y = self._experts_ll(st, a, s, d.masked_m, x.shape[0])
         if self._buffers["b2"] is not None:  # (the backends' weighted combine takes no bias)
             y = (y.float() + self._buffers["b2"][:, None, :]).to(y.dtype)
         out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
@@ -767,10 +768,10 @@ class EPMoE(nn.Module):
         )
         return self._emit("gemv_down", out)
 
-    def _experts_ll(self, st, a, s, masked_m):
+    def _experts_ll(self, st, a, s, masked_m, num_tokens):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         # (the counts come from a dispatch that clamps them to the capacity)
-        kw = dict(masked_m=masked_m, expected_m=self._expected_m, trusted=True)
+        kw = dict(masked_m=masked_m, expected_m=self.expected_m(num_tokens), trusted=True)
         mm, b = st.grouped_gemm_masked, self._buffers
         y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)

@@ -72,8 +72,8 @@ def _check_experts_ht(layer, rec, x, s, ids, w):
     return u
 
 
-def _check_experts_ll(layer, rec, a, s, masked_m):
-    kw = dict(masked_m=masked_m, expected_m=layer.expected_m())
+def _check_experts_ll(layer, rec, a, s, masked_m, num_tokens):
+    kw = dict(masked_m=masked_m, expected_m=layer.expected_m(num_tokens))
     y1 = ops.grouped_gemm(a, layer.w1, a_scales=s, w_scales=layer.w1_scale, **kw)
     _same_bytes(rec["gemm1"], y1, "gemm1")
     h, hs = _act_by_hand(layer, rec["gemm1"], masked_m=masked_m)
@@ -120,7 +120,7 @@ def test_local_ll_stages_are_the_ops(quant):
     sc = ll_scatter(x, ids, layer.num_local_experts, layer.ll_capacity, quant, scale_layout="row")
     _same_bytes(rec["ll_scatter"], sc, "ll_scatter")
     a, s, masked_m, rows = rec["ll_scatter"]
-    y = _check_experts_ll(layer, rec, a, s if quant != "bf16" else None, masked_m)
+    y = _check_experts_ll(layer, rec, a, s if quant != "bf16" else None, masked_m, x.shape[0])
     _same_bytes(rec["ll_gather"], ll_gather(y, rows, w), "ll_gather")
     assert torch.equal(rec["ll_gather"], out)
 
@@ -258,7 +258,7 @@ def _ranks_rank(rank, world):
         if quant == "int8":
             _same_bytes(rec["quantize"], ops.quantize(a, "int8", masked_m=d.masked_m), "quantize")
             a, s = rec["quantize"]
-        y = _check_experts_ll(ll, rec, a, s, d.masked_m)
+        y = _check_experts_ll(ll, rec, a, s, d.masked_m, x.shape[0])
         assert torch.equal(rec["ll_combine"], out) and y is rec["gemm2"]
     return True
 
