@@ -12,9 +12,12 @@ With --dump-ptx DIR it writes each compiled variant's PTX (``compiled.asm["ptx"]
 check that a refactor leaves every kernel's code unchanged (compare the two folders' contents).
 
 With --resources it also prints each kernel's registers per thread, spills and shared memory
-(``cuobjdump -res-usage`` of the cubin), e.g. to see how many programs fit on an SM. With --sass
-it prints each kernel's SASS instruction count and its most frequent opcodes (``nvdisasm``): the
-fused SiLU kernels were issue-limited enough that cutting instructions was the gain.
+(``cuobjdump -res-usage`` of the cubin, and the dynamic shared memory its launch asks for), e.g. to
+see how many programs fit on an SM. A kernel that asks for more shared memory than an sm90 block
+may take is a failure (it compiles, then fails OutOfResources at its first launch on the GPU).
+With --sass it prints each kernel's SASS instruction count and its most frequent opcodes
+(``nvdisasm``): the fused SiLU kernels were issue-limited enough that cutting instructions was the
+gain.
 
   python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR] [--only SUBSTRING]
 (do not set TRITON_INTERPRET; --only: the cases whose name contains SUBSTRING, e.g. "ll_")
@@ -450,6 +453,9 @@ def _gemv_pair(scheme: str, check: bool, T: int, spec: str = "silu", padded: boo
     return h, GV._gemv_down_triton(h, ids, torch.rand((T, K)), w2, s2, check, b2, hidden)
 
 
+SM90_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm90 (227 KiB)
+
+
 def resources(compiled) -> str:
     """REG / STACK / SHARED / LOCAL of a compiled kernel, from cuobjdump -res-usage."""
     import subprocess
@@ -461,7 +467,8 @@ def resources(compiled) -> str:
         f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
     lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip().startswith("REG:")]
-    return " ".join(lines[0].split()[:4]) if lines else "(no resource usage)"
+    res = " ".join(lines[0].split()[:4]) if lines else "(no resource usage)"
+    return f"{res} DYNAMIC_SHARED:{compiled.metadata.shared}"
 
 
 def sass_summary(compiled, top: int = 8) -> str:
@@ -542,6 +549,10 @@ def main() -> int:
             seen.add(key)
             try:
                 compiled = compile_launch(fn, args, kwargs)
+                # (checked at launch: a kernel over it compiles, then fails OutOfResources)
+                shared = compiled.metadata.shared
+                if shared > SM90_MAX_SHARED:
+                    raise RuntimeError(f"shared memory {shared} B > {SM90_MAX_SHARED} B")
                 if ptx_dir:
                     dump_ptx(ptx_dir, kname, key, compiled)
                 extra = f"  [{resources(compiled)}]" if show else ""

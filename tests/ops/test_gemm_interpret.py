@@ -204,12 +204,18 @@ def test_masked_every_scheme_matches_reference(scheme):
 
 
 def test_fits_keeps_row_blocks_inside_an_expert():
-    """A config runs an alignment only when its BLOCK_M divides it; fp8 needs BLOCK_K | 128."""
+    """A config runs an alignment only when its BLOCK_M divides it; fp8 needs BLOCK_K | 128; the
+    tiles of its pipeline fit shared memory."""
     assert _triton.fits(dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128), 1, 64)
     assert not _triton.fits(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 2, 32)
     assert not _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 1, 16)
     assert _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 2, 16)
     assert not _triton.fits(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), 1, 128)  # (fp8 spills)
+    # shared memory (sm90: 227 KiB) holds num_stages (a, w) tile pairs of the operands' bytes:
+    # 3 x (128 + 256) x 128 x 2 B = 288 KiB for bf16 (OutOfResources on the H200), half for int8
+    big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3)
+    assert not _triton.fits(big, 0, 128) and _triton.fits(big, 2, 128)
+    assert _triton.fits(dict(big, BLOCK_K=64), 0, 128)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)

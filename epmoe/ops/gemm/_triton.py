@@ -283,6 +283,9 @@ def _masked_kernel(
 
 
 _FP8_MAX_TILE = 64 * 128  # fp8 output tile elements that compile without spills on sm90
+# shared memory a block may take on sm90; the contiguous kernel's pipeline holds num_stages
+# (a, w) tile pairs (what Triton 3.6 asks for, checked by scripts/compile_kernels.py)
+_MAX_SHARED = 232448
 
 
 def _cfg(num_warps, num_stages, **kw):
@@ -308,6 +311,12 @@ _CONTIGUOUS_CONFIGS = [
     # K tiles of 64 divide K = 2880 (gpt-oss), where 128 and 256 leave a masked tail every step
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
     _cfg(4, 5, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1),
+    # bf16's large tiles: its 2-byte operands fit shared memory only with K tiles of 64
+    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+    _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+    _cfg(4, 3, BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -354,7 +363,11 @@ def fits(config: Dict, quant_code: int, row_block: int = 0) -> bool:
             return False  # one scale group per K step
         if config.get("BLOCK_M", _MASKED_MAX_BLOCK_M) * config["BLOCK_N"] > _FP8_MAX_TILE:
             return False  # two float32 tiles live at once: larger ones spill (sm90, ptxas)
-    return row_block == 0 or row_block % config["BLOCK_M"] == 0
+    if row_block == 0:
+        return True
+    width = 2 if quant_code == 0 else 1  # operand bytes: bf16, else fp8 / int8 codes
+    tiles = (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * width
+    return config.get("num_stages", 1) * tiles <= _MAX_SHARED and row_block % config["BLOCK_M"] == 0
 
 
 @_launch.memo
