@@ -331,13 +331,14 @@ class EPMoE(nn.Module):
         self._measured: List[Dict] = []
         if mode == "auto" and self.local:
             self._measured = _tuned.paths(
-                self.scheme, num_experts, hidden_size, intermediate_size, top_k, device
-            )
+                self.scheme, num_experts, hidden_size, intermediate_size, top_k, device,
+                self._gate_spec, self.bias,
+            )  # fmt: skip
         self._alignment_given = alignment_given
         # HT may run GEMM1 and the gate as one kernel: only where this GPU's table has measured it
         self._may_fuse = _tuned.has(
             "gate", self.scheme, self.inter_padded, self.hidden_padded, self.num_local_experts,
-            device,
+            device, self._gate_spec, self.bias,
         )  # fmt: skip
         if mode == "auto" and self.worst_case and not self.local:
             raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
@@ -646,7 +647,7 @@ class EPMoE(nn.Module):
         rows, offsets, mm = p.m_indices, p.expert_offsets, st.grouped_gemm_contiguous
         if self._may_fuse and fuses_gate(
             self.scheme, self.device, self.inter_padded, self.hidden_padded,
-            self.num_local_experts, alignment, rows.shape[0],
+            self.num_local_experts, alignment, rows.shape[0], self._gate_spec, self.bias,
         ):  # fmt: skip
             # (this GPU measured GEMM1 and the gate faster as one kernel at this size)
             h, hs = st.grouped_gemm_gate(

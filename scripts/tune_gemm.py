@@ -175,12 +175,13 @@ def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
     if quant.get(scheme) is quant.INT8:
         return
     (width, k), _ = gemm_sizes(cfg, scheme)
-    inter = _gate.get(cfg.gate).inter(width)
+    spec = _gate.get(cfg.gate).spec
+    inter = _gate.get(spec).inter(width)
     E, K, seen = cfg.local_experts, cfg.top_k, set()
     for rb in row_blocks:
         for t in tokens:
             m = reference.permuted_rows(t, K, E, rb)
-            p = Problem("gate", scheme, inter, k, E, rb, m, t, m, K, cfg.gate, cfg.bias)
+            p = Problem("gate", scheme, inter, k, E, rb, m, t, m, K, spec, bool(cfg.bias))
             if p[:7] not in seen:
                 seen.add(p[:7])
                 yield p
@@ -223,8 +224,9 @@ def winner(measured: Iterable[Measured], runnable: Optional[Collection[str]] = N
 
 def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
     """The table entry of problem ``p`` (``_tuned`` module docstring)."""
+    layer = dict(gate=p.gate, bias=p.bias) if p.layout == "gate" else {}
     return dict(layout=p.layout, scheme=p.scheme, N=p.N, K=p.K, E=p.E, block=p.block, m=p.m,
-                config=config, backend=backend, us=us)  # fmt: skip
+                **layer, config=config, backend=backend, us=us)  # fmt: skip
 
 
 def path_tokens(cfg, scheme: str, tokens: Iterable[int], max_tokens: int = LL_MAX_TOKENS):
@@ -252,8 +254,10 @@ def path_entry(cfg, scheme: str, t: int, us: Dict[str, Optional[float]]) -> Opti
 
 
 def layer_sizes(cfg, scheme: str) -> Dict:
-    """The layer fields of a path entry: the sizes the layer is built with (H, I unpadded)."""
-    return dict(scheme=scheme, E=cfg.local_experts, H=cfg.hidden, I=cfg.intermediate, K=cfg.top_k)
+    """The layer fields of a path entry: the sizes the layer is built with (H, I unpadded), its
+    gate spec and whether it has biases."""
+    return dict(scheme=scheme, E=cfg.local_experts, H=cfg.hidden, I=cfg.intermediate, K=cfg.top_k,
+                gate=_gate.get(cfg.gate).spec, bias=bool(cfg.bias))  # fmt: skip
 
 
 def entry_key(e: Dict) -> Tuple:
@@ -270,7 +274,7 @@ def pending(old: Optional[Dict], problems: Iterable[Problem] = (), cfg=None, sch
     ``scheme`` without a path entry there)."""
     entries = {entry_key(e) for e in (old or {}).get("entries", [])}
     paths = {path_key(p) for p in (old or {}).get("paths", [])}
-    todo = [p for p in problems if tuple(p[:7]) not in entries]
+    todo = [p for p in problems if entry_key(gemm_entry(p, "", {}, {})) not in entries]
     if cfg is None:
         return todo, list(tokens)
     sizes = layer_sizes(cfg, scheme)

@@ -161,13 +161,13 @@ def test_auto_follows_this_gpus_measured_paths(monkeypatch):
     ]
     asked = []
 
-    def paths(scheme, E, H, I, K, device):  # noqa: E741
-        asked.append((str(scheme), E, H, I, K))
+    def paths(scheme, E, H, I, K, device, gate, bias):  # noqa: E741
+        asked.append((str(scheme), E, H, I, K, gate, bias))
         return measured
 
     monkeypatch.setattr(layer_mod._tuned, "paths", paths)
     layer = small_layer("fp8", "auto", ll_max_tokens=32)
-    assert asked == [("fp8", 8, 256, 128, 3)]
+    assert asked == [("fp8", 8, 256, 128, 3, "silu", False)]  # (the layer's gate and biases)
     cut = layer.gemv_max_tokens
     plans = {T: layer.plan(T) for T in (cut + 1, 5, 16, 17, 32, 33, 100)}
     assert plans == {cut + 1: ("ll", 128), 5: ("ht", 32), 16: ("ht", 32), 17: ("ht", 16),
@@ -195,8 +195,8 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
 
     asked = []
 
-    def fuses(scheme, device, inter, k, e, row_block, m):
-        asked.append((str(scheme), inter, k, e, row_block, m))
+    def fuses(scheme, device, inter, k, e, row_block, m, gate, bias):
+        asked.append((str(scheme), inter, k, e, row_block, m, gate, bias))
         return True
 
     gate = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
@@ -211,14 +211,16 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
     plain.load_weights(w1, w2, b1=b1, b2=b2)
     want = plain(x, ids, w)
     monkeypatch.setattr(layer_mod, "fuses_gate", fuses)
-    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)  # (a table with "gate")
+    has = []  # (a table with "gate" entries of this layer's gate and biases)
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: has.append(args[-2:]) or True)
     fused = epmoe.EPMoE(**shape, **kw)
     fused.load_weights(w1, w2, b1=b1, b2=b2)
     with fused.record_stages() as rec:
         out = fused(x, ids, w)
     assert torch.equal(out, want) and "gemm1" not in rec and "act" in rec
     Hp, Ip = fused.hidden_padded, fused.inter_padded
-    assert asked == [(quant, Ip, Hp, 8, 16, rec["permute"].m_indices.shape[0])]
+    assert asked == [(quant, Ip, Hp, 8, 16, rec["permute"].m_indices.shape[0], gate, True)]
+    assert has == [(gate, True)]
 
 
 def test_auto_mode_bad_config():

@@ -271,6 +271,39 @@ def test_backend_follows_the_tuned_table(sm90):
     assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, torch.device("cpu")) is None
 
 
+def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
+    """The fused GEMM1 + gate and the path of a layer are measured per gate spec and biases: a
+    gpt-oss layer (clamped SwiGLU, biases) never reads the plain SiLU layer's entries of the same
+    sizes; entries without the fields are the plain SiLU, no biases."""
+    import json
+
+    from epmoe.ops.gemm import _tuned
+
+    _, tmp = sm90
+    dev = torch.device("cuda", 0)
+    clamped = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
+    old = _entry("gate", "fp8", 128, 512, "triton")  # (written before the fields existed)
+    new = dict(_entry("gate", "fp8", 128, 512, "unfused"), gate=clamped, bias=True)
+    path = dict(scheme="fp8", E=4, H=512, I=256, K=2, t=32, path="ll", alignment=0, us={})
+    paths = [path, dict(path, path="ht", alignment=16, gate=clamped, bias=True)]
+    doc = dict(device="NVIDIA H200", entries=[old, new], paths=paths)
+    (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
+    _tuned._paths.cache_clear()
+    try:
+        assert _tuned.backend("gate", "fp8", 256, 512, 4, 128, 512, dev) == "triton"
+        assert _tuned.backend("gate", "fp8", 256, 512, 4, 128, 512, dev, clamped, True) == "unfused"
+        assert _tuned.backend("gate", "fp8", 256, 512, 4, 128, 512, dev, clamped) is None
+        assert _tuned.has("gate", "fp8", 256, 512, 4, dev, "silu", False)
+        assert not _tuned.has("gate", "fp8", 256, 512, 4, dev, "gelu_tanh", False)
+        assert [p["path"] for p in _tuned.paths("fp8", 4, 512, 256, 2, dev)] == ["ll"]
+        assert [p["path"] for p in _tuned.paths("fp8", 4, 512, 256, 2, dev, clamped, True)] == [
+            "ht"
+        ]
+        assert _tuned.paths("fp8", 4, 512, 256, 2, dev, "silu", True) == []
+    finally:
+        _tuned._paths.cache_clear()
+
+
 def test_tuned_file_names():
     from epmoe.ops.gemm import _tuned
 

@@ -157,15 +157,16 @@ def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int =
 
 @_launch.memo  # (as _backend; sizes may be SymInts under torch.compile: computed, not cached)
 def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_block: int,
-               m: int) -> bool:  # fmt: skip
+               m: int, gate="silu", bias: bool = False) -> bool:  # fmt: skip
     """Whether GEMM1 and the gate of an HT call run as one kernel (:func:`grouped_gemm_gate`):
     where this GPU's tuned table measured the fused kernel faster than GEMM1 then the activation
     stage ("gate" entries), for h of ``inter`` channels, GEMM1's reduction ``k``, ``e`` experts,
-    expert blocks of ``row_block`` rows and ``m`` rows."""
+    expert blocks of ``row_block`` rows and ``m`` rows, the layer's ``gate`` (spec) and ``bias``
+    (whether it has gate/up biases)."""
     scheme = quant.get(scheme, OP, "scheme")
     if scheme is quant.INT8 or torch.device(device).type != "cuda":
         return False
-    best = _tuned.backend("gate", scheme, inter, k, e, row_block, m, device)
+    best = _tuned.backend("gate", scheme, inter, k, e, row_block, m, device, str(gate), bias)
     return best == "triton" and _runs("triton", scheme, "contiguous", device, inter, k, row_block)
 
 

@@ -634,5 +634,6 @@ def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block
     def grid(m):
         return (_launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(I, m["BLOCK_N"]),)
 
-    table = ("gate", quant.of_dtype(dtype), I, K, E, row_block, M, device)
+    scheme, has_bias = quant.of_dtype(dtype), sb is not None
+    table = ("gate", scheme, I, K, E, row_block, M, device, gate.spec, has_bias)
     return _Plan("gate", meta["QUANT"], row_block, table, grid, sizes, meta)

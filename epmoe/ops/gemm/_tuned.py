@@ -6,13 +6,18 @@ and alignment wins each call size of a one-rank layer ("paths").
 A file holds ``{"device": name, "triton": version, "torch": version, "date": ..., "commit": ...,
 "entries": [...], "paths": [...]}``. Each entry is one GEMM problem class and its winner::
 
-    {"layout": "contiguous" | "masked", "scheme": "fp8", "N": 1536, "K": 2048, "E": 128,
+    {"layout": "contiguous" | "masked" | "gate", "scheme": "fp8", "N": 1536, "K": 2048, "E": 128,
      "block": 16,   # contiguous: the row block (permute alignment); masked: BLOCK_M
      "m": 256,      # rows (contiguous M_sum; masked expected_m) the entry was tuned at
      "config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                 "num_warps": 4, "num_stages": 4},
      "backend": "triton" | "deep_gemm",   # which measured faster ("triton" where deep_gemm
      "us": {"triton": 41.0, "deep_gemm": 44.5}}   # cannot run the problem)
+
+"gate" entries (GEMM1 and the gate as one kernel, N = h's channels; "backend" "triton" or
+"unfused") also hold the layer's ``"gate"`` (its canonical spec, :attr:`epmoe.gate.Gate.spec`)
+and ``"bias"`` (whether it has gate/up biases): a clamped SwiGLU with biases is another problem
+than a plain SiLU of the same sizes. Missing: "silu", false.
 
 :func:`lookup` returns the config of the entry with the smallest ``m`` >= the call's rows (else
 the largest): a function of static sizes only, so captured graphs stay valid. No file, or no entry
@@ -22,6 +27,7 @@ Each path is one call size of a one-rank ``mode="auto"`` layer above its GEMV cu
 measured fastest there (CUDA-graph replay of the whole layer)::
 
     {"scheme": "fp8", "E": 128, "H": 2048, "I": 768, "K": 8,   # the layer's sizes (top-K: K)
+     "gate": "silu", "bias": false,  # its gate spec and biases (missing: "silu", false)
      "t": 32,                       # tokens per call
      "path": "ll" | "ht",           # masked layout, or contiguous with this permute alignment
      "alignment": 16,               # (ht only; 0 for ll)
@@ -46,10 +52,16 @@ def file_name(device_name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in device_name.strip().lower()) + ".json"
 
 
+def _key(layout, scheme, n, k, e, block, gate="silu", bias=False) -> Tuple:
+    base = (layout, str(scheme), n, k, e, block)
+    return base + (str(gate), bool(bias)) if layout == "gate" else base
+
+
 def problem(entry: Dict) -> Tuple:
-    """The problem class an entry (or a call's description) belongs to, without its rows."""
-    return (entry["layout"], str(entry["scheme"]), entry["N"], entry["K"], entry["E"],
-            entry["block"])  # fmt: skip
+    """The problem class an entry belongs to, without its rows ("gate" entries: with the gate
+    spec and whether it has biases)."""
+    return _key(entry["layout"], entry["scheme"], entry["N"], entry["K"], entry["E"],
+                entry["block"], entry.get("gate", "silu"), entry.get("bias", False))  # fmt: skip
 
 
 @functools.cache
@@ -70,27 +82,29 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def entry(layout, scheme, n, k, e, block, m, device) -> Optional[Dict]:
-    """The entry for ``m`` rows of a problem on ``device`` (a CUDA device), or None."""
+def entry(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
+    """The entry for ``m`` rows of a problem on ``device`` (a CUDA device), or None (``gate``,
+    ``bias``: the "gate" layout's gate spec and whether it has biases)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    entries = table(_device_name(index)).get((layout, str(scheme), n, k, e, block))
+    entries = table(_device_name(index)).get(_key(layout, scheme, n, k, e, block, gate, bias))
     if not entries:
         return None
     return next((x for x in entries if x["m"] >= m), entries[-1])
 
 
-def lookup(layout, scheme, n, k, e, block, m, device) -> Optional[Dict]:
+def lookup(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
     """The tuned Triton config (meta-parameters and num_warps / num_stages) or None."""
-    x = entry(layout, scheme, n, k, e, block, m, device)
+    x = entry(layout, scheme, n, k, e, block, m, device, gate, bias)
     return None if x is None else dict(x["config"])
 
 
-def backend(layout, scheme, n, k, e, block, m, device) -> Optional[str]:
-    """ "triton" or "deep_gemm", whichever the table measured faster; None: no entry."""
-    x = entry(layout, scheme, n, k, e, block, m, device)
+def backend(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[str]:
+    """The backend the table measured fastest ("triton", "deep_gemm", ...; "gate": "triton" or
+    "unfused"); None: no entry."""
+    x = entry(layout, scheme, n, k, e, block, m, device, gate, bias)
     return None if x is None else x["backend"]
 
 
@@ -106,25 +120,29 @@ def _paths(device_name: str) -> Dict[Tuple, List[Dict]]:
 
 
 def layer_key(p: Dict) -> Tuple:
-    """The layer sizes a path entry belongs to."""
-    return (str(p["scheme"]), p["E"], p["H"], p["I"], p["K"])
+    """The layer a path entry belongs to: sizes, gate spec, biases."""
+    return (str(p["scheme"]), p["E"], p["H"], p["I"], p["K"], str(p.get("gate", "silu")),
+            bool(p.get("bias", False)))  # fmt: skip
 
 
-def paths(scheme, E: int, H: int, I: int, K: int, device) -> List[Dict]:  # noqa: E741
-    """The path entries of a one-rank layer of these sizes on ``device``, by ``t`` ([] without)."""
+def paths(scheme, E: int, H: int, I: int, K: int, device, gate="silu",  # noqa: E741
+          bias: bool = False) -> List[Dict]:  # fmt: skip
+    """The path entries of a one-rank layer of these sizes, gate spec and biases on ``device``,
+    by ``t`` ([] without)."""
     device = torch.device(device)
     if device.type != "cuda":
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _paths(_device_name(index)).get((str(scheme), E, H, I, K), [])
+    key = layer_key(dict(scheme=scheme, E=E, H=H, I=I, K=K, gate=gate, bias=bias))
+    return _paths(_device_name(index)).get(key, [])
 
 
-def has(layout, scheme, n: int, k: int, e: int, device) -> bool:
+def has(layout, scheme, n: int, k: int, e: int, device, gate="silu", bias=False) -> bool:
     """Whether ``device``'s table has any entry of this layout, scheme and N / K / E (any block
-    and rows): callers skip a per-call lookup that cannot find one."""
+    and rows; "gate": of this gate spec and biases): callers skip a lookup that cannot find one."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (layout, str(scheme), n, k, e)
-    return any(p[:5] == key for p in table(_device_name(index)))
+    key = _key(layout, scheme, n, k, e, 0, gate, bias)
+    return any(p[:5] == key[:5] and p[6:] == key[6:] for p in table(_device_name(index)))

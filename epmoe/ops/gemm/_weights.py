@@ -130,7 +130,10 @@ def warmup(
             grouped_gemm(
                 a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales, alignment=row_block
             )
-        if inter is not None and fuses_gate(scheme, device, inter, K, E, row_block, m):
+        fused = inter is not None and fuses_gate(
+            scheme, device, inter, K, E, row_block, m, _gate.get(gate).spec, bias is not None
+        )
+        if fused:
             a, a_s = _dummy_acts(scheme, (m,), K, device, True)
             layout = scheme.cuda_scale_layout
             grouped_gemm_gate(a, w, m_idx, a_s, w_scales, gate, bias, layout, row_block)
