@@ -361,6 +361,8 @@ class EPMoE(nn.Module):
         # widen x on entry) and the gathers' output columns (H of the padded rows); else None
         self._width = self.hidden_padded if self._padded and self.local else None
         self._hidden = hidden_size if self._padded and self.local else None
+        ll = range(self.ll_max_tokens + 1) if self.ll_max_tokens else ()  # (LL call sizes)
+        self._ll_expected_m = [self.expected_m(t) for t in ll]
 
     def __setattr__(self, name: str, value) -> None:
         # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too
@@ -732,6 +734,9 @@ class EPMoE(nn.Module):
                 f"at most max_tokens_per_rank={self.ll_max_tokens} tokens",
                 x.shape[0],
             )
+        # the masked GEMMs' tiles: this call size's rows (traced: computed, T may be symbolic)
+        T = x.shape[0]
+        em = self.expected_m(T) if torch.compiler.is_compiling() else self._ll_expected_m[T]
         if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
             scattered = st.ll_scatter(
                 x,
@@ -743,7 +748,7 @@ class EPMoE(nn.Module):
                 width=self._width,
             )
             a, s, masked_m, rows = self._emit("ll_scatter", scattered)
-            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m, x.shape[0])
+            y = self._experts_ll(st, a, s if self.scheme.quantized else None, masked_m, em)
             b2 = self._buffers["b2"]
             out = st.ll_gather(y, rows, topk_weights, bias=b2, hidden=self._hidden)
             return self._emit("ll_gather", out)
@@ -753,7 +758,7 @@ class EPMoE(nn.Module):
         a, s = d.x, d.x_scales
         if self.scheme.quantized and not codes:
             a, s = self._emit("quantize", st.quantize(a, self.quant, masked_m=d.masked_m))
-        y = self._experts_ll(st, a, s, d.masked_m, x.shape[0])
+        y = self._experts_ll(st, a, s, d.masked_m, em)
         if self._buffers["b2"] is not None:  # (the backends' weighted combine takes no bias)
             y = (y.float() + self._buffers["b2"][:, None, :]).to(y.dtype)
         out = st.ll_combine(y, topk_ids, topk_weights, d.handle, self.comm_key)
@@ -769,10 +774,10 @@ class EPMoE(nn.Module):
         )
         return self._emit("gemv_down", out)
 
-    def _experts_ll(self, st, a, s, masked_m, num_tokens):
+    def _experts_ll(self, st, a, s, masked_m, expected_m):
         """Masked GEMM1 -> activation -> masked GEMM2 on the `[E, C, *]` layout."""
         # (the counts come from a dispatch that clamps them to the capacity)
-        kw = dict(masked_m=masked_m, expected_m=self.expected_m(num_tokens), trusted=True)
+        kw = dict(masked_m=masked_m, expected_m=expected_m, trusted=True)
         mm, b = st.grouped_gemm_masked, self._buffers
         y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
         y = self._emit("gemm1", y)
