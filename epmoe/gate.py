@@ -199,6 +199,14 @@ def get(gate: Union[str, Gate, None], op: str = "gate", arg: str = "gate") -> Ga
     return gate if isinstance(gate, Gate) else parse(gate, op, arg)
 
 
+# the op contracts' gate argument: whether it names a gate and whether the gate has a gate half
+# (y is [..., 2I]; the default's test is one string compare: host time), with the names those
+# expressions read
+CONTRACT_CONSTS = dict(_gate_ok=is_spec, _parse=parse)
+OK = "gate == 'silu' or _gate_ok(gate)"
+GLU = "gate == 'silu' or _parse(gate).glu"
+
+
 # ---------------------------------------------------------------------------------- jit helpers
 @triton.jit
 def _approx(x, OP: tl.constexpr):

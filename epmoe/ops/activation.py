@@ -287,10 +287,6 @@ def _int8_warps(elements, thread_elems: int) -> int:
 _ROWS_WANTED = "int32 [M_sum] (each row's expert) with a bias on a 2-D y"
 
 
-# the gate has a gate half (y is [..., 2I]); the default's test is one string compare (host time)
-_GLU = "gate == 'silu' or _parse(gate).glu"
-
-
 def _act_steps():
     """The contract steps of y, its row arguments, the gate and the bias, shared by both ops."""
     rows = [
@@ -315,13 +311,11 @@ def _act_steps():
         [Shape("bias", ("y.shape[0]", "y.shape[-1]"))],
         [Rule("m_indices is not None", "m_indices", _ROWS_WANTED, "None")],
     )
-    spec = Rule(
-        "gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, lambda a: repr(a.gate)
-    )
+    spec = Rule(_gate.OK, "gate", _gate.SPEC_EXPECTED, lambda a: repr(a.gate))
     return (
         Tensor("y", _checks.FLOAT_DTYPES, ndim=(2, 3)),
         spec,
-        Case(_GLU, [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
+        Case(_gate.GLU, [Multiple("y.shape[-1]", "y.shape[-1]", 2, "(gate and up halves)")]),
         *masked_m_steps("y"),
         *rows,
         Case("m_indices is not None", [Shape("m_indices", ("y.shape[0]",))]),
@@ -331,7 +325,7 @@ def _act_steps():
     )
 
 
-_CONSTS = dict(_gate_ok=_gate.is_spec, _parse=_gate.parse, SCHEMES=quant.SCHEMES)
+_CONSTS = dict(_gate.CONTRACT_CONSTS, SCHEMES=quant.SCHEMES)
 CONTRACT = Contract(
     OP, "y masked_m m_indices expert_offsets gate bias", *_act_steps(), consts=_CONSTS
 )
@@ -346,7 +340,7 @@ CONTRACT_QUANT = Contract(
         "SCHEMES[scheme].act_group is not None",
         [
             Case(
-                _GLU,
+                _gate.GLU,
                 [Multiple("y.shape[-1] // 2", "y.shape[-1] // 2", "group_size", "(fp8 group)")],
                 [Multiple("y.shape[-1]", "y.shape[-1]", "group_size", "(fp8 group)")],
             )

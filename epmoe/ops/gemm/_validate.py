@@ -79,7 +79,6 @@ MASKED = Contract(
 OP_GATE = "grouped_gemm_gate"
 # GEMM1 + gate: the contiguous operands, then the gate (its halves in w's rows), the bias rows and
 # the output scales; int8's per-row output scale needs the whole row: refused
-_GLU = "gate == 'silu' or _parse(gate).glu"
 GATE = Contract(
     OP_GATE,
     "a w m_indices a_scales w_scales gate bias scale_layout",
@@ -91,18 +90,18 @@ GATE = Contract(
         "bf16 or fp8 codes (int8: GEMM1, then the act stage)",
         lambda n: n.a.dtype,
     ),  # fmt: skip
-    Rule("gate == 'silu' or _gate_ok(gate)", "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
+    Rule(_gate.OK, "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
     Case(
-        _GLU,
+        _gate.GLU,
         [Multiple("w.shape[1]", "w.shape[1]", 2, "(gate and up halves)")],
     ),
     Case(
         "a.dtype is FP8",
-        [Case(_GLU, [Multiple("I", "w.shape[1] // 2", 128, "(fp8 output groups)")])],
+        [Case(_gate.GLU, [Multiple("I", "w.shape[1] // 2", 128, "(fp8 output groups)")])],
     ),
     Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
     Choice("scale_layout", ("row", "deepgemm")),
-    consts=dict(_CONSTS, INT8=torch.int8, _gate_ok=_gate.is_spec, _parse=_gate.parse),
+    consts=dict(_CONSTS, **_gate.CONTRACT_CONSTS, INT8=torch.int8),
 )
 
 
