@@ -347,17 +347,18 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ("relu2:glu=0", False),
             )
         ],  # fmt: skip
+        # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
             G.masked_triton(
-                *_gemm_operands(sch, (4, 16), 4, 256, 512, counts=mm),
+                *_gemm_operands(sch, (4, t), 4, 256, 512, counts=mm),
                 em,
                 config=_launch_options(c),
                 ok=torch.empty((), dtype=torch.bool),
             )
             for sch in ("bf16", "fp8", "int8")
             for c in G._MASKED_CONFIGS
-            if G.fits(c.all_kwargs(), _code(sch))
-            for em in (0, 200)
+            for t, em in ((16, 0), (16, 200), (64, 32))
+            if G.fits(c.all_kwargs(), _code(sch), 0, G._masked_tiling(t, em)[0])
         ],  # fmt: skip
     }
 

@@ -148,6 +148,11 @@ def test_masked_tiling_static():
     assert _triton._masked_tiling(256, 100) == (64, 2)
     assert _triton._masked_tiling(256, 33) == (64, 1)
     assert _triton._masked_tiling(8, 1000) == (16, 1)  # clamped to T
+    # the tile holds the spread of the counts, not only their mean: 32 rows per expert on
+    # average reach ~46, so 64-row tiles (one pass over the weights), 16 reach ~26
+    assert _triton._masked_tiling(512, 32) == (64, 1)
+    assert _triton._masked_tiling(512, 16) == (32, 1)
+    assert _triton._masked_tiling(512, 2) == (16, 1)
 
 
 @pytest.mark.parametrize(
@@ -216,6 +221,10 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3)
     assert not _triton.fits(big, 0, 128) and _triton.fits(big, 2, 128)
     assert _triton.fits(dict(big, BLOCK_K=64), 0, 128)
+    # masked: the call's BLOCK_M sets the tiles (0: the largest, 64)
+    decode = dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
+    assert _triton.fits(decode, 0, 0, 16) and not _triton.fits(decode, 0, 0, 64)
+    assert not _triton.fits(decode, 0) and _triton.fits(decode, 2)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
