@@ -454,9 +454,6 @@ def _gemv_pair(scheme: str, check: bool, T: int, spec: str = "silu", padded: boo
     return h, GV._gemv_down_triton(h, ids, torch.rand((T, K)), w2, s2, check, b2, hidden)
 
 
-SM90_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm90 (227 KiB)
-
-
 def resources(compiled) -> str:
     """REG / STACK / SHARED / LOCAL of a compiled kernel, from cuobjdump -res-usage."""
     import subprocess
@@ -552,8 +549,8 @@ def main() -> int:
                 compiled = compile_launch(fn, args, kwargs)
                 # (checked at launch: a kernel over it compiles, then fails OutOfResources)
                 shared = compiled.metadata.shared
-                if shared > SM90_MAX_SHARED:
-                    raise RuntimeError(f"shared memory {shared} B > {SM90_MAX_SHARED} B")
+                if shared > G._MAX_SHARED:  # (an sm90 block's shared memory)
+                    raise RuntimeError(f"shared memory {shared} B > {G._MAX_SHARED} B")
                 if ptx_dir:
                     dump_ptx(ptx_dir, kname, key, compiled)
                 extra = f"  [{resources(compiled)}]" if show else ""

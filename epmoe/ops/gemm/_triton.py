@@ -284,8 +284,8 @@ def _masked_kernel(
 
 
 _FP8_MAX_TILE = 64 * 128  # fp8 output tile elements that compile without spills on sm90
-# shared memory a block may take on sm90; the contiguous kernel's pipeline holds num_stages
-# (a, w) tile pairs (what Triton 3.6 asks for, checked by scripts/compile_kernels.py)
+# shared memory a block may take on sm90; a GEMM kernel's pipeline holds num_stages (a, w) tile
+# pairs (what Triton 3.6 asks for, checked by scripts/compile_kernels.py)
 _MAX_SHARED = 232448
 
 
@@ -449,7 +449,7 @@ def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
     expert's count, not just the mean (uniform routing spreads counts like a Poisson law: mean
     expected_m, max over the experts about 2.5 sqrt(expected_m) above it): a count past the tile
     costs its program a second pass over the expert's weights, the whole cost of a decode GEMM
-    (Mixtral bf16 GEMM1 on the H200: 217 µs at 8 rows per expert, 313 at 32 with 32-row tiles)."""
+    (docs/kernels.md)."""
     em = max(1, min(expected_m or t, t))
     high = min(t, em + math.ceil(2.5 * math.sqrt(em)))
     block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, _launch.pow2(high)))

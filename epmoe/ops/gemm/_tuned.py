@@ -64,15 +64,18 @@ def problem(entry: Dict) -> Tuple:
                 entry["block"], entry.get("gate", "silu"), entry.get("bias", False))  # fmt: skip
 
 
+def _read(device_name: str) -> Dict:
+    """The table file of GPU model ``device_name`` ({} without one)."""
+    path = DIR / file_name(device_name)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 @functools.cache
 def table(device_name: str) -> Dict[Tuple, List[Dict]]:
     """The tuned entries of GPU model ``device_name`` by problem class, each list sorted by
     ``m`` (empty without a file)."""
-    path = DIR / file_name(device_name)
-    if not path.is_file():
-        return {}
     by_problem: Dict[Tuple, List[Dict]] = {}
-    for e in json.loads(path.read_text())["entries"]:
+    for e in _read(device_name).get("entries", []):
         by_problem.setdefault(problem(e), []).append(e)
     return {k: sorted(v, key=lambda e: e["m"]) for k, v in by_problem.items()}
 
@@ -82,14 +85,21 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def entry(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
-    """The entry for ``m`` rows of a problem on ``device`` (a CUDA device), or None (``gate``,
-    ``bias``: the "gate" layout's gate spec and whether it has biases)."""
+def _gpu(device) -> Optional[str]:
+    """The GPU model of ``device``, None when it is not a CUDA device."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    entries = table(_device_name(index)).get(_key(layout, scheme, n, k, e, block, gate, bias))
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def entry(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
+    """The entry for ``m`` rows of a problem on ``device`` (a CUDA device), or None (``gate``,
+    ``bias``: the "gate" layout's gate spec and whether it has biases)."""
+    gpu = _gpu(device)
+    if gpu is None:
+        return None
+    entries = table(gpu).get(_key(layout, scheme, n, k, e, block, gate, bias))
     if not entries:
         return None
     return next((x for x in entries if x["m"] >= m), entries[-1])
@@ -110,11 +120,8 @@ def backend(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) 
 
 @functools.cache
 def _paths(device_name: str) -> Dict[Tuple, List[Dict]]:
-    path_ = DIR / file_name(device_name)
-    if not path_.is_file():
-        return {}
     by_layer: Dict[Tuple, List[Dict]] = {}
-    for p in json.loads(path_.read_text()).get("paths", []):
+    for p in _read(device_name).get("paths", []):
         by_layer.setdefault(layer_key(p), []).append(p)
     return {k: sorted(v, key=lambda p: p["t"]) for k, v in by_layer.items()}
 
@@ -129,20 +136,18 @@ def paths(scheme, E: int, H: int, I: int, K: int, device, gate="silu",  # noqa: 
           bias: bool = False) -> List[Dict]:  # fmt: skip
     """The path entries of a one-rank layer of these sizes, gate spec and biases on ``device``,
     by ``t`` ([] without)."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    gpu = _gpu(device)
+    if gpu is None:
         return []
-    index = device.index if device.index is not None else torch.cuda.current_device()
     key = layer_key(dict(scheme=scheme, E=E, H=H, I=I, K=K, gate=gate, bias=bias))
-    return _paths(_device_name(index)).get(key, [])
+    return _paths(gpu).get(key, [])
 
 
 def has(layout, scheme, n: int, k: int, e: int, device, gate="silu", bias=False) -> bool:
     """Whether ``device``'s table has any entry of this layout, scheme and N / K / E (any block
     and rows; "gate": of this gate spec and biases): callers skip a lookup that cannot find one."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    gpu = _gpu(device)
+    if gpu is None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
     key = _key(layout, scheme, n, k, e, 0, gate, bias)
-    return any(p[:5] == key[:5] and p[6:] == key[6:] for p in table(_device_name(index)))
+    return any(p[:5] == key[:5] and p[6:] == key[6:] for p in table(gpu))

@@ -116,7 +116,8 @@ def warmup(
     else:
         _checks.check_shape("warmup", "w", w, (E, N, K))
     row_block = alignment or contiguous_row_block(scheme, device)
-    inter = None if gate is None else _gate.get(gate, "warmup", "gate").inter(N)  # (h's I)
+    g = None if gate is None else _gate.get(gate, "warmup", "gate")
+    inter = None if g is None else g.inter(N)  # (h's I)
     layouts = (
         (True, False) if scheme is quant.FP8 else (True,)
     )  # fp8: also deep_gemm's scale transpose
@@ -131,7 +132,7 @@ def warmup(
                 a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales, alignment=row_block
             )
         fused = inter is not None and fuses_gate(
-            scheme, device, inter, K, E, row_block, m, _gate.get(gate).spec, bias is not None
+            scheme, device, inter, K, E, row_block, m, g.spec, bias is not None
         )
         if fused:
             a, a_s = _dummy_acts(scheme, (m,), K, device, True)
