@@ -12,7 +12,8 @@
   the same way and cached per process so every benchmark of a run compares against one number.
 - :func:`device_time`: median device span of one call (first kernel start to last kernel end,
   profiler timestamps) under the same replay and flush, without the graph's launch on the device;
-  :func:`replay_floor_ms` is that launch cost as :func:`time_cuda` sees it (a one-kernel graph).
+  :func:`replay_floor_ms` is that launch cost as :func:`time_cuda` sees it (a one-kernel graph);
+  :func:`kernel_us` splits the same call's device time by kernel name.
 - :func:`wall_ms`: wall-clock milliseconds of each of ``iters`` calls (CPU runs: no CUDA events).
 - :func:`host_us`: host µs per eager call, the GPU kept busy behind a sleep kernel (launches only
   queue, nothing waits for the device).
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+KERNEL_NAME_CHARS = 80  # kernel_us's key: template arguments past it do not tell kernels apart
 FLUSH_BYTES = 512 * 2**20  # > 8x the H100/H200 L2 (50 MiB): a memset of it evicts everything
 COPY_BYTES = 2 * 2**30  # ceiling buffer: 2 GiB read + 2 GiB written
 ITERS = 100  # timed calls per measurement (median)
@@ -150,6 +152,31 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
         return None
     ms = [us / 1e3 for us in spans]
     return Timing(statistics.median(ms), min(ms), iters, "device_span")
+
+
+def kernel_us(fn: Callable[[], object], iters: int = 20) -> Optional[Dict[str, float]]:
+    """Median device µs of each kernel (and copy) of one call of ``fn``, by name (the first
+    KERNEL_NAME_CHARS characters; activities of one name in a call summed), under the replay and
+    flush of :func:`device_time`: where a call's time goes. None when ``fn`` cannot be captured."""
+    run = _capture(fn)
+    if run is None:
+        return None
+    return per_kernel_us(profiled_calls(run, iters))
+
+
+def per_kernel_us(calls: list) -> Dict[str, float]:
+    """{name[:KERNEL_NAME_CHARS]: median µs over ``calls``} (each call a list of (name, start,
+    end) activities; a name's activities in one call summed, a call without it counting 0)."""
+    per_name: Dict[str, list] = {}
+    for call in calls:
+        sums: Dict[str, float] = {}
+        for name, start, end in call:
+            key = name[:KERNEL_NAME_CHARS]
+            sums[key] = sums.get(key, 0.0) + end - start
+        for key, us in sums.items():
+            per_name.setdefault(key, []).append(us)
+    return {k: round(statistics.median(v + [0.0] * (len(calls) - len(v))), 1)
+            for k, v in per_name.items()}  # fmt: skip
 
 
 def profiled_calls(run: Callable[[], object], iters: int) -> list:

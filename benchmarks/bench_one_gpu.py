@@ -44,7 +44,8 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   kernels, plus memcpy/memset as ``copies``; ``kernels`` counts them by name. (Under the profiler
   epmoe's eager fast path takes the dispatcher route; both launch the same kernels.)
 - ``graph_ms``: a plain ``torch.cuda.CUDAGraph`` of one call (after ``layer.warmup([T])`` and
-  warm-up calls), replayed after an L2 flush (``_timing.time_cuda``).
+  warm-up calls), replayed after an L2 flush (``_timing.time_cuda``); ``kernel_us``: the same
+  replay's device µs per kernel name (``_timing.kernel_us``: where the time goes).
 - ``compile_ms`` / ``compile_ro_ms``: ``torch.compile(layer, dynamic=False)`` in the default mode
   and in ``mode="reduce-overhead"`` (compile seconds in ``compile_s`` / ``compile_ro_s``, graph
   breaks, and whether the compiled output has the eager bytes). Compiling costs seconds per
@@ -102,7 +103,8 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
 
 Across cases (recomputed whenever the JSON is written): ``gate_bias_cost``, for a config with a
 ``plain`` twin (``gpt-oss-20b``: ``gpt-oss-20b-silu``) where both ran at the same (scheme, mode,
-T): the layer's graph_ms over the twin's (target: at most GATE_BIAS_MAX), and eager_ms's;
+T): the layer's graph_ms over the twin's (target: at most GATE_BIAS_MAX), and eager_ms's, and
+per kernel the µs it costs over the twin's (the breakdown of a miss);
 ``targets``: TARGETS (gpt-oss-20b, the "auto" layer's graph / grouped_mm graph: fp8 <= 1/2 and
 bf16 <= 1/1.3 at T <= 128, neither above 1 beyond; int8 <= 1/2 at T <= 128).
 
@@ -122,14 +124,16 @@ start and end apart mean something else ran on the host), "budget_s", "elapsed_s
 "complete", "notes": [str], "skipped": [case id], "fatal" (only when the run stopped), "cases":
 [record], "gate_bias_cost": [{"shape", "plain", "scheme", "mode", "T", "graph_ms",
 "plain_graph_ms", "graph_ratio", "eager_ms", "plain_eager_ms", "eager_ratio", "ratio" (the graph
-ratio), "max_ratio", "met"}], "targets": [{"shape", "scheme", "mode", "T", "max_ratio", "ratio",
+ratio), "max_ratio", "met", "kernel_delta_us" {kernel name: its µs minus the twin's}}],
+"targets": [{"shape", "scheme", "mode", "T", "max_ratio", "ratio",
 "met"}]}. A record: "id" ("shape/scheme/mode/T<T>"), "shape", "E", "H", "I", "K", "gate" (spec),
 "bias", "T", "scheme",
 "mode", "path" ("ll" | "ht": the path the layer took), "status" ("ok" | "error" | "skipped"),
 "errors" {step: "Type: message [file:line]"}, "skips" {step: reason}, "step_s" {step: s},
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
 "eager_queued_ms",
-"host_us", "launches", "copies", "copy_us", "device_us", "kernels" {name: count}, "graph_ms";
+"host_us", "launches", "copies", "copy_us", "device_us", "kernels" {name: count}, "graph_ms",
+"kernel_us" {name: µs};
 "compile_s", "compile_ms", "compile_loop_ms", "compile_queued_ms", "compile_host_us",
 "compile_launches",
 "compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
@@ -305,6 +309,10 @@ class CudaTimer:
             "kernels": names,
         }
 
+    def kernel_us(self, fn) -> dict:
+        """Device µs per kernel name of one graph replay after an L2 flush (``_timing``)."""
+        return {"kernel_us": _timing.kernel_us(fn, iters=self.iters)}
+
     def copy_gbps(self) -> dict:
         return {"copy_gbps": _timing.copy_gbps(), "copy_by_method": _timing.copy_timings()}
 
@@ -339,6 +347,9 @@ class CpuTimer:
         raise Skip("needs CUDA")
 
     def launches(self, fn) -> dict:
+        raise Skip("needs CUDA")
+
+    def kernel_us(self, fn) -> dict:
         raise Skip("needs CUDA")
 
     def copy_gbps(self) -> dict:
@@ -911,9 +922,9 @@ def run_case(
 ) -> dict:
     """Measure one case (the steps named in ``steps``) into ``rec`` (a new record by default).
 
-    Steps: "eager" (eager_ms, eager_loop_ms), "host", "launches", "graph", "compile", "raw",
-    "grouped_mm", "stack" (``stack`` calls of the layer in one module, eager, graph and compiled:
-    the ``stack_`` figures, per layer). The floor and ratios are always filled in.
+    Steps: "eager" (eager_ms, eager_loop_ms), "host", "launches", "graph", "kernels", "compile",
+    "raw", "grouped_mm", "stack" (``stack`` calls of the layer in one module, eager, graph and
+    compiled: the ``stack_`` figures, per layer). The floor and ratios are always filled in.
     """
     cfg, timer, T = sr.cfg, sr.timer, case.tokens
     rec = new_record(case, cfg) if rec is None else rec
@@ -973,6 +984,8 @@ def run_case(
         _step(rec, "launches", lambda: timer.launches(call))
     if "graph" in steps:
         _step(rec, "graph", lambda: {"graph_ms": timer.graph(call)})
+    if "kernels" in steps:
+        _step(rec, "kernels", lambda: timer.kernel_us(call))
     if "raw" in steps:
         _step(rec, "raw", lambda: _raw_step(sr, case, layer, path, rec, state["out"]))
     if "grouped_mm" in steps:
@@ -1284,6 +1297,8 @@ def summarize(report: dict) -> None:
             a, b = r.get(f"{k}_ms"), p.get(f"{k}_ms")
             e.update({f"{k}_ms": a, f"plain_{k}_ms": b, f"{k}_ratio": a / b if a and b else None})
         e["ratio"], e["max_ratio"] = e["graph_ratio"], GATE_BIAS_MAX
+        a, b = r.get("kernel_us") or {}, p.get("kernel_us") or {}
+        e["kernel_delta_us"] = {k: round(a.get(k, 0.0) - b.get(k, 0.0), 1) for k in {*a, *b}}
         e["met"] = None if e["ratio"] is None else bool(e["ratio"] <= GATE_BIAS_MAX)
         report["gate_bias_cost"].append(e)
     report["targets"] = []
@@ -1421,7 +1436,7 @@ def main(argv=None) -> dict:
     shapes = only.get("shape", shapes)
     tokens = sorted(set(only.get("T", tokens)))
     cases = plan_cases(shapes, only.get("scheme", SCHEMES), only.get("mode", MODES), tokens)
-    steps = {"eager", "host", "launches", "graph", "raw", "grouped_mm"}
+    steps = {"eager", "host", "launches", "graph", "kernels", "raw", "grouped_mm"}
     if args.no_raw:
         steps.discard("raw")
     if args.no_transformers:

@@ -56,6 +56,17 @@ def gate_bias_rows(report: dict, mode: str):
             )
 
 
+def kernel_delta_rows(report: dict, mode: str, top: int = 4):
+    """Per gate + bias pair, the kernels that cost most over the plain twin's (graph replay)."""
+    for e in report.get("gate_bias_cost", []):
+        delta = e.get("kernel_delta_us")
+        if e.get("mode") == mode and delta:
+            worst = sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:top]
+            cells = "; ".join(f"{name[:48]} {us:+.1f}" for name, us in worst)
+            total = sum(delta.values())
+            yield f"| {e['shape']} | {e['scheme']} | {e['T']} | {total:+.1f} | {cells} |"
+
+
 def target_rows(report: dict):
     for t in report.get("targets", []):
         yield (
@@ -71,6 +82,10 @@ def _met(v):
 GATE_BIAS_HEADER = (
     "| shape / plain twin | scheme | T | graph ms / twin's | gate + bias cost (graph) | "
     "(eager) |\n| --- | --- | --- | --- | --- | --- |"
+)
+KERNEL_DELTA_HEADER = (
+    "| shape | scheme | T | device µs over the twin | largest per-kernel differences (µs) |\n"
+    "| --- | --- | --- | --- | --- |"
 )
 TARGET_HEADER = (
     "| shape | scheme | mode | T | layer / grouped_mm graph target | measured | met |\n"
@@ -94,6 +109,7 @@ def main():
         print(r)
     for header, lines in (
         (GATE_BIAS_HEADER, list(gate_bias_rows(report, a.mode))),
+        (KERNEL_DELTA_HEADER, list(kernel_delta_rows(report, a.mode))),
         (TARGET_HEADER, list(target_rows(report))),
     ):
         if lines:

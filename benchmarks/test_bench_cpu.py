@@ -159,3 +159,19 @@ def test_device_call_spans():
     ]
     assert _timing.call_spans(acts, flush) == [88.0, 10.5]
     assert _timing.call_spans([], flush) == []
+
+
+def test_per_kernel_us():
+    """_timing.per_kernel_us, behind kernel_us: a name's activities summed within a call, the
+    median over calls, a call without the name counting 0, names cut to KERNEL_NAME_CHARS."""
+    import _timing
+
+    long = "g" * (_timing.KERNEL_NAME_CHARS + 5)
+    calls = [
+        [("a", 0.0, 2.0), ("a", 3.0, 4.0), (long + "x", 4.0, 14.0)],
+        [("a", 0.0, 5.0), (long + "y", 5.0, 9.0), ("b", 9.0, 10.0)],
+        [("a", 0.0, 1.0), (long, 1.0, 2.0)],
+    ]
+    got = _timing.per_kernel_us(calls)
+    assert got == {"a": 3.0, long[: _timing.KERNEL_NAME_CHARS]: 4.0, "b": 0.0}
+    assert _timing.per_kernel_us([]) == {}

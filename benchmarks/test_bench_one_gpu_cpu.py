@@ -431,9 +431,14 @@ def test_summary_gate_bias_cost_and_targets():
             {"shape": plain, "scheme": "fp8", "mode": "ht", "T": 32, "status": "skipped"},
         ]
     }
+    report["cases"][0]["kernel_us"] = {"gemm": 60.0, "act": 12.0, "unpermute": 30.0}
+    report["cases"][1]["kernel_us"] = {"gemm": 60.5, "act": 10.0, "silu_only": 1.0}
     bench.summarize(report)
     cost = {(e["scheme"], e["mode"], e["T"]): e for e in report["gate_bias_cost"]}
     assert set(cost) == {("fp8", "auto", 32), ("bf16", "auto", 32)}
+    delta = {"gemm": -0.5, "act": 2.0, "unpermute": 30.0, "silu_only": -1.0}
+    assert cost[("fp8", "auto", 32)]["kernel_delta_us"] == delta
+    assert cost[("bf16", "auto", 32)]["kernel_delta_us"] == {}
     e = cost[("fp8", "auto", 32)]
     assert e["shape"] == oss and e["plain"] == plain and e["max_ratio"] == bench.GATE_BIAS_MAX
     assert e["ratio"] == e["graph_ratio"] == pytest.approx(1.02) and e["met"] is True
