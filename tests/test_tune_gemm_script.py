@@ -141,6 +141,11 @@ def test_path_entries():
     assert p["us"] == {"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0}
     p = tg.path_entry(cfg, "fp8", 32, {"ll": 80.0, "ht@16": 84.0})
     assert (p["path"], p["alignment"]) == ("ll", 0)
+    # a win within PATH_MARGIN (3%) keeps LL; HT alone still gives an HT entry
+    p = tg.path_entry(cfg, "fp8", 32, {"ll": 86.0, "ht@16": 84.0, "ht@64": 85.0})
+    assert (p["path"], p["alignment"]) == ("ll", 0)
+    p = tg.path_entry(cfg, "fp8", 32, {"ht@64": 85.0, "ht@16": 86.0})
+    assert (p["path"], p["alignment"]) == ("ht", 64)
     assert tg.path_entry(cfg, "fp8", 32, {"ll": None}) is None
 
 
