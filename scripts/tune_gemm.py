@@ -21,7 +21,7 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   activation stage; N = I (h's channels). The layer fuses where "triton" won.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
-every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm / torch.bmm for
+every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
 bf16) on the same operands. The entry keeps the fastest Triton config, the fastest backend and the
 best µs of each; a config that fails to compile or to launch is skipped (its error in the log).
 
@@ -87,7 +87,10 @@ PATH_ALIGNMENTS = (128, 64, 32, 16)
 # HT replaces LL (the path without a table) only when faster by more than this: whole-layer
 # timings move 3-5% between runs (Mixtral bf16 T=128: ht@64 2.5% ahead here, 3% behind in the bench)
 PATH_MARGIN = 0.03
-OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm", "bmm"),
+# (masked: no torch.bmm: it computes every slot row, so its time is the layer's capacity's, which
+# the entry's key (counts) does not hold: measured here at C = T, it won an entry it lost 4x in an
+# auto layer's 512-row slots)
+OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm",),
                   "gate": ("unfused",)}  # fmt: skip
 ITERS = 30  # replays per measurement (median)
 SEED = 0
