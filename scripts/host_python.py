@@ -220,10 +220,12 @@ def compare(against: str, rounds: int, args: List[str]) -> Dict[str, Dict[str, f
     """Best µs per case of ``against`` ("base") and this tree ("this"), alternating processes."""
     trees = {"base": pathlib.Path(against).resolve(), "this": pathlib.Path(__file__).parents[1]}
     best: Dict[str, Dict[str, float]] = {name: {} for name in trees}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, tree in trees.items():
             for case, us in run_tree(tree, args).items():
                 best[name][case] = min(us, best[name].get(case, float("inf")))
+                # (each process's figures on stderr as they come: a cut run keeps them)
+                print(f"round {r + 1} {name:4s} {case:22s} {us:7.1f}", file=sys.stderr, flush=True)
     print(f"{'case':22s} {'base':>7s} {'this':>7s}  this/base   (best of {rounds} rounds)")
     for case in best["this"]:
         if case in best["base"]:
