@@ -300,7 +300,7 @@ class CudaTimer:
         acts = _timing.device_activities(prof)
         copies = [a for a in acts if a[0].startswith(("Memcpy", "Memset"))]
         kernels = [a[0] for a in acts if not a[0].startswith(("Memcpy", "Memset"))]
-        names = Counter(k[:80] for k in kernels)
+        names = Counter(k[: _timing.KERNEL_NAME_CHARS] for k in kernels)
         return {
             "launches": len(kernels),
             "copies": len(copies),

@@ -84,12 +84,11 @@ TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
 PATH_ALIGNMENTS = (128, 64, 32, 16)
-# HT replaces LL (the path without a table) only when faster by more than this: whole-layer
-# timings move 3-5% between runs (Mixtral bf16 T=128: ht@64 2.5% ahead here, 3% behind in the bench)
+# HT replaces LL (the path without a table) only when faster by more: whole-layer timings move
+# 3-5% between runs, so a smaller win is noise
 PATH_MARGIN = 0.03
-# (masked: no torch.bmm: it computes every slot row, so its time is the layer's capacity's, which
-# the entry's key (counts) does not hold: measured here at C = T, it won an entry it lost 4x in an
-# auto layer's 512-row slots)
+# (masked: no torch.bmm: it computes every slot row, so its time follows the layer's capacity,
+# which the entry's key (the counts) does not hold)
 OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm",),
                   "gate": ("unfused",)}  # fmt: skip
 ITERS = 30  # replays per measurement (median)
