@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-KERNEL_NAME_CHARS = 80  # kernel_us's key: template arguments past it do not tell kernels apart
+KERNEL_NAME_CHARS = 80  # kernel_us's key: a kernel name's template arguments past it are cut
 FLUSH_BYTES = 512 * 2**20  # > 8x the H100/H200 L2 (50 MiB): a memset of it evicts everything
 COPY_BYTES = 2 * 2**30  # ceiling buffer: 2 GiB read + 2 GiB written
 ITERS = 100  # timed calls per measurement (median)
@@ -155,9 +155,9 @@ def device_time(fn: Callable[[], object], iters: int = 50) -> Optional[Timing]:
 
 
 def kernel_us(fn: Callable[[], object], iters: int = 20) -> Optional[Dict[str, float]]:
-    """Median device µs of each kernel (and copy) of one call of ``fn``, by name (the first
-    KERNEL_NAME_CHARS characters; activities of one name in a call summed), under the replay and
-    flush of :func:`device_time`: where a call's time goes. None when ``fn`` cannot be captured."""
+    """Median device µs of each kernel (and copy) launch of one call of ``fn``, by name (see
+    :func:`per_kernel_us`), under the replay and flush of :func:`device_time`: where a call's time
+    goes. None when ``fn`` cannot be captured."""
     run = _capture(fn)
     if run is None:
         return None
@@ -165,18 +165,19 @@ def kernel_us(fn: Callable[[], object], iters: int = 20) -> Optional[Dict[str, f
 
 
 def per_kernel_us(calls: list) -> Dict[str, float]:
-    """{name[:KERNEL_NAME_CHARS]: median µs over ``calls``} (each call a list of (name, start,
-    end) activities; a name's activities in one call summed, a call without it counting 0)."""
-    per_name: Dict[str, list] = {}
+    """{key: median µs over ``calls``} (each call a list of (name, start, end) activities in
+    launch order). The key is the name cut to KERNEL_NAME_CHARS, and for the n-th launch of that
+    cut name in a call (n >= 2) the cut name + " #n": GEMM1 and GEMM2 of one kernel template stay
+    apart. A call without a key counts 0."""
+    per_key: Dict[str, list] = {}
     for call in calls:
-        sums: Dict[str, float] = {}
+        seen: Dict[str, int] = {}
         for name, start, end in call:
-            key = name[:KERNEL_NAME_CHARS]
-            sums[key] = sums.get(key, 0.0) + end - start
-        for key, us in sums.items():
-            per_name.setdefault(key, []).append(us)
+            cut = name[:KERNEL_NAME_CHARS]
+            n = seen[cut] = seen.get(cut, 0) + 1
+            per_key.setdefault(cut if n == 1 else f"{cut} #{n}", []).append(end - start)
     return {k: round(statistics.median(v + [0.0] * (len(calls) - len(v))), 1)
-            for k, v in per_name.items()}  # fmt: skip
+            for k, v in per_key.items()}  # fmt: skip
 
 
 def profiled_calls(run: Callable[[], object], iters: int) -> list:

@@ -45,7 +45,7 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   epmoe's eager fast path takes the dispatcher route; both launch the same kernels.)
 - ``graph_ms``: a plain ``torch.cuda.CUDAGraph`` of one call (after ``layer.warmup([T])`` and
   warm-up calls), replayed after an L2 flush (``_timing.time_cuda``); ``kernel_us``: the same
-  replay's device µs per kernel name (``_timing.kernel_us``: where the time goes).
+  replay's device µs per kernel launch (``_timing.kernel_us``: where the time goes).
 - ``compile_ms`` / ``compile_ro_ms``: ``torch.compile(layer, dynamic=False)`` in the default mode
   and in ``mode="reduce-overhead"`` (compile seconds in ``compile_s`` / ``compile_ro_s``, graph
   breaks, and whether the compiled output has the eager bytes). Compiling costs seconds per
@@ -95,7 +95,7 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   against it (bf16 within GROUPED_MM_TOL: ``matches_grouped_mm``, the check that the gate, the
   biases and the weight mapping are the model's).
 - ``floor_ms``: bytes of the experts the routing touches (unique experts hit x (2I*H + H*I)
-  weights x 2 B bf16 / 1 B fp8, int8 at the model's sizes, plus their scales and float32 biases)
+  weights x 2 B bf16 / 1 B fp8, int8 at the model's sizes, plus their scales and bf16 biases)
   over the copy bandwidth measured in the same run (``_timing.copy_gbps``, bytes read + written,
   the bar the GEMM benchmarks use).
 - ``ratios``: layer graph / raw GEMMs, layer / grouped_mm (graph / graph, eager / eager), layer /
@@ -133,7 +133,7 @@ ratio), "max_ratio", "met", "kernel_delta_us" {kernel name: its µs minus the tw
 "case_s", "experts_hit", "weight_bytes", "flops", "floor_ms"; "eager_ms", "eager_loop_ms",
 "eager_queued_ms",
 "host_us", "launches", "copies", "copy_us", "device_us", "kernels" {name: count}, "graph_ms",
-"kernel_us" {name: µs};
+"kernel_us" {name, or "name #n" for its n-th launch: µs};
 "compile_s", "compile_ms", "compile_loop_ms", "compile_queued_ms", "compile_host_us",
 "compile_launches",
 "compile_copies", "compile_copy_us", "compile_device_us", "compile_kernels",
@@ -215,7 +215,7 @@ B_STD = 0.1  # bias scale: a bias in the wrong place moves the output well past 
 GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
 CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
 WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
-BIASES = ("b1", "b2")  # float32 [E, 2I] / [E, H] (None without biases)
+BIASES = ("b1", "b2")  # bf16 [E, 2I] / [E, H], as created (None without biases)
 # (shape, scheme, T range, the most the layer's graph time may be of grouped_mm's): the layer in
 # mode "auto" against transformers' own experts on the same weights (the gpt-oss issue)
 TARGETS = (
@@ -412,13 +412,13 @@ def make_routing(cfg, tokens: int, seed: int, device) -> Routing:
 
 
 def expert_weight_bytes(cfg, scheme: str) -> int:
-    """Bytes of one expert's weights and scales (both GEMMs) in ``scheme``, and its float32 biases:
+    """Bytes of one expert's weights and scales (both GEMMs) in ``scheme``, and its bf16 biases:
     the model's sizes (not the zeros fp8 pads H / I with to multiples of 128; its scales per
     128x128 block of each padded half, as the layer keeps them)."""
     H, I = cfg.hidden, cfg.intermediate
     halves = epmoe.gate.get(cfg.gate).width(1)
     n = (halves + 1) * I * H
-    bias = 4 * (halves * I + H) if cfg.bias else 0
+    bias = 2 * (halves * I + H) if cfg.bias else 0
     if scheme == "bf16":
         return 2 * n + bias
     if scheme == "fp8":  # 128x128 block scales

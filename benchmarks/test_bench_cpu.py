@@ -162,16 +162,18 @@ def test_device_call_spans():
 
 
 def test_per_kernel_us():
-    """_timing.per_kernel_us, behind kernel_us: a name's activities summed within a call, the
-    median over calls, a call without the name counting 0, names cut to KERNEL_NAME_CHARS."""
+    """_timing.per_kernel_us, behind kernel_us: the n-th launch of a name in a call keyed "name
+    #n", the median over calls, a call without a key counting 0, names cut to KERNEL_NAME_CHARS
+    (launches whose names differ past the cut count as one name's launches)."""
     import _timing
 
     long = "g" * (_timing.KERNEL_NAME_CHARS + 5)
+    cut = long[: _timing.KERNEL_NAME_CHARS]
     calls = [
-        [("a", 0.0, 2.0), ("a", 3.0, 4.0), (long + "x", 4.0, 14.0)],
-        [("a", 0.0, 5.0), (long + "y", 5.0, 9.0), ("b", 9.0, 10.0)],
-        [("a", 0.0, 1.0), (long, 1.0, 2.0)],
+        [("a", 0.0, 2.0), ("a", 3.0, 4.0), (long + "x", 4.0, 14.0), (long + "y", 14.0, 15.0)],
+        [("a", 0.0, 5.0), ("a", 5.0, 8.0), (long + "y", 8.0, 12.0), ("b", 12.0, 13.0)],
+        [("a", 0.0, 1.0), (long, 1.0, 2.0), (long, 2.0, 9.0)],
     ]
     got = _timing.per_kernel_us(calls)
-    assert got == {"a": 3.0, long[: _timing.KERNEL_NAME_CHARS]: 4.0, "b": 0.0}
+    assert got == {"a": 2.0, "a #2": 1.0, cut: 4.0, cut + " #2": 1.0, "b": 0.0}
     assert _timing.per_kernel_us([]) == {}

@@ -413,7 +413,8 @@ class EPMoE(nn.Module):
                 bf16, contiguous and on the layer's device (no second copy of the weights; the
                 layer then sees later in-place edits). Ignored for fp8 / int8 and padded sizes.
             b1: float `[Et, 2I]` (`[Et, I]`) gate / up bias, b2: float `[Et, H]` down bias; both
-                required with ``bias=True``, refused otherwise; kept as float32.
+                required with ``bias=True``, refused otherwise; kept in their dtype (the kernels
+                add them in float32: a bf16 bias is half the bytes each row reads).
         """
         Et, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         width = self.gate.width(I)
@@ -441,7 +442,7 @@ class EPMoE(nn.Module):
         for name, b in (("b1", b1), ("b2", b2)):
             if b is not None:
                 b = reference.pad_experts(b.detach()[lo:hi, :, None], *pads[name], 1)[..., 0]
-                setattr(self, name, b.to(device=self.device, dtype=torch.float32).contiguous())
+                setattr(self, name, b.to(device=self.device, copy=True).contiguous())
 
     @property
     def _padded_any(self) -> bool:

@@ -405,6 +405,22 @@ def test_any_hidden_and_intermediate_size(quant, mode, T):
     assert rel_l2(out, qa) < LAYER_VS_QUANT_AWARE
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_biases_keep_their_dtype_and_are_copies(dtype):
+    """A bf16 bias stays bf16 (half the bytes the kernels read per row; they add it in float32,
+    so the output is the float32 copy's), never an alias of the caller's tensor."""
+    w1, w2, b1, b2 = gate_problem(GATES[0])
+    b1, b2 = b1.to(dtype), b2.to(dtype)
+    layer = gate_layer("bf16", "ht", GATES[0])
+    layer.load_weights(w1, w2, b1=b1, b2=b2)
+    assert (layer.b1.dtype, layer.b2.dtype) == (dtype, dtype)
+    assert layer.b1.data_ptr() != b1.data_ptr() and layer.b2.data_ptr() != b2.data_ptr()
+    x, ids, w = tokens(13, seed=5, **SMALL)
+    wide = gate_layer("bf16", "ht", GATES[0])
+    wide.load_weights(w1, w2, b1=b1.float(), b2=b2.float())
+    assert torch.equal(layer(x, ids, w), wide(x, ids, w))
+
+
 def test_load_weights_biases_are_checked():
     layer = gate_layer("bf16", "ht", "silu")
     w1, w2, b1, b2 = gate_problem("silu")
