@@ -249,6 +249,7 @@ def cases() -> Dict[str, Callable[[], object]]:
         ],  # fmt: skip
         # every activation and gate field, the bias on both row layouts, int8's two passes
         "silu_and_mul(_quant) gates and bias": lambda: _gate_launches(y2, y3, mm, mi, offs),
+        "silu_and_mul(_quant) gpt-oss HT with biases": _gpt_oss_ht_launches,
         "permute bf16/fp8 (deepgemm scales)/int8, one kernel and chain": lambda: [
             (p(bf, ids, 8, 128), p(q8, ids, 8, 128, s8, "deepgemm"), p(qi, ids, 8, 128, si, "row"))
             for small in (P.CONFIG.small_entries, 0)
@@ -422,6 +423,22 @@ def _gate_launches(y2, y3, mm, mi, offs):
         out.append(
             A._silu_and_mul_quant_triton(y_long, "int8", mm[:2], 128, None, "row", None, spec, b)
         )
+    return out
+
+
+def _gpt_oss_ht_launches():
+    """The activation kernels at gpt-oss-20b's HT sizes (I 2880; fp8 pads it to 2944), its gate
+    and bf16 biases: their registers (--resources) are what the biases cost on the GPU."""
+    out = []
+    for i, scheme in ((2880, None), (2944, "fp8"), (2880, "int8")):
+        y = torch.empty((256, 2 * i), dtype=torch.bfloat16)
+        kw = dict(m_indices=torch.empty((256,), dtype=torch.int32), gate=_GATES[0],
+                  expert_offsets=torch.empty((33,), dtype=torch.int32),
+                  bias=torch.empty((32, 2 * i), dtype=torch.bfloat16))  # fmt: skip
+        if scheme is None:
+            out.append(A._silu_and_mul_triton(y, **kw))
+        else:
+            out.append(A._silu_and_mul_quant_triton(y, scheme, **kw))
     return out
 
 
