@@ -321,7 +321,9 @@ class EPMoE(nn.Module):
         self.num_local_experts = self.comm.num_local_experts
         # one rank, local backend: no dispatch or combine ops at all
         self.local = self.comm.world_size == 1 and self.comm.name == "local"
-        self._plans: Dict[int, Tuple[str, int]] = {}  # call size -> plan(size), filled per call
+        # call size -> (path, alignment, LL expected_m), filled per call: what a call of that size
+        # runs, from the shape only
+        self._plans: Dict[int, Tuple[str, int, int]] = {}
         self.gemv_max_tokens = 0
         if mode == "auto" and self.local:
             self.gemv_max_tokens = gemv_max_tokens(self.scheme, num_experts, top_k)
@@ -361,8 +363,6 @@ class EPMoE(nn.Module):
         # widen x on entry) and the gathers' output columns (H of the padded rows); else None
         self._width = self.hidden_padded if self._padded and self.local else None
         self._hidden = hidden_size if self._padded and self.local else None
-        ll = range(self.ll_max_tokens + 1) if self.ll_max_tokens else ()  # (LL call sizes)
-        self._ll_expected_m = [self.expected_m(t) for t in ll]
 
     def __setattr__(self, name: str, value) -> None:
         # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too
@@ -501,17 +501,22 @@ class EPMoE(nn.Module):
     def _route(self, st, x, topk_ids, topk_weights):
         T = x.shape[0]
         if torch.compiler.is_compiling():  # (a dict written in a traced frame guards the graph)
-            path, alignment = self.plan(T)
+            path, alignment, em = self._plan_of(T)  # (T may be symbolic: computed)
         else:
             plan = self._plans.get(T)
             if plan is None:
-                plan = self._plans[T] = self.plan(T)
-            path, alignment = plan
+                plan = self._plans[T] = self._plan_of(T)
+            path, alignment, em = plan
         if path == "gemv":
             return self._forward_gemv(st, x, topk_ids, topk_weights)
         if path == "ll":
-            return self._forward_ll(st, x, topk_ids, topk_weights)
+            return self._forward_ll(st, x, topk_ids, topk_weights, em)
         return self._forward_ht(st, x, topk_ids, topk_weights, alignment)
+
+    def _plan_of(self, num_tokens) -> Tuple[str, int, int]:
+        """:meth:`plan`, and the LL path's expected rows per expert (0 on the other paths)."""
+        path, alignment = self.plan(num_tokens)
+        return path, alignment, self.expected_m(num_tokens) if path == "ll" else 0
 
     def _trusts_stages(self) -> bool:
         """A stage may take the previous stage's output unchecked: no record_stages(replace=...)
@@ -726,7 +731,8 @@ class EPMoE(nn.Module):
         t = self.ll_max_tokens if num_tokens is None else min(num_tokens, self.ll_max_tokens)
         return max(1, -(-(self.world_size * t * self.top_k) // self.num_experts))
 
-    def _forward_ll(self, st, x, topk_ids, topk_weights):
+    def _forward_ll(self, st, x, topk_ids, topk_weights, em):
+        """``em``: the masked GEMMs' expected rows per expert at this call size."""
         # (the communicator's LL capacity is ll_max_tokens: checked here for the trusted chain)
         if x.shape[0] > self.ll_max_tokens:
             raise _checks.fail(
@@ -735,9 +741,6 @@ class EPMoE(nn.Module):
                 f"at most max_tokens_per_rank={self.ll_max_tokens} tokens",
                 x.shape[0],
             )
-        # the masked GEMMs' tiles: this call size's rows (traced: computed, T may be symbolic)
-        T = x.shape[0]
-        em = self.expected_m(T) if torch.compiler.is_compiling() else self._ll_expected_m[T]
         if self.local:  # one rank: one scatter kernel (quantization fused), one gather kernel
             scattered = st.ll_scatter(
                 x,

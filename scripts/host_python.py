@@ -27,6 +27,7 @@ run only: the host's speed moves between runs).
 
 import argparse
 import cProfile
+import functools
 import importlib
 import os
 import pathlib
@@ -103,6 +104,8 @@ def call_of(layer, path: str, tokens: int) -> Callable[[], object]:
     """One eager call as forward() runs it on the direct path: the boundary check, then the path."""
     x, ids, w = inputs(layer, tokens)
     run = {"gemv": layer._forward_gemv, "ll": layer._forward_ll, "ht": layer._forward_ht}[path]
+    if path == "ll":  # (its expected rows per expert: what forward's per-size plan holds)
+        run = functools.partial(layer._forward_ll, em=layer.expected_m(tokens))
     args = (x, ids, w, layer.hidden_size, layer.top_k, layer.device)
     ok, st = L.FORWARD.ok, L._TRUSTED
 

@@ -331,9 +331,9 @@ def test_trusted_chain_matches_the_checked_chain(quant, mode, monkeypatch):
     monkeypatch.setattr(ops, "_backend", lambda *_: "reference")
     layer = make_layer(quant, mode)
     x, ids, w = tokens(9, seed=1, **SMALL)
-    forward = layer._forward_ll if mode == "ll" else layer._forward_ht
-    trusted = forward(layer_mod._TRUSTED, x, ids, w)
-    public = forward(layer_mod._PUBLIC, x, ids, w)
+    assert layer.path(9) == mode
+    trusted = layer._route(layer_mod._TRUSTED, x, ids, w)
+    public = layer._route(layer_mod._PUBLIC, x, ids, w)
     check_layer_output(trusted, x, ids, w, *global_weights(**SMALL), quant)
     torch.testing.assert_close(trusted.float(), public.float(), rtol=2e-2, atol=2e-2)
 
