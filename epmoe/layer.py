@@ -442,7 +442,8 @@ class EPMoE(nn.Module):
         for name, b in (("b1", b1), ("b2", b2)):
             if b is not None:
                 b = reference.pad_experts(b.detach()[lo:hi, :, None], *pads[name], 1)[..., 0]
-                setattr(self, name, b.to(device=self.device, copy=True).contiguous())
+                b = b.to(device=self.device, memory_format=torch.contiguous_format, copy=True)
+                setattr(self, name, b)
 
     @property
     def _padded_any(self) -> bool:
