@@ -547,7 +547,7 @@ def raw_gemms(cfg, scheme, weights, routing, path, capacity, expected_m, alignme
     else:
         impl, fn = _raw_impls(scheme, "contiguous", dev)
         xq, xs = (x, None) if scheme == "bf16" else reference.quantize(x, scheme)
-        a1, s1, rows, inv_perm, offs = reference.permute(xq, ids, E, alignment, xs)
+        a1, s1, rows, inv_perm, offs, _ = reference.permute(xq, ids, E, alignment, xs)
         s1 = None if scheme == "bf16" else _scales_like_layer(s1, scheme)
         lead, layout = (a1.shape[0],), {"M_sum": int(a1.shape[0]), "alignment": alignment}
         live = ids.reshape(-1)

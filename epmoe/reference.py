@@ -94,7 +94,8 @@ def permute(
         x_scales: float32 `[M, S]` or None.
     Returns:
         (x_perm `[M_sum, H]`, scales `[M_sum, S]` (S = 0 when None), m_indices int32 `[M_sum]`,
-        inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
+        inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`, src_rows int32 `[M_sum]`: the
+        row of x each row holds, -1 where m_indices is -1).
     """
     _checks.check_ids(topk_ids, num_experts, "permute", "topk_ids")
     M, K = topk_ids.shape
@@ -137,7 +138,9 @@ def permute(
     e_c = e_of_row.clamp(max=E - 1)
     used = (e_of_row < E) & (r < offsets[e_c] + counts[e_c])
     m_indices = torch.where(used, e_of_row, -1).to(torch.int32)
-    return x_out[:M_sum], s_out, m_indices, inv_perm, offsets.to(torch.int32)
+    src_rows = torch.full((M_sum + 1,), -1, dtype=torch.int32, device=dev)
+    src_rows.index_copy_(0, row, src.to(torch.int32))
+    return x_out[:M_sum], s_out, m_indices, inv_perm, offsets.to(torch.int32), src_rows[:M_sum]
 
 
 # -------------------------------------------------------------------------------------------- gemm

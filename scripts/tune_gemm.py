@@ -459,7 +459,7 @@ class Tuner:
             return self.gate(p, w, w_s, ids)
         if p.layout == "contiguous":
             a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
-            _, _, m_idx, _, offsets = reference.permute(
+            _, _, m_idx, _, offsets, _ = reference.permute(
                 torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
             )
             y = torch.empty((p.rows, p.N), dtype=torch.bfloat16, device=dev)
@@ -496,7 +496,7 @@ class Tuner:
         scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
         g = _gate.get(p.gate)
         a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
-        _, _, m_idx, _, offsets = reference.permute(
+        _, _, m_idx, _, offsets, _ = reference.permute(
             torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
         )
         bias = None

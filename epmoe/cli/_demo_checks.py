@@ -189,12 +189,13 @@ def check_ht_dispatch(chk, d, inp: Inputs, lo: int, E: int):
 
 def check_permute(chk, p, x, ids, scales, E: int, alignment: int):
     """permute's result against ``reference.permute`` and its inverse property."""
-    r_x, r_s, r_m, r_inv, r_off = reference.permute(x, ids, E, alignment, scales)
+    r_x, r_s, r_m, r_inv, r_off, r_src = reference.permute(x, ids, E, alignment, scales)
     used = r_m >= 0  # padding rows of x / scales are unspecified
     err = (
         _mismatches(p.m_indices, r_m)
         + _mismatches(p.inv_perm, r_inv)
         + _mismatches(p.expert_offsets, r_off)
+        + _mismatches(p.src_rows, r_src)
     )
     if p.x.shape == r_x.shape and p.m_indices.shape == r_m.shape:
         err += _mismatches(p.x[used], r_x[used])

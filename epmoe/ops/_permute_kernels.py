@@ -15,9 +15,9 @@ from epmoe.kernels.ids import _id_offsets  # by name: Inductor copies @triton.ji
 # destinations, computing them on the way (aligned starts from the totals, plus the block's
 # prefix, plus the rank among the same expert's entries earlier in the block); its first column
 # chunk also writes inv_perm and each used row's source token. Its programs past the tokens fill
-# m_indices, expert_offsets and (for DeepGEMM-layout scales) -1 as the source of every row no
-# entry lands in. With DeepGEMM-layout scales, kernel 3 copies only the first column chunk and
-# kernel 4 the other chunks plus the scales, per destination row block.
+# m_indices, expert_offsets and -1 as the source of every row no entry lands in. With
+# DeepGEMM-layout scales, kernel 3 copies only the first column chunk and kernel 4 the other
+# chunks plus the scales, per destination row block.
 # No atomics and no zero fill: every word is written by exactly one program.
 # Every load of a pointer argument sits in a kernel body: torch.compile reads a pointer passed to
 # a jit helper whose result feeds a store as written (and clones it). The helpers take offsets,
@@ -97,7 +97,6 @@ def _scan_kernel(
 def _fill_from(
     q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM,
     E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    WRITE_SRC: tl.constexpr,
 ):  # fmt: skip
     """Every SPLIT-th chunk (from q % SPLIT) of expert q // SPLIT's aligned block (E: the unused
     tail), from the per-expert totals, aligned sizes and starts ([E_PAD], 0 past E): m_indices =
@@ -118,9 +117,8 @@ def _fill_from(
     for r0 in range(lo + j * BLOCK_ROWS, hi, SPLIT * BLOCK_ROWS):
         r = r0 + rows
         tl.store(m_idx_ptr + r, tl.where(r < live_end, val, -1), mask=r < hi)
-        if WRITE_SRC:  # rows no entry lands in (the copy programs write the others)
-            tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32),
-                     mask=(r >= live_end) & (r < hi))  # fmt: skip
+        # src of the rows no entry lands in (the copy programs write the others)
+        tl.store(src_ptr + r, tl.full([BLOCK_ROWS], -1, tl.int32), mask=(r >= live_end) & (r < hi))
 
 
 @triton.jit
@@ -209,8 +207,8 @@ def _place_copy_kernel(
     stride_it, stride_ik, stride_xm, stride_xh, stride_sm, stride_ss, stride_om, stride_os,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, WRITE_SRC: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, SCALE_POLICY: tl.constexpr,
     PDL: tl.constexpr, PF_SCALES: tl.constexpr, PF_WAVES: tl.constexpr, PF_DIST,
 ):  # fmt: skip
@@ -230,7 +228,7 @@ def _place_copy_kernel(
             tot, aligned, start = _aligned_from(tl.load(totals_ptr + ex, mask=ex < E, other=0),
                                                 ALIGN)  # fmt: skip
             _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM, E_PAD,
-                       BLOCK_ROWS, SPLIT, WRITE_SRC)  # fmt: skip
+                       BLOCK_ROWS, SPLIT)  # fmt: skip
     else:
         b = t // TB
         kk = tl.arange(0, K_PAD)
@@ -270,8 +268,7 @@ def _place_copy_kernel(
         rows = tl.where(live, base + first + rank, -1)
         if c == 0:
             tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
-            if WRITE_SRC:  # source token of each used row, for the destination-driven scale copy
-                tl.store(src_ptr + rows, t + kk * 0, mask=rows >= 0)
+            tl.store(src_ptr + rows, t + kk * 0, mask=rows >= 0)  # (each used row's source)
         _store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
         if HAS_SCALES:
             for k in tl.static_range(K):
@@ -350,7 +347,7 @@ def _rest_scales_kernel(
 @triton.jit
 def _small_permute_kernel(
     # tensors
-    x_ptr, xs_ptr, ids_ptr, inv_ptr, out_ptr, outs_ptr, m_idx_ptr, offsets_ptr, ok_ptr,
+    x_ptr, xs_ptr, ids_ptr, inv_ptr, out_ptr, outs_ptr, m_idx_ptr, offsets_ptr, src_ptr, ok_ptr,
     # sizes
     M, H, S, SPC, E, ALIGN, M_SUM, CHUNKS,
     # strides (elements)
@@ -365,7 +362,8 @@ def _small_permute_kernel(
     counts all of them itself (a few KiB of ids, read from L2), so nothing waits on another
     program or kernel. Programs t * CHUNKS + c (t < M): column chunk c of token t's row (and its
     scales) to its rows, whose place is the aligned start of the expert, plus the expert's
-    entries in earlier tokens, plus those earlier in the token; chunk 0 also writes inv_perm.
+    entries in earlier tokens, plus those earlier in the token; chunk 0 also writes inv_perm and
+    the rows' source.
     Programs past M * CHUNKS: one expert's block of m_indices each (E: the unused tail); the
     first also writes expert_offsets and the id check's flag, and with ASSERT (a launch with
     debug=True, which compiles device asserts in) asserts it: no separate check kernel after this
@@ -390,8 +388,8 @@ def _small_permute_kernel(
     if t >= M:
         q = pid - M * CHUNKS
         if q <= E:
-            _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, offsets_ptr, E, M_SUM,
-                       NUM_BINS, BLOCK_ROWS, 1, False)  # fmt: skip
+            _fill_from(q, tot, aligned, start, m_idx_ptr, offsets_ptr, src_ptr, E, M_SUM,
+                       NUM_BINS, BLOCK_ROWS, 1)  # fmt: skip
         if q == 0:
             n_bad = tl.sum(bad.to(tl.int32), axis=0)
             tl.store(ok_ptr + bins, n_bad + bins * 0 == 0, mask=bins < 1)
@@ -408,6 +406,7 @@ def _small_permute_kernel(
         t64 = t.to(tl.int64)
         if c == 0:
             tl.store(inv_ptr + t64 * K + kk, rows, mask=kk < K)
+            tl.store(src_ptr + rows, t + kk * 0, mask=rows >= 0)
         _store_rows(out_ptr, rows, v, cols, H, K, K_PAD, STORE_CACHE)
         if HAS_SCALES:  # SPC scales of the row per column chunk, to each of its rows
             so = c * SPC + tl.arange(0, BLOCK_S)

@@ -8,7 +8,10 @@ scale_layout="row")``
 - p.x `[M_sum, H]`, M_sum = round_up(M*K + E*(A-1), A) (static in M); p.x_scales `[M_sum, S]` or
   None; p.m_indices int32 `[M_sum]` expert of each row, -1 on padding and unused rows; p.inv_perm
   int32 `[M, K]` row of (t, k) or -1; p.expert_offsets int32 `[E + 1]` block starts (multiples of
-  A), last = used rows.
+  A), last = used rows; p.src_rows int32 `[M_sum]` the row of x each row holds, -1 where m_indices
+  is -1 (what a GEMM that gathers its rows reads: :func:`epmoe.ops.grouped_gemm_contiguous`'s
+  ``a_rows``).
+- x may have no columns (``x[:, :0]``): then only the index outputs are made, no row is copied.
 - scale_layout: "row" (contiguous p.x_scales) or "deepgemm" (MN-major, TMA-aligned: strides
   (1, round_up(M_sum, 4)), read by deep_gemm's fp8 GEMM without a transpose); same values.
 - Experts' blocks in ascending order; inside a block rows in (t, k) order (deterministic).
@@ -103,6 +106,7 @@ class PermuteResult(NamedTuple):
     m_indices: torch.Tensor
     inv_perm: torch.Tensor
     expert_offsets: torch.Tensor
+    src_rows: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- host-side launch
@@ -219,9 +223,9 @@ def _sm_count(index: int) -> int:
 def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct: bool,
                        cfg: PermuteConfig) -> None:  # fmt: skip
     """Launches _small_permute_kernel: the whole permute in one kernel (up to cfg.small_entries
-    entries, no row-block scales) into ``outs`` (the op's 5 tensors); ``ok``: the id check's
+    entries, no row-block scales) into ``outs`` (the op's 6 tensors); ``ok``: the id check's
     flag, checked here unless the kernel asserts it."""
-    x_out, s_out, m_indices, inv_perm, offsets = outs
+    x_out, s_out, m_indices, inv_perm, offsets, src = outs
     in_kernel = _checks.assert_in_kernel(direct)
     has_s = x_scales is not None
     launch = _one_kernel_launch(
@@ -229,7 +233,8 @@ def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, d
         x.element_size(), x.stride(), x_scales.stride() if has_s else (0, 0), topk_ids.stride(),
         s_out.stride(), in_kernel, cfg,
     )  # fmt: skip
-    launch(x, x_scales if has_s else x, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, ok)
+    launch(x, x_scales if has_s else x, topk_ids, inv_perm, x_out, s_out, m_indices, offsets, src,
+           ok)  # fmt: skip
     if not in_kernel:
         _checks.check_values(ok, OP, "topk_ids", f"ids in [0, {E}) or -1")
 
@@ -260,9 +265,9 @@ def _one_kernel_launch(ids_shape, H, S, E, A, m_sum, elem, x_strides, s_strides,
 def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct: bool,
                   by_row: bool, cfg: PermuteConfig) -> None:  # fmt: skip
     """Launches the kernel chain (count, scan, place and copy, and with ``by_row`` the row-block
-    scale copy) into ``outs`` (the op's 5 tensors); ``ok``: the id check's flag, checked here
+    scale copy) into ``outs`` (the op's 6 tensors); ``ok``: the id check's flag, checked here
     unless the scan kernel asserts it."""
-    x_out, s_out, m_indices, inv_perm, offsets = outs
+    x_out, s_out, m_indices, inv_perm, offsets, src = outs
     M, K = topk_ids.shape
     H = x.shape[1]
     dev = x.device
@@ -283,10 +288,6 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     counts = torch.empty((E, nb1), dtype=torch.int32, device=dev)
     bad = torch.empty((nb1,), dtype=torch.int32, device=dev)
     totals = torch.empty((E,), dtype=torch.int32, device=dev)
-    # source token of each row (-1: none) for the row-block scale copy; when unused a placeholder
-    # the kernels never touch (not an alias of a buffer a kernel writes: torch.compile's
-    # functionalization would see a mutated alias)
-    src = torch.empty((m_sum,), dtype=torch.int32, device=dev) if by_row else bad
 
     # PDL: the kernels after the first are launched with launch_pdl, only by direct launches (the
     # interpreter and wrap_triton's higher-order op see neither the option nor gdc_wait). The
@@ -312,7 +313,7 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
         M, H, S, spc, E, nb, A, m_sum, chunks_a,
         sit, sik, x.stride(0), x.stride(1), ssm, sss, s_out.stride(0), s_out.stride(1),
         K=K, K_PAD=k_pad, TB=tb, BLOCK_H=block_h, BLOCK_S=_launch.pow2(max(spc, 1)),
-        HAS_SCALES=S > 0 and not by_row, WRITE_SRC=by_row, E_PAD=_launch.pow2(E),
+        HAS_SCALES=S > 0 and not by_row, E_PAD=_launch.pow2(E),
         BLOCK_ROWS=cfg.block_rows, SPLIT=cfg.fill_split, LOAD_POLICY=cfg.load_policy,
         STORE_CACHE=cfg.store_cache, SCALE_POLICY=cfg.scale_policy, num_warps=cfg.copy_warps,
         **pdl, **_prefetch_meta(x, x_scales, use_pdl, by_row, block_h, cfg),
@@ -325,7 +326,7 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
 
 
 def _outputs(x, topk_ids, E: int, A: int, x_scales, scale_layout: str):
-    """The op's 5 outputs, allocated (the CUDA launch fills them; the fake returns them)."""
+    """The op's 6 outputs, allocated (the CUDA launch fills them; the fake returns them)."""
     M, K = topk_ids.shape
     dev = x.device
     m_sum = reference.permuted_rows(M, K, E, A)
@@ -336,6 +337,7 @@ def _outputs(x, topk_ids, E: int, A: int, x_scales, scale_layout: str):
         torch.empty((m_sum,), dtype=torch.int32, device=dev),
         torch.empty((M, K), dtype=torch.int32, device=dev),
         torch.empty((E + 1,), dtype=torch.int32, device=dev),
+        torch.empty((m_sum,), dtype=torch.int32, device=dev),
     )
 
 
@@ -347,8 +349,8 @@ def _permute_triton(
     x_scales: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
     config: Optional[PermuteConfig] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """permute on CUDA (or CPU tensors under TRITON_INTERPRET=1); returns the op's 5 tensors.
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """permute on CUDA (or CPU tensors under TRITON_INTERPRET=1); returns the op's 6 tensors.
 
     Rows of x / x_scales that no (t, k) maps to (alignment padding, the unused tail) are left
     unwritten. Invalid ids are dropped by the kernels and reported through _checks.check_values.
@@ -384,15 +386,16 @@ CONTRACT = Contract(
 
 
 def _reference(x, topk_ids, num_experts, alignment, x_scales=None, scale_layout="row"):
-    xp, sp, m_indices, inv_perm, offsets = reference.permute(
+    xp, sp, m_indices, inv_perm, offsets, src = reference.permute(
         x, topk_ids, num_experts, alignment, x_scales
     )
-    return xp, as_layout(sp, scale_layout), m_indices, inv_perm, offsets
+    return xp, as_layout(sp, scale_layout), m_indices, inv_perm, offsets, src
 
 
 def _result(out, x, topk_ids, num_experts, alignment, x_scales, scale_layout) -> PermuteResult:
-    xp, sp, m_indices, inv_perm, offsets = out
-    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets)
+    xp, sp, m_indices, inv_perm, offsets, src = out
+    return PermuteResult(xp, sp if x_scales is not None else None, m_indices, inv_perm, offsets,
+                         src)  # fmt: skip
 
 
 @stage(contract=CONTRACT, fake=_outputs, reference=_reference, cuda=_permute_triton, result=_result)
@@ -403,7 +406,7 @@ def permute(
     alignment: int = 128,
     x_scales: Optional[torch.Tensor] = None,
     scale_layout: str = "row",
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Permute received rows into the contiguous grouped-GEMM layout (see module docstring).
 
     Args:
@@ -414,5 +417,5 @@ def permute(
             TMA-aligned, what deep_gemm's fp8 GEMM reads without a transpose).
     Returns:
         PermuteResult(x `[M_sum, H]`, x_scales `[M_sum, S]` | None, m_indices int32 `[M_sum]`,
-        inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`).
+        inv_perm int32 `[M, K]`, expert_offsets int32 `[E + 1]`, src_rows int32 `[M_sum]`).
     """

@@ -36,7 +36,7 @@ OUTPUTS = {
     "_silu_mul_fp8_kernel": {"q_ptr", "s_ptr"},
     "_silu_mul_int8_kernel": {"q_ptr", "s_ptr"},
     "_small_permute_kernel": {
-        "inv_ptr", "out_ptr", "outs_ptr", "m_idx_ptr", "offsets_ptr", "ok_ptr",
+        "inv_ptr", "out_ptr", "outs_ptr", "m_idx_ptr", "offsets_ptr", "src_ptr", "ok_ptr",
     },
     "_count_tokens_kernel": {"counts_ptr", "bad_ptr"},
     "_scan_kernel": {"counts_ptr", "totals_ptr", "ok_ptr"},

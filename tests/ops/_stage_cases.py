@@ -91,11 +91,12 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
 
 def assert_permute_equal(out, ref) -> None:
     """All index outputs exact; payload and scale rows exact where m_indices >= 0."""
-    x, s, m_idx, inv, offs = (t.cpu() for t in out)
-    rx, rs, rm, ri, ro = ref
+    x, s, m_idx, inv, offs, src = (t.cpu() for t in out)
+    rx, rs, rm, ri, ro, rsrc = ref
     assert_equal(m_idx, rm, "m_indices")
     assert_equal(inv, ri, "inv_perm")
     assert_equal(offs, ro, "expert_offsets")
+    assert_equal(src, rsrc, "src_rows")
     live = rm >= 0
     assert_equal(x[live], rx[live], "x rows")
     assert s.shape == rs.shape, (s.shape, rs.shape)

@@ -16,6 +16,7 @@ def naive_permute(x, topk_ids, E, A):
     M_sum = -(-(M * K + E * (A - 1)) // A) * A
     xo = torch.zeros((M_sum, x.shape[1]), dtype=torch.float32)
     m_idx = torch.full((M_sum,), -1, dtype=torch.int32)
+    src = torch.full((M_sum,), -1, dtype=torch.int32)
     inv = torch.full((M, K), -1, dtype=torch.int32)
     offsets = [0]
     row = 0
@@ -26,21 +27,23 @@ def naive_permute(x, topk_ids, E, A):
                 if int(topk_ids[t, k]) == e:
                     xo[row] = x[t].float()
                     m_idx[row] = e
+                    src[row] = t
                     inv[t, k] = row
                     row += 1
         n = row - start
         row = start + -(-n // A) * A
         offsets.append(row)
-    return xo, m_idx, inv, torch.tensor(offsets, dtype=torch.int32)
+    return xo, m_idx, inv, torch.tensor(offsets, dtype=torch.int32), src
 
 
 def check_against_naive(x, ids, E, A, scales=None):
     p = ops.permute(x, ids, num_experts=E, alignment=A, x_scales=scales)
-    xo, m_idx, inv, offsets = naive_permute(x, ids, E, A)
+    xo, m_idx, inv, offsets, src = naive_permute(x, ids, E, A)
     assert p.x.shape == xo.shape and p.x.dtype == x.dtype
     assert torch.equal(p.m_indices, m_idx)
     assert torch.equal(p.inv_perm, inv)
     assert torch.equal(p.expert_offsets, offsets)
+    assert torch.equal(p.src_rows, src)
     used = m_idx >= 0
     assert torch.equal(p.x.float()[used], xo[used])
     if scales is not None:
@@ -90,6 +93,22 @@ def test_permute_edge_cases(case, seed):
     assert (p.expert_offsets % A == 0).all()
     if case == "all_minus_one":
         assert (p.m_indices == -1).all() and int(p.expert_offsets[-1]) == 0
+
+
+def test_permute_without_columns_gives_the_index_outputs(seed):
+    """x[:, :0] (what a GEMM that gathers its own rows asks for): the same index outputs, and
+    x[src_rows] is the copy the full permute makes."""
+    M, K, E, A, H = 11, 3, 5, 4, 16
+    x = torch.randn(M, H).bfloat16()
+    ids = random_ids(M, K, E)
+    full = ops.permute(x, ids, num_experts=E, alignment=A)
+    idx = ops.permute(x[:, :0], ids, num_experts=E, alignment=A)
+    assert idx.x.shape == (full.x.shape[0], 0)
+    for name in ("m_indices", "inv_perm", "expert_offsets", "src_rows"):
+        assert torch.equal(getattr(idx, name), getattr(full, name)), name
+    live = full.m_indices >= 0
+    assert torch.equal((full.src_rows >= 0), live)
+    assert torch.equal(x[full.src_rows[live].long()], full.x[live])
 
 
 def test_permute_unpermute_roundtrip(seed):

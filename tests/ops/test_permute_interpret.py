@@ -54,6 +54,15 @@ def test_random_routing(dtype, s, small_blocks):
     _run(x, C.routing(m, k, e, gen), e, a, scales)
 
 
+@pytest.mark.parametrize("layout", ["row", "deepgemm"])
+def test_no_columns(layout, small_blocks):
+    """x[:, :0]: the index outputs alone (src_rows included), exact; nothing else written."""
+    gen = torch.Generator().manual_seed(1)
+    m, k, e, a = 10, 4, 6, 8
+    x = _payload(m, 24, torch.bfloat16, gen)[:, :0]
+    _run(x, C.routing(m, k, e, gen), e, a, None, layout)
+
+
 @pytest.mark.parametrize(
     "m,k,e,a,kind",
     [
