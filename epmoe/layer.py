@@ -47,6 +47,7 @@ from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import (
     _tuned,
     fuses_gate,
+    gathers,
     grouped_gemm_contiguous,
     grouped_gemm_gate,
     grouped_gemm_masked,
@@ -341,6 +342,11 @@ class EPMoE(nn.Module):
         self._may_fuse = _tuned.has(
             "gate", self.scheme, self.inter_padded, self.hidden_padded, self.num_local_experts,
             device, self._gate_spec, self.bias,
+        )  # fmt: skip
+        # HT's GEMM1 may read its rows of x itself (permute copying none): where measured faster
+        self._may_gather = _tuned.has(
+            "gather", self.scheme, self.gate.width(self.inter_padded), self.hidden_padded,
+            self.num_local_experts, device, self._gate_spec, self.bias,
         )  # fmt: skip
         if mode == "auto" and self.worst_case and not self.local:
             raise _checks.fail(OP, "worst_case", "False with mode='auto' on several ranks", True)
@@ -643,29 +649,37 @@ class EPMoE(nn.Module):
 
     def _experts_ht(self, st, x, scales, topk_ids, topk_weights, alignment):
         """permute -> GEMM1 -> activation -> GEMM2 -> unpermute on rows with local ids."""
+        E = self.num_local_experts
+        gather = self._may_gather and gathers(
+            self.scheme, self.device, self.gate.width(self.inter_padded), self.hidden_padded, E,
+            alignment, reference.permuted_rows(*topk_ids.shape, E, alignment), self._gate_spec,
+            self.bias,
+        )  # fmt: skip
+        # gathering: permute makes the index outputs only; GEMM1 reads x's rows through src_rows
         p = st.permute(
-            x,
+            x[:, :0] if gather else x,
             topk_ids,
-            self.num_local_experts,
+            E,
             alignment,
-            scales,
+            None if gather else scales,
             scale_layout=self._scale_layout,
         )
         p, b = self._emit("permute", p), self._buffers
+        a, a_s, a_rows = (x, scales, p.src_rows) if gather else (p.x, p.x_scales, None)
         # (rows: permute writes only -1 or [0, E); padding rows and the unused tail are skipped)
         rows, offsets, mm = p.m_indices, p.expert_offsets, st.grouped_gemm_contiguous
         if self._may_fuse and fuses_gate(
-            self.scheme, self.device, self.inter_padded, self.hidden_padded,
-            self.num_local_experts, alignment, rows.shape[0], self._gate_spec, self.bias,
+            self.scheme, self.device, self.inter_padded, self.hidden_padded, E, alignment,
+            rows.shape[0], self._gate_spec, self.bias,
         ):  # fmt: skip
             # (this GPU measured GEMM1 and the gate faster as one kernel at this size)
             h, hs = st.grouped_gemm_gate(
-                p.x, b["w1"], rows, p.x_scales, b["w1_scale"], self._gate_spec, b["b1"],
-                scale_layout=self._scale_layout, alignment=alignment, trusted=True,
+                a, b["w1"], rows, a_s, b["w1_scale"], self._gate_spec, b["b1"],
+                scale_layout=self._scale_layout, alignment=alignment, trusted=True, a_rows=a_rows,
             )  # fmt: skip
             h, hs = self._emit("act", (h, hs if self.scheme.quantized else None))
         else:
-            y = mm(p.x, b["w1"], rows, p.x_scales, b["w1_scale"], offsets, True, alignment)
+            y = mm(a, b["w1"], rows, a_s, b["w1_scale"], offsets, True, alignment, a_rows)
             y = self._emit("gemm1", y)
             h, hs = self._emit("act", self._act(st, y, None, rows, offsets))
         y = mm(h, b["w2"], rows, hs, b["w2_scale"], offsets, True, alignment)

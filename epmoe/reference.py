@@ -144,6 +144,18 @@ def permute(
 
 
 # -------------------------------------------------------------------------------------------- gemm
+def take_rows(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """t any dtype `[M, ...]` (any strides; None -> None) at rows int `[R]` -> contiguous
+    `[R, ...]`: row r is t[rows[r]], zeros where rows[r] is -1 (a gathering GEMM's a_rows)."""
+    if t is None:
+        return None
+    tr = t.view(torch.uint8) if t.element_size() == 1 else t  # (fp8: no index kernel)
+    if t.shape[0] == 0:
+        return tr.new_zeros((rows.shape[0], *t.shape[1:])).view(t.dtype)
+    live = (rows >= 0).view(-1, *(1,) * (t.dim() - 1))
+    return torch.where(live, tr[rows.long().clamp(min=0)], 0).view(t.dtype)
+
+
 def _dequant_rows(a: torch.Tensor, a_scales: Optional[torch.Tensor]) -> torch.Tensor:
     if a_scales is None:
         return a.float()

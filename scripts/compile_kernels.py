@@ -348,6 +348,37 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ("relu2:glu=0", False),
             )
         ],  # fmt: skip
+        # GEMM1 reading its rows through permute's src_rows (the layer's gathering HT path)
+        "contiguous GEMMs and GEMM1 + gate gathering rows (every candidate config)": lambda: (
+            [
+                G.contiguous_triton(
+                    *_gather_operands(sch, 256),
+                    row_block=128,
+                    config=_launch_options(c),
+                    a_rows=torch.zeros(256, dtype=torch.int32),
+                )
+                for sch in ("bf16", "fp8", "int8")
+                for c in G._CONTIGUOUS_CONFIGS
+                if G.fits(c.all_kwargs(), _code(sch), 128)
+            ]
+            + [
+                G.contiguous_gate_triton(
+                    *_gather_operands(sch, 512),
+                    gate.get("silu"),
+                    None,
+                    torch.empty(
+                        (256, 256), dtype=torch.float8_e4m3fn if sch == "fp8" else bf.dtype
+                    ),
+                    torch.empty((2, 256)).t() if sch == "fp8" else torch.empty((256, 0)),
+                    row_block=128,
+                    config=_launch_options(c),
+                    a_rows=torch.zeros(256, dtype=torch.int32),
+                )
+                for sch in ("bf16", "fp8")
+                for c in G._GATE_CONFIGS
+                if G.fits_gate(c.all_kwargs(), _code(sch), 128)
+            ]
+        ),  # fmt: skip
         # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
             G.masked_triton(
@@ -389,6 +420,12 @@ def _gemm_operands(scheme, lead, E, N, K, mn_major=False, counts=None):
     if mn_major:  # (deep_gemm's fp8 layout, which the kernels read as it is)
         a_s = a_s.transpose(-1, -2).contiguous().transpose(-1, -2)
     return a, w, rows, a_s, torch.zeros(qs.weight_scale_shape(E, N, K))
+
+
+def _gather_operands(scheme, N):
+    """Zero operands of a gathering contiguous GEMM: a and its scales of 64 rows, 256 rows."""
+    a, w, _, a_s, w_s = _gemm_operands(scheme, (64,), 4, N, 512, mn_major=True)
+    return a, w, torch.zeros(256, dtype=torch.int32), a_s, w_s
 
 
 # one gate per activation, every field of epmoe.gate.Gate set somewhere

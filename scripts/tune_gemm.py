@@ -19,6 +19,11 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 - gate (bf16 / fp8), as contiguous: GEMM1 and the config's gate (and biases) as one kernel
   (``grouped_gemm_gate``) against "unfused", GEMM1 on the backend the layer picks then the
   activation stage; N = I (h's channels). The layer fuses where "triton" won.
+- gather (``--layouts gather``, after the others, reading their entries as the layer does), per
+  row block and T where GEMM1 runs on our Triton kernels: the HT path's permute and GEMM1 (fused
+  with the gate where the table says so) on x of T tokens: "copy" (permute copies the rows) against
+  "gather" (permute makes the index outputs only, GEMM1 reads x's rows through src_rows); N = w1's
+  rows, K = H. The layer gathers where "gather" won.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
@@ -101,7 +106,7 @@ _FATAL = ("illegal memory access", "device-side assert", "unspecified launch fai
 class Problem(NamedTuple):
     """One GEMM problem to tune: the entry's key (the first seven fields) and how to build it."""
 
-    layout: str  # "contiguous" | "masked"
+    layout: str  # "contiguous" | "masked" | "gate" | "gather"
     scheme: str
     N: int
     K: int
@@ -111,7 +116,7 @@ class Problem(NamedTuple):
     tokens: int  # T of the routing
     rows: int  # rows of a: contiguous M_sum, masked the slot capacity C
     top_k: int
-    gate: str = "silu"  # "gate" problems: the layer's gate and whether it has biases
+    gate: str = "silu"  # "gate" / "gather" problems: the layer's gate and whether it has biases
     bias: bool = False
 
 
@@ -193,6 +198,22 @@ def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
                 yield p
 
 
+def gather_problems(cfg, scheme: str, row_blocks: Iterable[int],
+                    tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
+    """The HT path's permute and GEMM1, copying or gathering the rows, per row block and T as the
+    contiguous problems: N = w1's rows (the gate's width), K = H, the config's gate and biases."""
+    (width, k), _ = gemm_sizes(cfg, scheme)
+    spec = _gate.get(cfg.gate).spec
+    E, K, seen = cfg.local_experts, cfg.top_k, set()
+    for rb in row_blocks:
+        for t in tokens:
+            m = reference.permuted_rows(t, K, E, rb)
+            p = Problem("gather", scheme, width, k, E, rb, m, t, m, K, spec, bool(cfg.bias))
+            if p[:7] not in seen:
+                seen.add(p[:7])
+                yield p
+
+
 def config_dict(config: "triton.Config") -> Dict:
     """A candidate as the table stores it: meta-parameters, num_warps, num_stages."""
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -231,7 +252,7 @@ def winner(measured: Iterable[Measured], runnable: Optional[Collection[str]] = N
 
 def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
     """The table entry of problem ``p`` (``_tuned`` module docstring)."""
-    layer = dict(gate=p.gate, bias=p.bias) if p.layout == "gate" else {}
+    layer = dict(gate=p.gate, bias=p.bias) if p.layout in ("gate", "gather") else {}
     return dict(layout=p.layout, scheme=p.scheme, N=p.N, K=p.K, E=p.E, block=p.block, m=p.m,
                 **layer, config=config, backend=backend, us=us)  # fmt: skip
 
@@ -521,6 +542,65 @@ class Tuner:
         out.append(self.measure("unfused", unfused))
         return out
 
+    def gathers(self, p: Problem, w, w_s) -> Optional[Dict]:
+        """The "gather" entry of ``p``: permute then GEMM1 as the layer runs them (fused with the
+        gate where the table in force says so), copying ("copy") or gathering ("gather") the rows;
+        None where GEMM1 does not run on our Triton kernels (nothing to gather into)."""
+        scheme, dev, E = quant.get(p.scheme), self.device, p.E
+        g = _gate.get(p.gate)
+        inter = g.inter(p.N)
+        fused = _select.fuses_gate(scheme, dev, inter, p.K, E, p.block, p.m, g.spec, p.bias)
+        ours = _select._backend(scheme, "contiguous", dev, p.N, p.K, E, p.block, p.m) == "triton"
+        if not (fused or ours):
+            return None
+        ids = routing(p.tokens, E, p.top_k, dev)
+        x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev, dtype=torch.bfloat16)
+        xs = None
+        if scheme.quantized:  # (the layer's quantize stage: its codes and scales)
+            x, xs = epmoe.ops.quantize(x, p.scheme)
+        bias = None
+        if p.bias:
+            bias = torch.empty((E, p.N), device=dev).uniform_(-0.1, 0.1, generator=self.gen)
+        layout = scheme.cuda_scale_layout
+
+        def run(gather: bool):
+            pp = epmoe.ops.permute(x[:, :0] if gather else x, ids, E, p.block,
+                                   None if gather else xs, scale_layout=layout)  # fmt: skip
+            a, a_s, rows = (x, xs, pp.src_rows) if gather else (pp.x, pp.x_scales, None)
+            if fused:
+                return gemm.grouped_gemm_gate(a, w, pp.m_indices, a_s, w_s, g.spec, bias,
+                                              scale_layout=layout, alignment=p.block,
+                                              trusted=True, a_rows=rows)  # fmt: skip
+            return gemm.grouped_gemm_contiguous(a, w, pp.m_indices, a_s, w_s, pp.expert_offsets,
+                                                True, p.block, rows)  # fmt: skip
+
+        us = {}
+        for name in ("copy", "gather"):
+            m = self.measure(name, functools.partial(run, name == "gather"))
+            if m.us is not None:
+                us[name] = round(m.us, 2)
+        if not us:
+            return None
+        best = "gather" if us.get("gather", math.inf) < us.get("copy", math.inf) else "copy"
+        return gemm_entry(p, best, {}, us)
+
+    def gather_entries(self, problems: List[Problem]) -> Iterator[Dict]:
+        """The "gather" entry of each problem (w1 made once per shape and scheme)."""
+        weights: Dict[Tuple, Tuple] = {}
+        for p in problems:
+            self.check_time()
+            key = (p.scheme, p.E, p.N, p.K)
+            if key not in weights:
+                weights.clear()
+                torch.cuda.empty_cache()
+                weights[key] = _weights(quant.get(p.scheme), p.E, p.N, p.K, self.gen, self.device)
+            e = self.gathers(p, *weights[key])
+            if e is None:
+                print(f"  no gather entry for {p[:7]}: GEMM1 is not ours there", flush=True)
+                continue
+            print(json.dumps(e), flush=True)
+            yield e
+
     def gemm_entries(self, problems: List[Problem]) -> Iterator[Dict]:
         """The entry of each problem (weights made once per GEMM)."""
         weights: Dict[Tuple, Tuple] = {}
@@ -593,7 +673,7 @@ def reading_table(doc: Dict, device_name: str):
     """The GEMM ops read ``doc`` as this GPU's tuned table (a temporary directory in place of
     ``_tuned.DIR``): path layers run with the configs just tuned, whatever --out / --dry-run."""
     caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block,
-              _select.fuses_gate)  # fmt: skip
+              _select.fuses_gate, _select.gathers)  # fmt: skip
     saved = _tuned.DIR
     with tempfile.TemporaryDirectory() as tmp:
         write(Path(tmp) / _tuned.file_name(device_name), doc)
@@ -696,6 +776,15 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
                 for e in tuner.gemm_entries(problems):
                     entries.append(e)
                 save()
+                gathered = []
+                if "gather" in a.layouts:  # (after the GEMMs: GEMM1's backend is read from them)
+                    gathered = list(gather_problems(cfg, scheme, a.row_blocks, a.tokens))
+                    if a.resume:
+                        gathered, _ = pending(old, gathered)
+                if gathered:
+                    with reading_table(merge(old, entries, paths, header(name)), name):
+                        entries.extend(tuner.gather_entries(gathered))
+                    save()
             if not (a.paths or a.paths_only):
                 continue
             ts = path_tokens(cfg, scheme, a.tokens)

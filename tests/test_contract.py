@@ -51,6 +51,7 @@ def _cases():
     a8c = z(8, 128, dtype=i8)
     af, wf = z(8, 256, dtype=FP8), z(2, 256, 256, dtype=FP8)
     afs, wfs = z(8, 2), z(2, 2, 2)
+    src = z(8, dtype=i32)  # (a gathering GEMM1's a_rows: rows of a 5-row a)
     yl, rows = z(2, 8, 256, dtype=bf), z(4, 2, dtype=i32)
     cpu = torch.device("cpu")
     return [
@@ -235,7 +236,7 @@ def _cases():
         Case(
             "gemm contiguous fp8",
             G.CONTIGUOUS,
-            (af, wf, mi, afs, wfs, offs),
+            (af, wf, mi, afs, wfs, offs, None),
             [
                 ("m_indices", mi[:7], r"grouped_gemm: m_indices expected shape \[8\], got \[7\]"),
                 ("m_indices", None, r"grouped_gemm: m_indices expected a torch.Tensor, got None"),
@@ -249,10 +250,22 @@ def _cases():
         Case(
             "gemm contiguous bf16",
             G.CONTIGUOUS,
-            (y2, z(2, 64, 256, dtype=bf), mi, None, None, None),
+            (y2, z(2, 64, 256, dtype=bf), mi, None, None, None, None),
             [
                 ("a_scales", afs, r"grouped_gemm: a_scales expected None for bf16 operands"),
                 ("w_scales", wfs, r"grouped_gemm: w_scales expected None for bf16 operands"),
+            ],
+        ),  # fmt: skip
+        Case(
+            "gemm contiguous fp8, rows through a_rows",
+            G.CONTIGUOUS,
+            (af[:5], wf, mi, afs[:5], wfs, offs, src),
+            [
+                ("a_rows", src.long(), r"grouped_gemm: a_rows expected dtype torch.int32, got"),
+                ("a_rows", src.view(2, 4), r"grouped_gemm: a_rows expected a 1-D tensor"),
+                ("a_rows", src[:7], r"grouped_gemm: m_indices expected shape \[7\], got \[8\]"),
+                ("a_rows", src.to(META), r"grouped_gemm: a_rows expected device cpu"),
+                ("a_scales", afs, r"grouped_gemm: a_scales expected shape \[5, 2\], got \[8, 2\]"),
             ],
         ),  # fmt: skip
         Case(

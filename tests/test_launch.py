@@ -179,11 +179,15 @@ def _probe_triton_runs() -> None:
     torch.Tensor.data_ptr = lambda self: 0  # (meta tensors: 16-byte aligned)
     _launch._INTERPRET, _launch._CACHED = False, True
     hp.cuda_like_host()
+    from epmoe import layer as layer_mod
+
+    layer_mod.gathers = lambda *args: True  # (the "gather" case: as a table measuring it would)
     out = {}
     for quant in ("bf16", "fp8", "int8"):
-        for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32), ("ht", 4096)):
+        for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32), ("ht", 4096), ("gather", 4096)):
             layer = hp.build(quant, tokens=32)
-            call = hp.call_of(layer, path, tokens)
+            layer._may_gather = path == "gather"  # (GEMM1 reads x's rows through src_rows)
+            call = hp.call_of(layer, "ht" if path == "gather" else path, tokens)
             call(), call()
             runs.clear()
             for _ in range(3):
@@ -196,7 +200,7 @@ def test_every_eager_launch_hits_the_cache_after_warmup():
     """After two calls, no launch of the layer's eager chain goes through Triton's own run (each
     costs tens of µs of host time: the permute chain's copy kernels did, through a runtime
     argument given by keyword; the INT8 GEMMs did, through wrap_triton), on every path and
-    scheme, the one-kernel permute and the permute chain both."""
+    scheme, the one-kernel permute and the permute chain both, GEMM1 gathering its rows too."""
     import json
     import subprocess
     import sys
@@ -206,5 +210,5 @@ def test_every_eager_launch_hits_the_cache_after_warmup():
                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(seen) == 12
+    assert len(seen) == 15
     assert {case: kernels for case, kernels in seen.items() if kernels} == {}

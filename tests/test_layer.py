@@ -220,7 +220,49 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
     assert torch.equal(out, want) and "gemm1" not in rec and "act" in rec
     Hp, Ip = fused.hidden_padded, fused.inter_padded
     assert asked == [(quant, Ip, Hp, 8, 16, rec["permute"].m_indices.shape[0], gate, True)]
-    assert has == [(gate, True)]
+    assert has == [(gate, True)] * 2  # (the "gate" and "gather" entries)
+
+
+@pytest.mark.parametrize("quant,fused", [("bf16", False), ("fp8", True), ("int8", False)])
+def test_ht_gathers_where_measured(quant, fused, monkeypatch):
+    """Where this GPU's table measured GEMM1 reading x's rows through permute's src_rows faster
+    than permute's copy, permute copies no row and GEMM1 (fused with the gate or not) gathers:
+    the layer's output bytes are the same, the permute record holds the index outputs only."""
+    from epmoe import layer as layer_mod
+
+    asked = []
+
+    def gathers(scheme, device, width, k, e, row_block, m, gate, bias):
+        asked.append((str(scheme), width, k, e, row_block, m, gate, bias))
+        return True
+
+    shape = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2)
+    kw = dict(quant=quant, mode="ht", alignment=16, backend="local", device="cpu")
+    g = torch.Generator().manual_seed(6)
+    w1, w2 = torch.randn(8, 256, 256, generator=g) / 16, torch.randn(8, 256, 128, generator=g) / 11
+    x, ids, w = tokens(24, seed=4, **shape)
+    plain = epmoe.EPMoE(**shape, **kw)
+    plain.load_weights(w1, w2)
+    want = plain(x, ids, w)
+    monkeypatch.setattr(layer_mod, "gathers", gathers)
+    monkeypatch.setattr(layer_mod, "fuses_gate", lambda *args: fused)
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)
+    gathering = epmoe.EPMoE(**shape, **kw)
+    gathering.load_weights(w1, w2)
+    with gathering.record_stages() as rec:
+        out = gathering(x, ids, w)
+    assert torch.equal(out, want)
+    p = rec["permute"]
+    assert p.x.shape == (p.m_indices.shape[0], 0) and p.x_scales is None
+    assert ("gemm1" in rec) is not fused
+    assert asked == [(quant, 256, 256, 8, 16, p.m_indices.shape[0], "silu", False)]
+    # `epmoe demo`'s stage checks take a gathering record (x's rows through src_rows)
+    from epmoe.cli import _demo_checks as D
+
+    chk = D.Checks("ht", quant, None)
+    xq, xs = rec["quantize"] if quant != "bf16" else (x, None)
+    D.check_experts_ht(chk, gathering, rec, xq, xs, ids, w)
+    assert len(chk.rows) >= 5 and all(r.ok for r in chk.rows), chk.rows
 
 
 def test_auto_mode_bad_config():

@@ -35,6 +35,8 @@ def test_api_block_runs_after_quickstart(quickstart_ns):
     T, H, K = ns["T"], ns["H"], ns["K"]
     assert ns["out"].dtype == torch.bfloat16 and ns["out"].shape == (T, H)
     assert ns["p"].inv_perm.shape == (T, K) and ns["p"].m_indices.dtype == torch.int32
+    live = ns["p"].m_indices >= 0  # (GEMM1 gathering its rows: the copy's bytes)
+    assert torch.equal(ns["y_g"][live], ns["y"][live])
     assert ns["out_ll"].shape == (T, H)
 
 

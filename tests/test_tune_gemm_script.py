@@ -75,6 +75,21 @@ def test_gate_problems():
     assert all(c["BLOCK_N"] == 128 for c in tg.candidates("gate", "fp8", 128))
 
 
+def test_gather_problems():
+    """permute + GEMM1, copying or gathering: every scheme, N = w1's rows, K = H, per row block
+    and T, the config's gate and biases; their entries carry those fields."""
+    cfg = CONFIGS["gpt-oss-20b"]
+    ps = list(tg.gather_problems(cfg, "int8", (16, 128), (8, 4096)))
+    assert len(ps) == 2 * 2 and {(p.N, p.K, p.E) for p in ps} == {(5760, 2880, 32)}
+    assert all(p.layout == "gather" and p.gate == cfg.gate and p.bias for p in ps)
+    assert [p.m for p in ps] == [reference.permuted_rows(t, 4, 32, b)
+                                 for b in (16, 128) for t in (8, 4096)]  # fmt: skip
+    e = tg.gemm_entry(ps[0], "gather", {}, {"copy": 2.0, "gather": 1.5})
+    assert (e["gate"], e["bias"], e["backend"]) == (cfg.gate, True, "gather")
+    assert _tuned.problem(e) == ("gather", "int8", 5760, 2880, 32, 16, cfg.gate, True)
+    assert "gather" in tg.parse_args([]).layouts
+
+
 def test_masked_problems():
     cfg = CONFIGS["qwen3-30b-a3b"]  # E 128, top-8
     ps = list(tg.masked_problems(cfg, "bf16", (8, 100, 512, 2048)))
@@ -335,7 +350,9 @@ def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
     assert json.loads(out.read_text()) == doc and old in doc["entries"]
     assert {(e["layout"], e["N"], e["K"]) for e in doc["entries"] if e != old} == {
         (layout, 256, k) for layout in ("contiguous", "masked") for k in (256, 128)
-    }
+    } | {("gather", 256, 256)}  # (GEMM1: permute copying or GEMM1 gathering the rows)
+    (g,) = [e for e in doc["entries"] if e["layout"] == "gather"]
+    assert set(g["us"]) == {"copy", "gather"} and g["backend"] == "copy"  # (the first timed)
     (p,) = doc["paths"]
     assert (p["t"], p["E"], p["H"], p["I"], p["K"], p["scheme"]) == (4, 8, 256, 128, 2, "int8")
     dev = torch.device("cuda", 0)

@@ -252,6 +252,9 @@ def check_unpermute(chk, u, y2, inv_perm, w):
 def check_experts_ht(chk, layer, rec, x, scales, ids, w):
     """permute -> gemm1 -> act -> gemm2 -> unpermute of the record, each from its recorded input."""
     p = rec["permute"]
+    if p.x.shape[1] == 0 and x.shape[1]:  # (GEMM1 read x's rows through src_rows: no copy made)
+        p = p._replace(x=reference.take_rows(x, p.src_rows),
+                       x_scales=reference.take_rows(scales, p.src_rows))  # fmt: skip
     alignment = layer.plan(x.shape[0])[1]  # (the call size's: this GPU's measured one may differ)
     check_permute(chk, p, x, ids, scales, layer.num_local_experts, alignment)
     live = p.m_indices >= 0

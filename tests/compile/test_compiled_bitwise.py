@@ -101,6 +101,23 @@ def test_permute(scheme, layout):
     )
 
 
+def test_permute_and_gemm1_gathering():
+    """permute of x[:, :0] (the index outputs alone) and GEMM1 reading x's rows through
+    src_rows, compiled together as the layer's gathering HT path runs them."""
+    w, ws = _weights("fp8", 2 * I, H, seed=12)
+    x = _act(19, H, seed=4)
+    ids = random_ids(19, K, E, 0.2, _gen(4))
+    q, s = ops.quantize(x, "fp8")
+
+    def gathering(q, i, s):
+        p = ops.permute(q[:, :0], i, E, 8)
+        y = ops.grouped_gemm(q, w, m_indices=p.m_indices, a_scales=s, w_scales=ws,
+                             a_rows=p.src_rows)  # fmt: skip
+        return (*p, y)
+
+    assert_compiled_equal(gathering, q, ids, s)
+
+
 @pytest.mark.parametrize("rows", ["plain", "masked", "m_indices", "offsets"])
 def test_silu_and_mul(rows):
     if rows == "masked":

@@ -304,8 +304,88 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
         _tuned._paths.cache_clear()
 
 
+def test_gathers_follows_the_gather_entries(sm90):
+    """GEMM1 gathers its rows only where a "gather" entry of this gate and biases measured it
+    faster than permute's copy, and only where GEMM1 runs on our Triton kernels (the fused kernel
+    or the contiguous backend): deep_gemm reads rows in order."""
+    import json
+
+    from epmoe.ops.gemm import _select, _tuned
+
+    _, tmp = sm90
+    dev = torch.device("cuda", 0)
+    gather = dict(_entry("gather", "fp8", 128, 512, "gather"), config={})
+    copy = dict(_entry("gather", "fp8", 128, 4096, "copy"), config={})
+    on_dg = dict(_entry("gather", "bf16", 128, 512, "gather"), config={})
+    theirs = _entry("contiguous", "fp8", 128, 512, "deep_gemm")
+    ours = _entry("contiguous", "fp8", 128, 4096, "triton")
+    doc = dict(device="NVIDIA H200", entries=[gather, copy, on_dg, theirs, ours])
+    (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
+    for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
+        cached.cache_clear()
+    try:
+        # (fp8 at m 512: deep_gemm runs GEMM1, measured faster: nothing to gather into)
+        assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
+        assert _tuned.has("gather", "fp8", 256, 512, 4, dev, "silu", False)
+        assert not _tuned.has("gather", "fp8", 256, 512, 4, dev, "silu", True)
+        assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 4096)  # (copy measured faster)
+        assert not _select.gathers("bf16", dev, 256, 512, 4, 128, 512)  # (deep_gemm's GEMM1)
+        assert not _select.gathers("fp8", torch.device("cpu"), 256, 512, 4, 128, 512)
+        doc["entries"][3] = _entry("contiguous", "fp8", 128, 512, "triton")
+        (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
+        for cached in (_select._backend, _tuned.table, _select.gathers):
+            cached.cache_clear()
+        assert _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
+        assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512, "silu", True)  # (biases)
+        # GEMM1 fused with the gate (our kernel) gathers too, whatever the contiguous backend
+        doc["entries"][3] = theirs
+        doc["entries"].append(_entry("gate", "fp8", 128, 512, "triton", N=128))
+        (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
+        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
+            cached.cache_clear()
+        assert _select._backend("fp8", "contiguous", dev, 256, 512, 4, 128, 512) == "deep_gemm"
+        assert _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
+    finally:
+        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
+            cached.cache_clear()
+
+
 def test_tuned_file_names():
     from epmoe.ops.gemm import _tuned
 
     assert _tuned.file_name("NVIDIA H200") == "nvidia_h200.json"
     assert _tuned.file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_contiguous_a_rows_reads_the_named_rows(scheme, seed):
+    """a_rows (permute's src_rows): the same bytes as the permuted copy, on both GEMM1 ops;
+    opcheck; a bad row or shape is a ValueError."""
+    M, K, E, N, Kd = 9, 2, 3, 256, 128
+    x, xs, w, ws, _, _ = _operands(scheme, (M,), E, N, Kd)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
+    p = ops.permute(x, ids, num_experts=E, alignment=4, x_scales=xs)
+    idx = ops.permute(x[:, :0], ids, num_experts=E, alignment=4)
+    live = p.m_indices >= 0
+    want = ops.grouped_gemm(p.x, w, p.m_indices, a_scales=p.x_scales, w_scales=ws)
+    got = ops.grouped_gemm(x, w, idx.m_indices, a_scales=xs, w_scales=ws, a_rows=idx.src_rows)
+    assert got.shape == want.shape and torch.equal(got[live], want[live])
+    args = (x, w, idx.m_indices, xs, ws, None, False, 0, idx.src_rows)
+    opcheck(torch.ops.epmoe.grouped_gemm_contiguous.default, args)
+    if scheme != "int8":
+        h0, s0 = ops.grouped_gemm_gate(p.x, w, p.m_indices, p.x_scales, ws)
+        h1, s1 = ops.grouped_gemm_gate(x, w, idx.m_indices, xs, ws, a_rows=idx.src_rows)
+        assert torch.equal(h0[live].float(), h1[live].float()) and torch.equal(s0[live], s1[live])
+        opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (x, w, idx.m_indices, xs, ws),
+                dict(a_rows=idx.src_rows))  # fmt: skip
+    bad = idx.src_rows.clone()
+    bad[0] = M
+    cases = [
+        (bad, "grouped_gemm: a_rows expected ids in \\[0, 9\\) or -1"),
+        (idx.src_rows.long(), "grouped_gemm: a_rows expected dtype"),
+        (idx.src_rows[:-1], "grouped_gemm: m_indices expected shape"),
+    ]
+    for rows, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.grouped_gemm(x, w, m_indices=idx.m_indices, a_scales=xs, w_scales=ws,
+                             a_rows=rows)  # fmt: skip

@@ -265,3 +265,48 @@ def test_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias):
         assert torch.equal(hs[live], s[live])
     dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
     assert dead.any() and (h[dead].float() == 3.0).all() and (hs[dead] == -1.0).all()
+
+
+# GEMM1 reading its rows through permute's src_rows (permute copying none): the copy's bytes
+def _gather_case(scheme, gen, width):
+    """(x, x_scales, ids-permuted p, w, ws) for 12 tokens, top-3 of 3 experts, row block 16."""
+    M, K, E, H = 12, 3, 3, 256
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)])
+    ids[1, 2] = -1
+    x, xs, w, ws = _operands((M,), E, width, H, gen, scheme)
+    if scheme == "fp8":  # (the quantize stage's scales: any strides are read as they are)
+        xs = xs.t().contiguous().t()
+    return x, xs, reference.permute(x, ids, E, 16, xs), w, ws
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_contiguous_gather_is_the_permuted_copy(scheme):
+    gen = torch.Generator().manual_seed(15)
+    x, xs, (xp, sp, m_idx, _, _, src), w, ws = _gather_case(scheme, gen, 128)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4)
+    sp = None if xs is None else sp
+    want = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=cfg)
+    got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=cfg, a_rows=src)
+    live = m_idx >= 0
+    assert got.shape == want.shape and torch.equal(got[live], want[live])
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_gate_gather_is_the_permuted_copy(scheme):
+    from epmoe import gate as G
+
+    g = G.get("silu:alpha=1.702,limit=7.0,up_offset=1.0")
+    gen = torch.Generator().manual_seed(16)
+    x, xs, (xp, sp, m_idx, _, _, src), w, ws = _gather_case(scheme, gen, g.width(128))
+    bias = torch.randn(3, g.width(128), generator=gen)
+    cfg = dict(BLOCK_M=16, BLOCK_N=128 if scheme == "fp8" else 64, BLOCK_K=64, GROUP_M=2)
+    outs = []
+    for a, a_s, rows in ((xp, sp, None), (x, xs, src)):
+        h = torch.zeros((m_idx.numel(), 128)).to(x.dtype)
+        hs = torch.zeros((m_idx.numel(), 1))
+        _triton.contiguous_gate_triton(a, w, m_idx, a_s if xs is not None else None, ws, g, bias,
+                                       h, hs, row_block=16, config=cfg, a_rows=rows)  # fmt: skip
+        outs.append((h.view(torch.uint8) if scheme == "fp8" else h, hs))
+    live = m_idx >= 0
+    assert torch.equal(outs[0][0][live], outs[1][0][live])
+    assert torch.equal(outs[0][1][live], outs[1][1][live])

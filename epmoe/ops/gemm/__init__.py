@@ -4,7 +4,9 @@ Contract:
 - contiguous: a `[M_sum, Kd]`, w `[E, N, Kd]`, m_indices int32 `[M_sum]` (expert of the row,
   -1 = skip) -> bf16 `[M_sum, N]`. Rows with m_indices == -1 are unspecified, never read downstream.
   Optional expert_offsets int32 `[E + 1]` (permute's block starts; last = used rows) lets the
-  torch._grouped_mm backend skip deriving group ends from m_indices.
+  torch._grouped_mm backend skip deriving group ends from m_indices. Optional a_rows int32
+  `[M_sum]` (permute's src_rows): row r reads a[a_rows[r]] (a `[M, Kd]`, the unpermuted rows; our
+  Triton kernels load them, so permute need not copy them).
 - gate (:func:`grouped_gemm_gate`, contiguous layout, bf16 / fp8): GEMM1 and the activation
   stage in one kernel (our Triton kernel; elsewhere the two stages): h `[M_sum, I]` and its fp8
   scales, the bytes of the unfused pair on the same backend.
@@ -59,6 +61,7 @@ from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
     fuses_gate,
+    gathers,
     masked_row_block,
     scheme_of,
     smallest_row_block,
@@ -69,6 +72,7 @@ __all__ = [
     "contiguous_row_block",
     "empty_fp8_act_scales",
     "fuses_gate",
+    "gathers",
     "grouped_gemm",
     "grouped_gemm_contiguous",
     "grouped_gemm_gate",

@@ -41,18 +41,22 @@ def _group_ends(m_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
-                     trusted=False, alignment=0):  # fmt: skip
+                     trusted=False, alignment=0, a_rows=None):  # fmt: skip
     """grouped_gemm_contiguous on CUDA (metadata checked by the caller, a's device current: every
-    caller makes it so); trusted: no value check of m_indices (rows from permute)."""
+    caller makes it so); trusted: no value check of m_indices / a_rows (rows from permute)."""
     if not trusted:
         _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
+        if a_rows is not None:
+            _checks.check_ids(a_rows, a.shape[0], OP, "a_rows")
     scheme = scheme_of(a.dtype)
-    M, K = a.shape
+    M, K = m_indices.shape[0], a.shape[1]
     E, N, _ = w.shape
     block = alignment or contiguous_row_block(scheme, a.device)
     backend = _backend(scheme, "contiguous", a.device, N, K, E, block, M)
     if backend == "triton":
-        return contiguous_triton(a, w, m_indices, a_scales, w_scales, block)
+        return contiguous_triton(a, w, m_indices, a_scales, w_scales, block, a_rows=a_rows)
+    if a_rows is not None:  # (the other backends read a in row order: its rows gathered first)
+        a, a_scales = reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
     if backend == "reference" or M == 0:
         return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
     if backend == "grouped_mm":
@@ -95,13 +99,28 @@ def _masked_cuda(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0, tru
 # kernels refuse them), never a silently missing gradient. Both ops stay opaque under
 # torch.compile (triton=False): deep_gemm, torch._grouped_mm and the autotuned INT8 kernels.
 def _output(a, w, *_):
-    """bf16 `[M_sum, N]` (contiguous) or `[E, T, N]` (masked): the fake's output."""
+    """bf16 `[E, T, N]`: the masked fake's output."""
     return a.new_empty((*a.shape[:-1], w.shape[1]), dtype=torch.bfloat16)
 
 
+def _contiguous_output(a, w, m_indices, *_):
+    """bf16 `[M_sum, N]`: the contiguous fake's output (M_sum rows of m_indices)."""
+    return a.new_empty((m_indices.shape[0], w.shape[1]), dtype=torch.bfloat16)
+
+
+def _gathered(a, a_scales, m_indices, w, a_rows, op: str):
+    """(a, a_scales) in row order: the CPU reference's view of a gathering call (its ids checked
+    first, always: trusted is CUDA's)."""
+    _checks.check_ids(m_indices, w.shape[0], op, "m_indices")
+    if a_rows is None:
+        return a, a_scales
+    _checks.check_ids(a_rows, a.shape[0], op, "a_rows")
+    return reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
+
+
 def _contiguous_reference(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
-                          trusted=False, alignment=0):  # fmt: skip
-    _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")  # (always: trusted is CUDA's)
+                          trusted=False, alignment=0, a_rows=None):  # fmt: skip
+    a, a_scales = _gathered(a, a_scales, m_indices, w, a_rows, OP)
     return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
 
 
@@ -112,7 +131,7 @@ def _masked_reference(a, w, masked_m, a_scales=None, w_scales=None, expected_m=0
 
 @stage(
     contract=CONTIGUOUS,
-    fake=_output,
+    fake=_contiguous_output,
     reference=_contiguous_reference,
     cuda=_contiguous_cuda,
     triton=False,
@@ -127,11 +146,13 @@ def grouped_gemm_contiguous(
     expert_offsets: Optional[torch.Tensor] = None,
     trusted: bool = False,
     alignment: int = 0,
+    a_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Grouped GEMM out[r] = a[r] @ w[m_indices[r]].T on the contiguous (HT) layout.
+    """Grouped GEMM out[r] = a[r] @ w[m_indices[r]].T on the contiguous (HT) layout (with
+    ``a_rows``: a[a_rows[r]]).
 
     Args:
-        a: bf16/fp8/int8 `[M_sum, Kd]`.
+        a: bf16/fp8/int8 `[M_sum, Kd]` (with a_rows: `[M, Kd]`, the rows a_rows names).
         w: same dtype `[E, N, Kd]` (as returned by :func:`prepare_weights`).
         m_indices: int32 `[M_sum]` expert per row, -1 to skip; expert blocks start at multiples of
             ``alignment``.
@@ -143,6 +164,9 @@ def grouped_gemm_contiguous(
         alignment: the row multiple every expert block starts at (permute's ``alignment``); 0:
             :func:`contiguous_row_block`. On CUDA a multiple of :func:`smallest_row_block`; it
             picks the backend (deep_gemm needs its 128-row blocks; our Triton kernels take 16+).
+        a_rows: optional int32 `[M_sum]`: the row of a (and of a_scales) each row reads, -1 on
+            padding (permute's ``src_rows``, permute then copying no row: ``x[:, :0]``). Our
+            Triton kernels load those rows themselves; the other backends get a gathered copy.
     Returns:
         bf16 `[M_sum, N]`; rows with m_indices == -1 unspecified. CUDA-graph safe after
         :func:`warmup`.
@@ -194,6 +218,7 @@ def grouped_gemm(
     expert_offsets: Optional[torch.Tensor] = None,
     trusted: bool = False,
     alignment: int = 0,
+    a_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Grouped GEMM out = a @ w[e].T; pass exactly one of ``m_indices`` (contiguous), ``masked_m``.
 
@@ -211,7 +236,7 @@ def grouped_gemm(
         trusted: m_indices / masked_m come from permute / ll_scatter, whose values are in range
             by construction: the CUDA backends skip their device-side value check (the layer's
             own chain). The CPU reference always checks.
-        alignment: contiguous only: see :func:`grouped_gemm_contiguous`.
+        alignment, a_rows: contiguous only: see :func:`grouped_gemm_contiguous`.
     Returns:
         bf16 `[M_sum, N]` or `[E, T, N]`. CUDA-graph safe after :func:`warmup`.
     """
@@ -219,58 +244,65 @@ def grouped_gemm(
         raise _checks.fail(OP, "m_indices/masked_m", "exactly one of them", "both or neither")
     if m_indices is not None:
         return grouped_gemm_contiguous(
-            a, w, m_indices, a_scales, w_scales, expert_offsets, trusted, alignment
+            a, w, m_indices, a_scales, w_scales, expert_offsets, trusted, alignment, a_rows
         )
+    if a_rows is not None:
+        raise _checks.fail(OP, "a_rows", "None with masked_m (the contiguous layout's)", "a tensor")
     em = int(expected_m or 0)
     return grouped_gemm_masked(a, w, masked_m, a_scales, w_scales, em, trusted)
 
 
 # -------------------------------------------------------------------- GEMM1 and the gate, fused
 def _gate_outputs(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
-                  scale_layout="row", alignment=0, trusted=False):  # fmt: skip
+                  scale_layout="row", alignment=0, trusted=False, a_rows=None):  # fmt: skip
     """(h `[M_sum, I]` in a's dtype, float32 scales `[M_sum, I/128]` (fp8) or `[M_sum, 0]`)."""
     g = _gate.get(gate, OP_GATE, "gate")
-    inter, lead = g.inter(w.shape[1]), (a.shape[0],)
+    inter, lead = g.inter(w.shape[1]), (m_indices.shape[0],)
     h = a.new_empty((*lead, inter))
     groups = quant.of_dtype(a.dtype).act_scale_cols(inter)
     if not groups:
-        return h, _no_scales(a)
+        return h, _no_scales(h)
     return h, alloc_scales(lead, groups, scale_layout, a.device)
 
 
-def _no_scales(a):
+def _no_scales(h):
     """bf16 h's scales: float32 `[M_sum, 0]` (the op returns a tensor either way)."""
-    return a.new_empty((a.shape[0], 0), dtype=torch.float32)
+    return h.new_empty((h.shape[0], 0), dtype=torch.float32)
 
 
 def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
-                    scale_layout="row", alignment=0, trusted=False):  # fmt: skip
-    y = _contiguous_reference(a, w, m_indices, a_scales, w_scales)
+                    scale_layout="row", alignment=0, trusted=False, a_rows=None):  # fmt: skip
+    a, a_scales = _gathered(a, a_scales, m_indices, w, a_rows, OP_GATE)
+    y = reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
     if a.dtype == torch.bfloat16:
-        return reference.silu_and_mul(y, gate, bias, m_indices), _no_scales(a)
+        return reference.silu_and_mul(y, gate, bias, m_indices), _no_scales(y)
     q, s = reference.silu_and_mul_quant(y, "fp8", quant.FP8_GROUP, gate, bias, m_indices)
     return q, as_layout(s, scale_layout)
 
 
 def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
-               scale_layout="row", alignment=0, trusted=False):  # fmt: skip
+               scale_layout="row", alignment=0, trusted=False, a_rows=None):  # fmt: skip
     """grouped_gemm_gate on CUDA: our fused kernel where it runs, else GEMM1 and the activation
     stage (the same values: the kernel rounds GEMM1's output to bf16 before the gate)."""
     if not trusted:
         _checks.check_ids(m_indices, w.shape[0], OP_GATE, "m_indices")
+        if a_rows is not None:
+            _checks.check_ids(a_rows, a.shape[0], OP_GATE, "a_rows")
     scheme = quant.of_dtype(a.dtype)
     block = alignment or contiguous_row_block(scheme, a.device)
     g = _gate.get(gate, OP_GATE, "gate")
     if _runs("triton", scheme, "contiguous", a.device, w.shape[1], a.shape[1], block):
         h, s = _gate_outputs(a, w, m_indices, gate=g.spec, scale_layout=scale_layout)
-        contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, block)
+        contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, block,
+                               a_rows=a_rows)  # fmt: skip
         return h, s
     from epmoe.ops import activation  # (the unfused pair: no fused kernel on this GPU)
 
-    y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block)
+    y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block,
+                         a_rows=a_rows)  # fmt: skip
     if a.dtype == torch.bfloat16:
         h = activation.silu_and_mul(y, m_indices=m_indices, gate=g.spec, bias=bias)
-        return h, _no_scales(a)
+        return h, _no_scales(y)
     return activation.silu_and_mul_quant(y, "fp8", m_indices=m_indices, scale_layout=scale_layout,
                                          gate=g.spec, bias=bias)  # fmt: skip
 
@@ -294,6 +326,7 @@ def grouped_gemm_gate(
     scale_layout: str = "row",
     alignment: int = 0,
     trusted: bool = False,
+    a_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 and the activation stage in one kernel on the contiguous layout: h = the gate of
     (a[r] @ w[m_indices[r]].T rounded to bf16, plus bias[m_indices[r]] in float32), rounded to
@@ -302,7 +335,8 @@ def grouped_gemm_gate(
     round trip through memory or the activation's launch.
 
     Args:
-        a: bf16/fp8 `[M_sum, Kd]` (int8: ValueError; its per-row scale needs the whole row).
+        a: bf16/fp8 `[M_sum, Kd]` (int8: ValueError; its per-row scale needs the whole row);
+            with a_rows `[M, Kd]`, the rows a_rows names.
         w: same dtype `[E, W, Kd]`: W = 2I, the gate rows then the up rows (I without a gate
             half), as returned by :func:`prepare_weights`.
         m_indices: int32 `[M_sum]` expert per row, -1 to skip; blocks aligned to ``alignment``.
@@ -311,6 +345,8 @@ def grouped_gemm_gate(
         scale_layout: fp8 output scales "row" or "deepgemm" (what GEMM2 reads without a copy).
         alignment: as in :func:`grouped_gemm_contiguous`.
         trusted: m_indices comes from permute (the CUDA kernel skips its value check).
+        a_rows: optional int32 `[M_sum]`: the row of a each row reads, -1 on padding, as in
+            :func:`grouped_gemm_contiguous`.
     Returns:
         (h bf16/fp8 `[M_sum, I]`, float32 `[M_sum, I/128]` (fp8) or `[M_sum, 0]` (bf16)); rows
         with m_indices == -1 unspecified. CUDA-graph safe after warmup.

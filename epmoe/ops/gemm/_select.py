@@ -10,6 +10,7 @@ from typing import Sequence, Tuple
 import torch
 
 from epmoe import _checks, _deps, _launch, quant
+from epmoe import gate as _gate
 from epmoe.ops.gemm import _tuned
 from epmoe.ops.gemm._triton import MIN_ROW_BLOCK, _masked_tiling
 
@@ -168,6 +169,25 @@ def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_blo
         return False
     best = _tuned.backend("gate", scheme, inter, k, e, row_block, m, device, str(gate), bias)
     return best == "triton" and _runs("triton", scheme, "contiguous", device, inter, k, row_block)
+
+
+@_launch.memo  # (as fuses_gate)
+def gathers(scheme, device: torch.device, width: int, k: int, e: int, row_block: int, m: int,
+            gate="silu", bias: bool = False) -> bool:  # fmt: skip
+    """Whether an HT call's GEMM1 reads its rows of x through permute's src_rows (permute then
+    copies none): where this GPU's tuned table measured that faster than permute's copy ("gather"
+    entries) and GEMM1 runs on our Triton kernels (fused with the gate, :func:`fuses_gate`, or
+    the contiguous backend), for GEMM1 of ``width`` outputs (w1's rows), reduction ``k``, ``e``
+    experts, blocks of ``row_block`` rows, ``m`` rows, the layer's ``gate`` spec and ``bias``."""
+    scheme = quant.get(scheme, OP, "scheme")
+    if torch.device(device).type != "cuda":
+        return False
+    best = _tuned.backend("gather", scheme, width, k, e, row_block, m, device, str(gate), bias)
+    if best != "gather":
+        return False
+    inter = _gate.get(gate).inter(width)
+    fused = fuses_gate(scheme, device, inter, k, e, row_block, m, gate, bias)
+    return fused or _backend(scheme, "contiguous", device, width, k, e, row_block, m) == "triton"
 
 
 def contiguous_row_block(scheme, device: torch.device) -> int:

@@ -101,8 +101,8 @@ def _tile(
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _contiguous_kernel(
-    # tensors (bf16: the scale pointers are unused)
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr,
+    # tensors (bf16: the scale pointers are unused; a_rows_ptr: GATHER only)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr,
     # sizes (E only keys the autotuner)
     M, N, K, E,
     # strides
@@ -112,7 +112,7 @@ def _contiguous_kernel(
     stride_wse, stride_wsn, stride_wsk,
     stride_om, stride_on,
     # meta
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
@@ -126,6 +126,8 @@ def _contiguous_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # tail rows/columns wrap onto valid memory; their results are never stored
     rows = (offs_m % M).to(tl.int64)
+    if GATHER:  # the rows of a these read (padding's -1: row 0, never stored)
+        rows = tl.maximum(tl.load(a_rows_ptr + rows), 0).to(tl.int64)
     cols = offs_n % N
     y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
               rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn, stride_wk,
@@ -175,8 +177,8 @@ def _dot_gate_up(
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _contiguous_gate_kernel(
-    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused)
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, b_ptr, h_ptr, hs_ptr,
+    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused; a_rows_ptr: GATHER)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, b_ptr, h_ptr, hs_ptr,
     # sizes: I the gate's outputs (w's rows: the I gate rows, then the I up rows with GLU)
     M, I, K, E,
     # strides
@@ -185,8 +187,8 @@ def _contiguous_gate_kernel(
     stride_hsm, stride_hsg,
     # meta
     QUANT: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     # the gate (epmoe.gate.Gate.meta)
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
@@ -199,6 +201,8 @@ def _contiguous_gate_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # (tail rows wrap onto valid memory, never stored)
+    if GATHER:  # the rows of a these read (padding's -1: row 0, never stored)
+        rows = tl.maximum(tl.load(a_rows_ptr + rows), 0).to(tl.int64)
     wc = cols % I
     offs_k = tl.arange(0, BLOCK_K)
     up = I if GLU else 0  # (the up rows' offset in w and in the bias)
@@ -466,33 +470,38 @@ def contiguous_triton(
     row_block: int = 128,
     config: Optional[dict] = None,
     out: Optional[torch.Tensor] = None,
+    a_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch the contiguous kernel (also on CPU tensors under TRITON_INTERPRET=1).
 
     Args:
-        a: bf16/fp8/int8 `[M_sum, Kd]`. w: same dtype `[E, N, Kd]`. m_indices: int32 `[M_sum]`,
-            contiguous. a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
+        a: bf16/fp8/int8 `[M_sum, Kd]` (with a_rows: `[M, Kd]`). w: same dtype `[E, N, Kd]`.
+            m_indices: int32 `[M_sum]`, contiguous. a_scales / w_scales: float32 as in
+            :mod:`epmoe.ops.gemm` (None for bf16).
         row_block: expert blocks start at multiples of it (permute's alignment; a multiple of
             MIN_ROW_BLOCK): BLOCK_M divides it.
         config: explicit meta-parameters (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
             optionally num_stages); None = the tuned table's, else autotuned.
         out: bf16 `[M_sum, N]` to write into (tests); None allocates it.
+        a_rows: int32 `[M_sum]` the row of a (and a_scales) each row reads, -1 on padding; None:
+            row r reads a[r].
     Returns:
         bf16 `[M_sum, N]`; rows of -1 blocks are left unwritten.
     """
-    M, K = a.shape
+    M, K = m_indices.shape[0], a.shape[1]
     E, N = w.shape[0], w.shape[1]
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
     if M == 0 or N == 0:
         return out
     m_indices = m_indices.contiguous()
+    rows = m_indices if a_rows is None else a_rows.contiguous()  # (placeholder: an input)
     a_s, w_s = (w, w) if a_scales is None else (a_scales, w_scales)
     plan = _contiguous_plan(
         a.dtype, M, N, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
-        out.stride(), row_block, a.device,
+        out.stride(), row_block, a_rows is not None, a.device,
     )  # fmt: skip
-    _launch_plan(plan, (a, w, a_s, w_s, m_indices, out), config)
+    _launch_plan(plan, (a, w, a_s, w_s, m_indices, rows, out), config)
     return out
 
 
@@ -513,9 +522,10 @@ def _constexprs(dtype: torch.dtype) -> Dict:
 
 
 @_launch.memo
-def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, device) -> _Plan:
-    """The contiguous kernel's launch plan for these sizes, strides and row block."""
-    meta = _constexprs(dtype)
+def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, gather, device) -> _Plan:
+    """The contiguous kernel's launch plan for these sizes, strides and row block (``gather``:
+    rows of a through a_rows)."""
+    meta = dict(_constexprs(dtype), GATHER=gather)
     sizes = (M, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *so)
 
     def grid(m):
@@ -601,22 +611,23 @@ def contiguous_gate_triton(
     h_scales: torch.Tensor,
     row_block: int = 128,
     config: Optional[dict] = None,
+    a_rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch GEMM1 + gate in one kernel (also on CPU tensors under TRITON_INTERPRET=1): h =
     gate(bf16(a @ w[e].T) + bias[e]) rounded to bf16, quantized per 128 channels for fp8.
 
     Args:
-        a: bf16/fp8 `[M_sum, Kd]`. w: same dtype `[E, W, Kd]` (W = 2I: gate rows, then up; I
-            without a gate half). m_indices: int32 `[M_sum]`, contiguous. a_scales / w_scales:
-            float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
+        a: bf16/fp8 `[M_sum, Kd]` (with a_rows: `[M, Kd]`). w: same dtype `[E, W, Kd]` (W = 2I:
+            gate rows, then up; I without a gate half). m_indices: int32 `[M_sum]`, contiguous.
+            a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
         gate: a :class:`epmoe.gate.Gate`. bias: float `[E, W]` or None.
         h: bf16 / fp8 `[M_sum, I]`, written. h_scales: float32 `[M_sum, I / 128]` (fp8; any
             strides), written; unused for bf16.
-        row_block: as in :func:`contiguous_triton`. config: explicit meta-parameters (tests);
-            None = the tuned table's, else autotuned.
+        row_block, a_rows: as in :func:`contiguous_triton`. config: explicit meta-parameters
+            (tests); None = the tuned table's, else autotuned.
     Rows of -1 blocks are left unwritten.
     """
-    M, K = a.shape
+    M, K = m_indices.shape[0], a.shape[1]
     E, I = w.shape[0], h.shape[1]
     if M == 0 or I == 0:
         return
@@ -626,19 +637,20 @@ def contiguous_gate_triton(
     plan = _gate_plan(
         a.dtype, M, I, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
         _stride(bias), h.stride(), hs.stride() if hs is not h else (0, 0), gate, row_block,
-        a.device,
+        a_rows is not None, a.device,
     )  # fmt: skip
     b = bias if bias is not None else w
-    _launch_plan(plan, (a, w, a_s, w_s, m_indices, b, h, hs), config)
+    rows = m_indices if a_rows is None else a_rows.contiguous()  # (placeholder: an input)
+    _launch_plan(plan, (a, w, a_s, w_s, m_indices, rows, b, h, hs), config)
 
 
 @_launch.memo
 def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block,  # noqa: E741
-               device) -> _Plan:  # fmt: skip
+               gather, device) -> _Plan:  # fmt: skip
     """The GEMM1 + gate kernel's launch plan (``gate``: an epmoe.gate.Gate; ``sb`` None: no
-    bias)."""
+    bias; ``gather``: rows of a through a_rows)."""
     meta = dict(_constexprs(dtype), HAS_BIAS=sb is not None, FAST=not _launch._INTERPRET,
-                **gate.meta())  # fmt: skip
+                GATHER=gather, **gate.meta())  # fmt: skip
     sizes = (M, I, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *(sb or (0, 0)), *sh, *shs)
 
     def grid(m):

@@ -19,6 +19,11 @@ A file holds ``{"device": name, "triton": version, "torch": version, "date": ...
 and ``"bias"`` (whether it has gate/up biases): a clamped SwiGLU with biases is another problem
 than a plain SiLU of the same sizes. Missing: "silu", false.
 
+"gather" entries (the HT path's permute and GEMM1 as the layer runs them, N = GEMM1's width, K
+= H; "config" {}; gate and bias as "gate" entries) say whether GEMM1 reading its rows of x
+through permute's src_rows, permute copying none ("gather"), beat permute's copy then GEMM1
+("copy"); only measured where GEMM1 runs on our Triton kernels.
+
 :func:`lookup` returns the config of the entry with the smallest ``m`` >= the call's rows (else
 the largest): a function of static sizes only, so captured graphs stay valid. No file, or no entry
 for the problem: the caller autotunes over its candidate configs instead.
@@ -44,7 +49,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 DIR = Path(__file__).resolve().with_name("tuned")
-LAYOUTS = ("contiguous", "masked", "gate")  # ("gate": GEMM1 and the gate in one kernel)
+# ("gate": GEMM1 and the gate in one kernel; "gather": GEMM1 reading its rows through src_rows)
+LAYOUTS = ("contiguous", "masked", "gate", "gather")
+_LAYER_KEYED = ("gate", "gather")  # (entries that hold the layer's gate spec and biases)
 
 
 def file_name(device_name: str) -> str:
@@ -54,12 +61,12 @@ def file_name(device_name: str) -> str:
 
 def _key(layout, scheme, n, k, e, block, gate="silu", bias=False) -> Tuple:
     base = (layout, str(scheme), n, k, e, block)
-    return base + (str(gate), bool(bias)) if layout == "gate" else base
+    return base + (str(gate), bool(bias)) if layout in _LAYER_KEYED else base
 
 
 def problem(entry: Dict) -> Tuple:
-    """The problem class an entry belongs to, without its rows ("gate" entries: with the gate
-    spec and whether it has biases)."""
+    """The problem class an entry belongs to, without its rows ("gate" and "gather" entries: with
+    the gate spec and whether it has biases)."""
     return _key(entry["layout"], entry["scheme"], entry["N"], entry["K"], entry["E"],
                 entry["block"], entry.get("gate", "silu"), entry.get("bias", False))  # fmt: skip
 
@@ -95,7 +102,7 @@ def _gpu(device) -> Optional[str]:
 
 def entry(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
     """The entry for ``m`` rows of a problem on ``device`` (a CUDA device), or None (``gate``,
-    ``bias``: the "gate" layout's gate spec and whether it has biases)."""
+    ``bias``: the "gate" / "gather" layouts' gate spec and whether the layer has biases)."""
     gpu = _gpu(device)
     if gpu is None:
         return None
@@ -113,7 +120,7 @@ def lookup(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -
 
 def backend(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[str]:
     """The backend the table measured fastest ("triton", "deep_gemm", ...; "gate": "triton" or
-    "unfused"); None: no entry."""
+    "unfused"; "gather": "gather" or "copy"); None: no entry."""
     x = entry(layout, scheme, n, k, e, block, m, device, gate, bias)
     return None if x is None else x["backend"]
 
@@ -145,7 +152,8 @@ def paths(scheme, E: int, H: int, I: int, K: int, device, gate="silu",  # noqa: 
 
 def has(layout, scheme, n: int, k: int, e: int, device, gate="silu", bias=False) -> bool:
     """Whether ``device``'s table has any entry of this layout, scheme and N / K / E (any block
-    and rows; "gate": of this gate spec and biases): callers skip a lookup that cannot find one."""
+    and rows; "gate" / "gather": of this gate spec and biases): callers skip a lookup that cannot
+    find one."""
     gpu = _gpu(device)
     if gpu is None:
         return False

@@ -59,11 +59,25 @@ def _operands(masked: bool):
 
 
 _CONSTS = dict(BF16=torch.bfloat16, FP8=torch.float8_e4m3fn)
+
+
+def _rows():
+    """m_indices (one per row of a, or with a_rows one per row a_rows names) and a_rows."""
+    return Case(
+        "a_rows is None",
+        [Tensor("m_indices", _checks.INT32, shape=("a.shape[0]",))],
+        [
+            Tensor("a_rows", _checks.INT32, ndim=(1,)),
+            Tensor("m_indices", _checks.INT32, shape=("a_rows.shape[0]",)),
+        ],
+    )
+
+
 CONTIGUOUS = Contract(
     OP,
-    "a w m_indices a_scales w_scales expert_offsets",
+    "a w m_indices a_scales w_scales expert_offsets a_rows",
     *_operands(masked=False),
-    Tensor("m_indices", _checks.INT32, shape=("a.shape[0]",)),
+    _rows(),
     Tensor("expert_offsets", _checks.INT32, shape=("w.shape[0] + 1",), optional=True),
     consts=_CONSTS,
 )
@@ -81,9 +95,9 @@ OP_GATE = "grouped_gemm_gate"
 # the output scales; int8's per-row output scale needs the whole row: refused
 GATE = Contract(
     OP_GATE,
-    "a w m_indices a_scales w_scales gate bias scale_layout",
+    "a w m_indices a_scales w_scales gate bias scale_layout a_rows",
     *_operands(masked=False),
-    Tensor("m_indices", _checks.INT32, shape=("a.shape[0]",)),
+    _rows(),
     Rule(
         "a.dtype is not INT8",
         "a",
