@@ -310,3 +310,15 @@ def test_gate_gather_is_the_permuted_copy(scheme):
     live = m_idx >= 0
     assert torch.equal(outs[0][0][live], outs[1][0][live])
     assert torch.equal(outs[0][1][live], outs[1][1][live])
+
+
+def test_contiguous_gather_of_no_tokens_reads_nothing():
+    """No tokens: every row is padding (a_rows -1, m_indices -1): no program reads a (0 rows)."""
+    gen = torch.Generator().manual_seed(17)
+    x, xs, w, ws = _operands((0,), 3, 64, 128, gen, "int8")
+    _, _, m_idx, _, _, src = reference.permute(x, torch.zeros((0, 2), dtype=torch.long), 3, 16)
+    assert m_idx.numel() == 48 and (src == -1).all()
+    sentinel = torch.full((48, 64), 3.0, dtype=torch.bfloat16)
+    y = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=CONTIG,
+                                  out=sentinel.clone(), a_rows=src)  # fmt: skip
+    assert torch.equal(y, sentinel)
