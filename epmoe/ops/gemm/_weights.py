@@ -9,7 +9,12 @@ import torch
 from epmoe import _checks, quant
 from epmoe import gate as _gate
 from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_gate
-from epmoe.ops.gemm._select import contiguous_row_block, empty_fp8_act_scales, fuses_gate
+from epmoe.ops.gemm._select import (
+    contiguous_row_block,
+    empty_fp8_act_scales,
+    fuses_gate,
+    gathers,
+)
 
 
 def prepare_weights(
@@ -104,7 +109,9 @@ def warmup(
         alignment: the contiguous layout's row alignment, as the forward pass passes it (0: the
             default, :func:`contiguous_row_block`).
         gate, bias: GEMM1 of a layer (n = the gate's width): its gate spec and gate/up bias; the
-            M_sum sizes where :func:`fuses_gate` fuses GEMM1 and the gate also compile that kernel.
+            M_sum sizes where :func:`fuses_gate` fuses GEMM1 and the gate also compile that kernel,
+            those where :func:`gathers` reads the rows through permute's src_rows its gathering
+            build.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -138,6 +145,16 @@ def warmup(
             a, a_s = _dummy_acts(scheme, (m,), K, device, True)
             layout = scheme.cuda_scale_layout
             grouped_gemm_gate(a, w, m_idx, a_s, w_scales, gate, bias, layout, row_block)
+        if g is not None and gathers(scheme, device, N, K, E, row_block, m, g.spec,
+                                     bias is not None):  # fmt: skip
+            a, a_s = _dummy_acts(scheme, (m,), K, device, False)  # (the quantize stage's layout)
+            rows = torch.zeros((m,), dtype=torch.int32, device=device)
+            if fused:
+                grouped_gemm_gate(a, w, m_idx, a_s, w_scales, gate, bias,
+                                  scheme.cuda_scale_layout, row_block, a_rows=rows)  # fmt: skip
+            else:
+                grouped_gemm(a, w, m_indices=m_idx, a_scales=a_s, w_scales=w_scales,
+                             alignment=row_block, a_rows=rows)  # fmt: skip
     if masked_t is not None and int(masked_t) > 0:
         T = int(masked_t)
         em = max(1, min(int(expected_m or T), T))
