@@ -329,7 +329,7 @@ def cases() -> Dict[str, Callable[[], object]]:
             for c in G._CONTIGUOUS_CONFIGS
             if G.fits(c.all_kwargs(), _code(sch), 128)
         ],  # fmt: skip
-        "GEMM1 + gate (bf16 / fp8, every candidate config; gpt-oss's gate with biases)": lambda: [
+        "GEMM1 + gate (every scheme and candidate config; gpt-oss's gate, biases)": lambda: [
             G.contiguous_gate_triton(
                 *_gemm_operands(sch, (256,), 4, gate.get(spec).width(256), 512, mn_major=True),
                 gate.get(spec),
@@ -339,7 +339,7 @@ def cases() -> Dict[str, Callable[[], object]]:
                 row_block=128,
                 config=_launch_options(c),
             )
-            for sch in ("bf16", "fp8")
+            for sch in ("bf16", "fp8", "int8")
             for c in G._GATE_CONFIGS
             if G.fits_gate(c.all_kwargs(), _code(sch), 128)
             for spec, bias in (
@@ -374,7 +374,7 @@ def cases() -> Dict[str, Callable[[], object]]:
                     config=_launch_options(c),
                     a_rows=torch.zeros(256, dtype=torch.int32),
                 )
-                for sch in ("bf16", "fp8")
+                for sch in ("bf16", "fp8", "int8")
                 for c in G._GATE_CONFIGS
                 if G.fits_gate(c.all_kwargs(), _code(sch), 128)
             ]

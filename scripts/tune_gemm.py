@@ -16,9 +16,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   rows with the m_indices (and expert offsets) the reference permute builds from that routing;
 - masked (T up to LL_MAX_TOKENS, the LL sizes): slots of C = T rounded up to 128 rows, the routing's
   counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m);
-- gate (bf16 / fp8), as contiguous: GEMM1 and the config's gate (and biases) as one kernel
-  (``grouped_gemm_gate``) against "unfused", GEMM1 on the backend the layer picks then the
-  activation stage; N = I (h's channels). The layer fuses where "triton" won.
+- gate, as contiguous: GEMM1 and the config's gate (and biases) as one kernel
+  (``grouped_gemm_gate``; int8: its bf16 h, then the quantize stage on h's rows) against
+  "unfused", GEMM1 on the backend the layer picks then the activation stage; N = I (h's
+  channels). The layer fuses where "triton" won.
 - gather (``--layouts gather``, after the others, reading their entries as the layer does), per
   row block and T where GEMM1 runs on our Triton kernels: the HT path's permute and GEMM1 (fused
   with the gate where the table says so) on x of T tokens: "copy" (permute copies the rows) against
@@ -180,11 +181,9 @@ def masked_problems(cfg, scheme: str, tokens: Iterable[int],
 
 def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
                   tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
-    """GEMM1 and the gate as one kernel (bf16 / fp8: int8's row scale needs the whole row), per
-    row block and T as the contiguous problems: N = I (h's channels), K = H, the config's gate and
+    """GEMM1 and the gate as one kernel (int8: then the quantize stage on h's rows), per row
+    block and T as the contiguous problems: N = I (h's channels), K = H, the config's gate and
     biases."""
-    if quant.get(scheme) is quant.INT8:
-        return
     (width, k), _ = gemm_sizes(cfg, scheme)
     spec = _gate.get(cfg.gate).spec
     inter = _gate.get(spec).inter(width)
@@ -526,8 +525,7 @@ class Tuner:
                 -0.1, 0.1, generator=self.gen
             )
         layout = scheme.cuda_scale_layout
-        h, hs = _ops._gate_outputs(a, w, m_idx, gate=g.spec, scale_layout=layout)
-        run = part(_triton.contiguous_gate_triton, a, w, m_idx, a_s, w_s, g, bias, h, hs, p.block)
+        run = part(_ops.gate_triton, a, w, m_idx, a_s, w_s, g, bias, layout, p.block)
         out = [self.measure("triton", part(run, config=c), c)
                for c in candidates("gate", p.scheme, p.block)]  # fmt: skip
         kw = dict(m_indices=m_idx, expert_offsets=offsets)

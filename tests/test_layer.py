@@ -186,7 +186,7 @@ def test_auto_follows_this_gpus_measured_paths(monkeypatch):
     assert given.plan(1) == ("ll", 64)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
 def test_ht_fused_gate_where_measured(quant, monkeypatch):
     """Where this GPU's table measured GEMM1 and the gate faster as one kernel, HT runs
     grouped_gemm_gate: the same bytes as GEMM1 then the activation (its CPU kernel is their
@@ -223,7 +223,9 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
     assert has == [(gate, True)] * 2  # (the "gate" and "gather" entries)
 
 
-@pytest.mark.parametrize("quant,fused", [("bf16", False), ("fp8", True), ("int8", False)])
+@pytest.mark.parametrize(
+    "quant,fused", [("bf16", False), ("fp8", True), ("int8", False), ("int8", True)]
+)
 def test_ht_gathers_where_measured(quant, fused, monkeypatch):
     """Where this GPU's table measured GEMM1 reading x's rows through permute's src_rows faster
     than permute's copy, permute copies no row and GEMM1 (fused with the gate or not) gathers:

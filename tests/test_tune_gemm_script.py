@@ -60,18 +60,19 @@ def test_contiguous_problems():
 
 
 def test_gate_problems():
-    """GEMM1 + gate: bf16 / fp8 only, N = h's channels, K = H, the config's gate and biases."""
+    """GEMM1 + gate: every scheme, N = h's channels, K = H, the config's gate and biases."""
     cfg = CONFIGS["gpt-oss-20b"]
     ps = list(tg.gate_problems(cfg, "fp8", (16, 128), (8, 4096)))
     assert len(ps) == 2 * 2 and {(p.N, p.K, p.E) for p in ps} == {(2944, 2944, 32)}
     assert all(p.gate == cfg.gate and p.bias and p.layout == "gate" for p in ps)
     assert [p.m for p in ps] == [reference.permuted_rows(t, 4, 32, b)
                                  for b in (16, 128) for t in (8, 4096)]  # fmt: skip
-    assert list(tg.gate_problems(cfg, "int8", (16,), (8,))) == []  # (its row scale: whole rows)
+    (p8,) = tg.gate_problems(cfg, "int8", (16,), (8,))  # (its bf16 h, then quantize's rows)
+    assert (p8.N, p8.K, p8.layout) == (2880, 2880, "gate")
     plain = type(cfg)(**{**CONFIGS["qwen3-30b-a3b"].__dict__, "gate": "relu2:glu=0"})
     (p,) = tg.gate_problems(plain, "bf16", (16,), (8,))
     assert (p.N, p.K) == (768, 2048)
-    assert len(tg.candidates("gate", "fp8", 16)) >= 1 and tg.candidates("gate", "int8", 16) == []
+    assert len(tg.candidates("gate", "fp8", 16)) >= 1 and len(tg.candidates("gate", "int8", 16))
     assert all(c["BLOCK_N"] == 128 for c in tg.candidates("gate", "fp8", 128))
 
 
@@ -287,7 +288,7 @@ def test_gemm_entries_run_every_candidate(cpu_tuner, scheme):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, scheme):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
@@ -350,7 +351,7 @@ def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
     assert json.loads(out.read_text()) == doc and old in doc["entries"]
     assert {(e["layout"], e["N"], e["K"]) for e in doc["entries"] if e != old} == {
         (layout, 256, k) for layout in ("contiguous", "masked") for k in (256, 128)
-    } | {("gather", 256, 256)}  # (GEMM1: permute copying or GEMM1 gathering the rows)
+    } | {("gather", 256, 256), ("gate", 128, 256)}  # (GEMM1 gathering; GEMM1 + gate)
     (g,) = [e for e in doc["entries"] if e["layout"] == "gather"]
     assert set(g["us"]) == {"copy", "gather"} and g["backend"] == "copy"  # (the first timed)
     (p,) = doc["paths"]

@@ -94,7 +94,7 @@ def test_gemm_inputs_that_need_grad_are_refused(seed):
 GATE_SPECS = ("silu", "silu:alpha=1.702,limit=7.0,up_offset=1.0", "relu2:glu=0")
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("spec", GATE_SPECS)
 def test_gemm_gate_is_the_unfused_pair(scheme, spec, seed):
     """grouped_gemm_gate == GEMM1 then the activation stage, bit for bit (the CPU kernels are the
@@ -114,7 +114,7 @@ def test_gemm_gate_is_the_unfused_pair(scheme, spec, seed):
             want = ops.silu_and_mul(y, m_indices=m_idx, gate=spec, bias=bias)
             assert s.shape == (20, 0) and torch.equal(h[live], want[live])
             continue
-        q, qs = ops.silu_and_mul_quant(y, "fp8", m_indices=m_idx, scale_layout=layout, gate=spec,
+        q, qs = ops.silu_and_mul_quant(y, scheme, m_indices=m_idx, scale_layout=layout, gate=spec,
                                        bias=bias)  # fmt: skip
         assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8))
         assert torch.equal(s[live], qs[live]) and s.stride() == qs.stride()
@@ -128,8 +128,9 @@ def test_gemm_gate_opcheck_and_bad_input(seed):
     ab, _, wb, _, _, _ = _operands("bf16", (8,), 2, 64, 32)
     opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (ab, wb, m_idx), dict(gate="relu2:glu=0"))
     ai, asi, wi, wsi, _, _ = _operands("int8", (8,), 2, 256, 128)
+    opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (ai, wi, m_idx, asi, wsi, "silu", b))
     cases = [
-        ((ai, wi, m_idx, asi, wsi), {}, "grouped_gemm_gate: a expected bf16 or fp8 codes"),
+        ((ai, wi, m_idx, asi), {}, "grouped_gemm_gate: a_scales/w_scales expected tensors"),
         ((a, w, m_idx, as_, ws), dict(gate="swish"), "grouped_gemm_gate: gate expected a gate"),
         ((a, w[:, :128], m_idx, as_, ws[:, :1]), {}, "grouped_gemm_gate: I expected a multiple"),
         ((a, w, m_idx, as_, ws), dict(bias=b[:, :5]), "grouped_gemm_gate: bias expected shape"),
@@ -372,12 +373,11 @@ def test_contiguous_a_rows_reads_the_named_rows(scheme, seed):
     assert got.shape == want.shape and torch.equal(got[live], want[live])
     args = (x, w, idx.m_indices, xs, ws, None, False, 0, idx.src_rows)
     opcheck(torch.ops.epmoe.grouped_gemm_contiguous.default, args)
-    if scheme != "int8":
-        h0, s0 = ops.grouped_gemm_gate(p.x, w, p.m_indices, p.x_scales, ws)
-        h1, s1 = ops.grouped_gemm_gate(x, w, idx.m_indices, xs, ws, a_rows=idx.src_rows)
-        assert torch.equal(h0[live].float(), h1[live].float()) and torch.equal(s0[live], s1[live])
-        opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (x, w, idx.m_indices, xs, ws),
-                dict(a_rows=idx.src_rows))  # fmt: skip
+    h0, s0 = ops.grouped_gemm_gate(p.x, w, p.m_indices, p.x_scales, ws)
+    h1, s1 = ops.grouped_gemm_gate(x, w, idx.m_indices, xs, ws, a_rows=idx.src_rows)
+    assert torch.equal(h0[live].float(), h1[live].float()) and torch.equal(s0[live], s1[live])
+    opcheck(torch.ops.epmoe.grouped_gemm_gate.default, (x, w, idx.m_indices, xs, ws),
+            dict(a_rows=idx.src_rows))  # fmt: skip
     bad = idx.src_rows.clone()
     bad[0] = M
     cases = [

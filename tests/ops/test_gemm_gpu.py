@@ -518,7 +518,7 @@ def test_triton_masked_every_scheme(scheme):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("spec,bias", [("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0",
                                        True), ("relu2:glu=0", False)])  # fmt: skip
 @pytest.mark.parametrize("align", [16, 128])
@@ -539,7 +539,7 @@ def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
         want = reference.silu_and_mul(y, g, b, m_idx)
         assert s.shape == (m_idx.numel(), 0) and rel_l2(h[live], want[live]) < 2e-2
     else:
-        q, qs = reference.silu_and_mul_quant(y, "fp8", 128, g, b, m_idx)
+        q, qs = reference.silu_and_mul_quant(y, scheme, 128, g, b, m_idx)
         got = reference.dequantize(h[live], s[live])
         assert rel_l2(got, reference.dequantize(q[live], qs[live])) < 3e-2
     graph = torch.cuda.CUDAGraph()
@@ -598,7 +598,7 @@ def test_masked_counts_out_of_range_debug():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_layer_fused_gate_warms_up_and_replays(scheme, monkeypatch):
     """A layer whose table fuses GEMM1 and the gate: warmup compiles the fused kernel (nothing
     compiles inside the capture), the replay gives the eager bytes, both near the unfused layer."""

@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 from epmoe import reference  # noqa: E402
-from epmoe.ops.gemm import _triton  # noqa: E402
+from epmoe.ops.gemm import _ops, _triton  # noqa: E402
 from tests._tol import GEMM_VS_QUANT_AWARE, assert_close, rel_l2  # noqa: E402
 
 
@@ -232,7 +232,7 @@ def test_fits_keeps_row_blocks_inside_an_expert():
 
 
 # GEMM1 + gate in one kernel: the bytes of our GEMM1 kernel followed by the activation stage
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize(
     "spec", ["silu", "silu:alpha=1.702,limit=7.0,up_offset=1.0", "relu2:glu=0"]
 )
@@ -250,14 +250,20 @@ def test_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias):
     bias = torch.randn(E, g.width(I), generator=gen) if with_bias else None
     gemm_cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1)
     y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=gemm_cfg)
-    h = torch.full((m_idx.numel(), I), 3.0).to(a.dtype)
+    # (int8: the kernel writes h in bf16; the op quantizes its rows after)
+    h = torch.full((m_idx.numel(), I), 3.0).to(torch.bfloat16 if scheme == "int8" else a.dtype)
     hs = torch.full((m_idx.numel(), I // 128), -1.0)
     cfg = dict(BLOCK_M=16, BLOCK_N=128 if scheme == "fp8" else 64, BLOCK_K=64, GROUP_M=2)
     _triton.contiguous_gate_triton(a, w, m_idx, as_, ws, g, bias, h, hs, row_block=16, config=cfg)
     live = m_idx >= 0
-    if scheme == "bf16":
+    if scheme != "fp8":
         want = activation._silu_and_mul_triton(y, m_indices=m_idx, gate=spec, bias=bias)
         assert torch.equal(h[live], want[live])
+        if scheme == "int8":  # the op's int8 codes and scales: the unfused pair's
+            q, s = _ops.gate_triton(a, w, m_idx, as_, ws, g, bias, "row", 16, config=cfg)
+            wq, wsc = activation._silu_and_mul_quant_triton(y, "int8", m_indices=m_idx,
+                                                            gate=spec, bias=bias)  # fmt: skip
+            assert torch.equal(q[live], wq[live]) and torch.equal(s[live], wsc[live])
     else:
         q, s = activation._silu_and_mul_quant_triton(y, "fp8", m_indices=m_idx, gate=spec,
                                                      bias=bias)  # fmt: skip
@@ -291,7 +297,7 @@ def test_contiguous_gather_is_the_permuted_copy(scheme):
     assert got.shape == want.shape and torch.equal(got[live], want[live])
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_gate_gather_is_the_permuted_copy(scheme):
     from epmoe import gate as G
 
@@ -302,7 +308,7 @@ def test_gate_gather_is_the_permuted_copy(scheme):
     cfg = dict(BLOCK_M=16, BLOCK_N=128 if scheme == "fp8" else 64, BLOCK_K=64, GROUP_M=2)
     outs = []
     for a, a_s, rows in ((xp, sp, None), (x, xs, src)):
-        h = torch.zeros((m_idx.numel(), 128)).to(x.dtype)
+        h = torch.zeros((m_idx.numel(), 128)).to(torch.bfloat16 if scheme == "int8" else x.dtype)
         hs = torch.zeros((m_idx.numel(), 1))
         _triton.contiguous_gate_triton(a, w, m_idx, a_s if xs is not None else None, ws, g, bias,
                                        h, hs, row_block=16, config=cfg, a_rows=rows)  # fmt: skip

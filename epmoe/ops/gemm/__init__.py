@@ -7,9 +7,10 @@ Contract:
   torch._grouped_mm backend skip deriving group ends from m_indices. Optional a_rows int32
   `[M_sum]` (permute's src_rows): row r reads a[a_rows[r]] (a `[M, Kd]`, the unpermuted rows; our
   Triton kernels load them, so permute need not copy them).
-- gate (:func:`grouped_gemm_gate`, contiguous layout, bf16 / fp8): GEMM1 and the activation
-  stage in one kernel (our Triton kernel; elsewhere the two stages): h `[M_sum, I]` and its fp8
-  scales, the bytes of the unfused pair on the same backend.
+- gate (:func:`grouped_gemm_gate`, contiguous layout): GEMM1 and the activation stage in one
+  kernel (our Triton kernel; elsewhere the two stages): h `[M_sum, I]` and its fp8 / int8 scales,
+  the bytes of the unfused pair on the same backend (int8: the kernel's bf16 h, then each row
+  quantized: a row's scale needs all of it).
 - masked: a `[E, T, Kd]`, w `[E, N, Kd]`, masked_m int32 `[E]` -> bf16 `[E, T, N]`; rows
   t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the typical
   rows per expert (0 = T); it picks tile shapes, never results.

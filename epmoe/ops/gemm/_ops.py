@@ -276,8 +276,27 @@ def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", 
     y = reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
     if a.dtype == torch.bfloat16:
         return reference.silu_and_mul(y, gate, bias, m_indices), _no_scales(y)
-    q, s = reference.silu_and_mul_quant(y, "fp8", quant.FP8_GROUP, gate, bias, m_indices)
+    scheme = quant.of_dtype(a.dtype)
+    q, s = reference.silu_and_mul_quant(y, scheme, quant.FP8_GROUP, gate, bias, m_indices)
     return q, as_layout(s, scale_layout)
+
+
+def gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, scale_layout, row_block,
+                a_rows=None, config=None):  # fmt: skip
+    """Our GEMM1 + gate kernel (``g`` a Gate; ``config``: explicit meta-parameters, the tuner's)
+    and the op's outputs: int8 operands give the kernel's bf16 h, then each row quantized (a row's
+    scale needs all of it), the unfused pair's bytes."""
+    if a.dtype != torch.int8:
+        h, s = _gate_outputs(a, w, m_indices, gate=g.spec, scale_layout=scale_layout)
+        contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, row_block,
+                               config, a_rows)  # fmt: skip
+        return h, s
+    from epmoe.ops.quantize import quantize  # (the quantize stage, on h's rows)
+
+    h = a.new_empty((m_indices.shape[0], g.inter(w.shape[1])), dtype=torch.bfloat16)
+    contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, _no_scales(h),
+                           row_block, config, a_rows)  # fmt: skip
+    return quantize(h, "int8", scale_layout=scale_layout)
 
 
 def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
@@ -292,10 +311,8 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     block = alignment or contiguous_row_block(scheme, a.device)
     g = _gate.get(gate, OP_GATE, "gate")
     if _runs("triton", scheme, "contiguous", a.device, w.shape[1], a.shape[1], block):
-        h, s = _gate_outputs(a, w, m_indices, gate=g.spec, scale_layout=scale_layout)
-        contiguous_gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, h, s, block,
-                               a_rows=a_rows)  # fmt: skip
-        return h, s
+        return gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, scale_layout, block,
+                           a_rows)  # fmt: skip
     from epmoe.ops import activation  # (the unfused pair: no fused kernel on this GPU)
 
     y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block,
@@ -303,8 +320,9 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     if a.dtype == torch.bfloat16:
         h = activation.silu_and_mul(y, m_indices=m_indices, gate=g.spec, bias=bias)
         return h, _no_scales(y)
-    return activation.silu_and_mul_quant(y, "fp8", m_indices=m_indices, scale_layout=scale_layout,
-                                         gate=g.spec, bias=bias)  # fmt: skip
+    return activation.silu_and_mul_quant(y, scheme.name, m_indices=m_indices,
+                                         scale_layout=scale_layout, gate=g.spec,
+                                         bias=bias)  # fmt: skip
 
 
 @stage(
@@ -332,22 +350,24 @@ def grouped_gemm_gate(
     (a[r] @ w[m_indices[r]].T rounded to bf16, plus bias[m_indices[r]] in float32), rounded to
     bf16, then (fp8) quantized per 128 channels: the bytes of :func:`grouped_gemm_contiguous` then
     :func:`epmoe.ops.silu_and_mul` / ``silu_and_mul_quant`` on the same GEMM backend, without y's
-    round trip through memory or the activation's launch.
+    round trip through memory or the activation's launch. int8: the kernel writes h in bf16 (half
+    of y's bytes) and the quantize stage makes each row's codes and scale (it needs the whole row).
 
     Args:
-        a: bf16/fp8 `[M_sum, Kd]` (int8: ValueError; its per-row scale needs the whole row);
-            with a_rows `[M, Kd]`, the rows a_rows names.
+        a: bf16/fp8/int8 `[M_sum, Kd]`; with a_rows `[M, Kd]`, the rows a_rows names.
         w: same dtype `[E, W, Kd]`: W = 2I, the gate rows then the up rows (I without a gate
             half), as returned by :func:`prepare_weights`.
         m_indices: int32 `[M_sum]` expert per row, -1 to skip; blocks aligned to ``alignment``.
-        a_scales, w_scales: float32 scales for fp8 (see the package docstring).
+        a_scales, w_scales: float32 scales for fp8 / int8 (see the package docstring).
         gate: the gate's spec (:func:`epmoe.gate.parse`). bias: optional float `[E, W]`.
-        scale_layout: fp8 output scales "row" or "deepgemm" (what GEMM2 reads without a copy).
+        scale_layout: fp8 / int8 output scales "row" or "deepgemm" (what GEMM2 reads without a
+            copy).
         alignment: as in :func:`grouped_gemm_contiguous`.
         trusted: m_indices comes from permute (the CUDA kernel skips its value check).
         a_rows: optional int32 `[M_sum]`: the row of a each row reads, -1 on padding, as in
             :func:`grouped_gemm_contiguous`.
     Returns:
-        (h bf16/fp8 `[M_sum, I]`, float32 `[M_sum, I/128]` (fp8) or `[M_sum, 0]` (bf16)); rows
-        with m_indices == -1 unspecified. CUDA-graph safe after warmup.
+        (h bf16/fp8/int8 `[M_sum, I]`, float32 `[M_sum, I/128]` (fp8), `[M_sum, 1]` (int8) or
+        `[M_sum, 0]` (bf16)); rows with m_indices == -1 unspecified. CUDA-graph safe after
+        warmup.
     """

@@ -165,7 +165,7 @@ def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_blo
     expert blocks of ``row_block`` rows and ``m`` rows, the layer's ``gate`` (spec) and ``bias``
     (whether it has gate/up biases)."""
     scheme = quant.get(scheme, OP, "scheme")
-    if scheme is quant.INT8 or torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda":
         return False
     best = _tuned.backend("gate", scheme, inter, k, e, row_block, m, device, str(gate), bias)
     return best == "triton" and _runs("triton", scheme, "contiguous", device, inter, k, row_block)

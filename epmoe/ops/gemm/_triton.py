@@ -144,11 +144,16 @@ def _dot_gate_up(
     stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr, GLU: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_dot_k` (bf16 / fp8) of the gate rows at ``w_ptrs`` and the up rows ``UP`` elements
-    (their scales ``UP_S``) further, one load of each a tile for both: float32 (gate, up); without
-    GLU the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused)."""
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    """:func:`_dot_k` of the gate rows at ``w_ptrs`` and the up rows ``UP`` elements (their
+    scales ``UP_S``) further, one load of each a tile for both: float32 (gate, up), their scales
+    applied (int8: int32 sums, then per-token x per-channel scales as :func:`_tile`); without GLU
+    the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused)."""
+    if QUANT == 2:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -165,13 +170,22 @@ def _dot_gate_up(
             acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
             if GLU:
                 acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
+        elif QUANT == 2:
+            acc_u = tl.dot(a, bu, acc=acc_u, out_dtype=tl.int32)
+            if GLU:
+                acc_g = tl.dot(a, bg, acc=acc_g, out_dtype=tl.int32)
         else:
             acc_u = tl.dot(a, bu, acc=acc_u)
             if GLU:
                 acc_g = tl.dot(a, bg, acc=acc_g)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    return acc_g, acc_u
+    if QUANT == 2:  # (one return per build: the compiler wants one type)
+        a_s = tl.load(as_ptrs)[:, None]
+        u = acc_u.to(tl.float32) * a_s * tl.load(ws_ptrs + UP_S)[None, :]
+        return acc_g.to(tl.float32) * a_s * tl.load(ws_ptrs)[None, :] if GLU else u, u
+    else:
+        return acc_g, acc_u
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -208,10 +222,11 @@ def _contiguous_gate_kernel(
     up = I if GLU else 0  # (the up rows' offset in w and in the bias)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_e = w_ptr + expert * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    ws_e = w_scale_ptr + expert * stride_wse + (wc // SCALE_K) * stride_wsn
+    per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
+    ws_e = w_scale_ptr + expert * stride_wse + (wc // per) * stride_wsn
     acc_g, acc_u = _dot_gate_up(
         a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
-        (up // SCALE_K) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
+        (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
         BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
     )  # fmt: skip
     bg, bu = None, None
@@ -336,8 +351,8 @@ _MASKED_CONFIGS = [
 ]
 
 
-# GEMM1 + gate in one kernel: two float32 accumulators (gate, up) per tile; fp8 out wants tiles of
-# one activation scale group (BLOCK_N = 128)
+# GEMM1 + gate in one kernel: two float32 (int8: int32) accumulators (gate, up) per tile; fp8 out
+# wants tiles of one activation scale group (BLOCK_N = 128)
 _GATE_CONFIGS = [
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
     _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8),
@@ -350,8 +365,8 @@ _GATE_CONFIGS = [
 
 def fits_gate(config: Dict, quant_code: int, row_block: int) -> bool:
     """Whether ``config`` runs GEMM1 + gate for the scheme of kernel code ``quant_code`` (bf16 0,
-    fp8 1; int8's per-row scale needs the whole row: never) at ``row_block``."""
-    if quant_code == 2 or row_block % config["BLOCK_M"]:
+    fp8 1, int8 2) at ``row_block``."""
+    if row_block % config["BLOCK_M"]:
         return False
     tile = config["BLOCK_M"] * config["BLOCK_N"]
     if quant_code == 1:
@@ -614,15 +629,16 @@ def contiguous_gate_triton(
     a_rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch GEMM1 + gate in one kernel (also on CPU tensors under TRITON_INTERPRET=1): h =
-    gate(bf16(a @ w[e].T) + bias[e]) rounded to bf16, quantized per 128 channels for fp8.
+    gate(bf16(a @ w[e].T) + bias[e]) rounded to bf16, quantized per 128 channels for fp8 (int8
+    operands: h bf16, quantized per row by the caller: a row's scale needs all of it).
 
     Args:
-        a: bf16/fp8 `[M_sum, Kd]` (with a_rows: `[M, Kd]`). w: same dtype `[E, W, Kd]` (W = 2I:
-            gate rows, then up; I without a gate half). m_indices: int32 `[M_sum]`, contiguous.
-            a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None for bf16).
+        a: bf16/fp8/int8 `[M_sum, Kd]` (with a_rows: `[M, Kd]`). w: same dtype `[E, W, Kd]`
+            (W = 2I: gate rows, then up; I without a gate half). m_indices: int32 `[M_sum]`,
+            contiguous. a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None: bf16).
         gate: a :class:`epmoe.gate.Gate`. bias: float `[E, W]` or None.
-        h: bf16 / fp8 `[M_sum, I]`, written. h_scales: float32 `[M_sum, I / 128]` (fp8; any
-            strides), written; unused for bf16.
+        h: bf16 / fp8 (fp8 a) `[M_sum, I]`, written. h_scales: float32 `[M_sum, I / 128]` (fp8;
+            any strides), written; unused otherwise.
         row_block, a_rows: as in :func:`contiguous_triton`. config: explicit meta-parameters
             (tests); None = the tuned table's, else autotuned.
     Rows of -1 blocks are left unwritten.

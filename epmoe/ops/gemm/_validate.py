@@ -92,18 +92,12 @@ MASKED = Contract(
 
 OP_GATE = "grouped_gemm_gate"
 # GEMM1 + gate: the contiguous operands, then the gate (its halves in w's rows), the bias rows and
-# the output scales; int8's per-row output scale needs the whole row: refused
+# the output scales
 GATE = Contract(
     OP_GATE,
     "a w m_indices a_scales w_scales gate bias scale_layout a_rows",
     *_operands(masked=False),
     _rows(),
-    Rule(
-        "a.dtype is not INT8",
-        "a",
-        "bf16 or fp8 codes (int8: GEMM1, then the act stage)",
-        lambda n: n.a.dtype,
-    ),  # fmt: skip
     Rule(_gate.OK, "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
     Case(
         _gate.GLU,
@@ -115,7 +109,7 @@ GATE = Contract(
     ),
     Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
     Choice("scale_layout", ("row", "deepgemm")),
-    consts=dict(_CONSTS, **_gate.CONTRACT_CONSTS, INT8=torch.int8),
+    consts=dict(_CONSTS, **_gate.CONTRACT_CONSTS),
 )
 
 
