@@ -318,67 +318,37 @@ def cases() -> Dict[str, Callable[[], object]]:
         "range check": lambda: _launch.kernel(R._range_kernel)[(1,)](
             ids, torch.empty((), dtype=torch.bool), ids.numel(), -1, 8, BLOCK=R.BLOCK, num_warps=4
         ),
-        # every scheme x every candidate config that fits (the autotuner may pick any of them)
-        "contiguous GEMMs (bf16 / fp8 / int8, every candidate config)": lambda: [
-            G.contiguous_triton(
-                *_gemm_operands(sch, (256,), 4, 256, 512, mn_major=True),
-                row_block=128,
-                config=_launch_options(c),
-            )
+        # every scheme x every candidate config that fits (the autotuner may pick any of them), the
+        # rows of a copied by permute or read through its src_rows (the gathering HT path)
+        "contiguous GEMMs (every scheme and candidate config; copied or gathered rows)": lambda: [
+            G.contiguous_triton(*args, row_block=128, config=_launch_options(c), **kw)
             for sch in ("bf16", "fp8", "int8")
             for c in G._CONTIGUOUS_CONFIGS
             if G.fits(c.all_kwargs(), _code(sch), 128)
+            for args, kw in (_contiguous_operands(sch, 256, g) for g in (False, True))
         ],  # fmt: skip
         "GEMM1 + gate (every scheme and candidate config; gpt-oss's gate, biases)": lambda: [
             G.contiguous_gate_triton(
-                *_gemm_operands(sch, (256,), 4, gate.get(spec).width(256), 512, mn_major=True),
+                *args,
                 gate.get(spec),
                 torch.zeros((4, gate.get(spec).width(256))) if bias else None,
                 torch.empty((256, 256), dtype=torch.float8_e4m3fn if sch == "fp8" else bf.dtype),
                 torch.empty((2, 256)).t() if sch == "fp8" else torch.empty((256, 0)),
                 row_block=128,
                 config=_launch_options(c),
+                **kw,
             )
             for sch in ("bf16", "fp8", "int8")
             for c in G._GATE_CONFIGS
             if G.fits_gate(c.all_kwargs(), _code(sch), 128)
-            for spec, bias in (
-                ("silu", False),
-                ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True),
-                ("relu2:glu=0", False),
+            for spec, bias, gathered in (
+                ("silu", False, False),
+                ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True, False),
+                ("relu2:glu=0", False, False),
+                ("silu", False, True),
             )
+            for args, kw in [_contiguous_operands(sch, gate.get(spec).width(256), gathered)]
         ],  # fmt: skip
-        # GEMM1 reading its rows through permute's src_rows (the layer's gathering HT path)
-        "contiguous GEMMs and GEMM1 + gate gathering rows (every candidate config)": lambda: (
-            [
-                G.contiguous_triton(
-                    *_gather_operands(sch, 256),
-                    row_block=128,
-                    config=_launch_options(c),
-                    a_rows=torch.zeros(256, dtype=torch.int32),
-                )
-                for sch in ("bf16", "fp8", "int8")
-                for c in G._CONTIGUOUS_CONFIGS
-                if G.fits(c.all_kwargs(), _code(sch), 128)
-            ]
-            + [
-                G.contiguous_gate_triton(
-                    *_gather_operands(sch, 512),
-                    gate.get("silu"),
-                    None,
-                    torch.empty(
-                        (256, 256), dtype=torch.float8_e4m3fn if sch == "fp8" else bf.dtype
-                    ),
-                    torch.empty((2, 256)).t() if sch == "fp8" else torch.empty((256, 0)),
-                    row_block=128,
-                    config=_launch_options(c),
-                    a_rows=torch.zeros(256, dtype=torch.int32),
-                )
-                for sch in ("bf16", "fp8", "int8")
-                for c in G._GATE_CONFIGS
-                if G.fits_gate(c.all_kwargs(), _code(sch), 128)
-            ]
-        ),  # fmt: skip
         # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
             G.masked_triton(
@@ -422,10 +392,15 @@ def _gemm_operands(scheme, lead, E, N, K, mn_major=False, counts=None):
     return a, w, rows, a_s, torch.zeros(qs.weight_scale_shape(E, N, K))
 
 
-def _gather_operands(scheme, N):
-    """Zero operands of a gathering contiguous GEMM: a and its scales of 64 rows, 256 rows."""
-    a, w, _, a_s, w_s = _gemm_operands(scheme, (64,), 4, N, 512, mn_major=True)
-    return a, w, torch.zeros(256, dtype=torch.int32), a_s, w_s
+def _contiguous_operands(scheme, N, gathered: bool):
+    """((a, w, m_indices, a_scales, w_scales), keywords) of a contiguous GEMM of 256 rows and
+    N outputs; ``gathered``: a of 64 rows, which the keywords' a_rows names."""
+    a, w, rows, a_s, w_s = _gemm_operands(scheme, (64 if gathered else 256,), 4, N, 512,
+                                          mn_major=True)  # fmt: skip
+    if not gathered:
+        return (a, w, rows, a_s, w_s), {}
+    rows = torch.zeros(256, dtype=torch.int32)
+    return (a, w, rows, a_s, w_s), dict(a_rows=rows)
 
 
 # one gate per activation, every field of epmoe.gate.Gate set somewhere

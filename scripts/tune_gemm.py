@@ -184,30 +184,28 @@ def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
     """GEMM1 and the gate as one kernel (int8: then the quantize stage on h's rows), per row
     block and T as the contiguous problems: N = I (h's channels), K = H, the config's gate and
     biases."""
-    (width, k), _ = gemm_sizes(cfg, scheme)
-    spec = _gate.get(cfg.gate).spec
-    inter = _gate.get(spec).inter(width)
-    E, K, seen = cfg.local_experts, cfg.top_k, set()
-    for rb in row_blocks:
-        for t in tokens:
-            m = reference.permuted_rows(t, K, E, rb)
-            p = Problem("gate", scheme, inter, k, E, rb, m, t, m, K, spec, bool(cfg.bias))
-            if p[:7] not in seen:
-                seen.add(p[:7])
-                yield p
+    return _gemm1_problems("gate", cfg, scheme, row_blocks, tokens)
 
 
 def gather_problems(cfg, scheme: str, row_blocks: Iterable[int],
                     tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
     """The HT path's permute and GEMM1, copying or gathering the rows, per row block and T as the
     contiguous problems: N = w1's rows (the gate's width), K = H, the config's gate and biases."""
+    return _gemm1_problems("gather", cfg, scheme, row_blocks, tokens)
+
+
+def _gemm1_problems(layout: str, cfg, scheme: str, row_blocks: Iterable[int],
+                    tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
+    """GEMM1's problems of a layer-keyed ``layout`` ("gate": N = h's channels; "gather": N = w1's
+    rows), per row block and T, with the config's gate spec and biases."""
     (width, k), _ = gemm_sizes(cfg, scheme)
     spec = _gate.get(cfg.gate).spec
+    n = _gate.get(spec).inter(width) if layout == "gate" else width
     E, K, seen = cfg.local_experts, cfg.top_k, set()
     for rb in row_blocks:
         for t in tokens:
             m = reference.permuted_rows(t, K, E, rb)
-            p = Problem("gather", scheme, width, k, E, rb, m, t, m, K, spec, bool(cfg.bias))
+            p = Problem(layout, scheme, n, k, E, rb, m, t, m, K, spec, bool(cfg.bias))
             if p[:7] not in seen:
                 seen.add(p[:7])
                 yield p

@@ -598,10 +598,16 @@ def test_masked_counts_out_of_range_debug():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_layer_fused_gate_warms_up_and_replays(scheme, monkeypatch):
-    """A layer whose table fuses GEMM1 and the gate: warmup compiles the fused kernel (nothing
-    compiles inside the capture), the replay gives the eager bytes, both near the unfused layer."""
+@pytest.mark.parametrize(
+    "scheme,fused,gathered",
+    [("bf16", True, False), ("fp8", True, False), ("int8", True, False), ("bf16", False, True),
+     ("fp8", True, True), ("int8", False, True)],
+)  # fmt: skip
+def test_layer_measured_variants_warm_up_and_replay(scheme, fused, gathered, monkeypatch):
+    """A layer whose table fuses GEMM1 and the gate and / or has GEMM1 gather its rows (permute
+    copying none): warmup compiles those builds (nothing compiles inside the capture), the replay
+    gives the eager bytes, the output is the plain layer's (int8 gathering alone: the same kernel,
+    bit for bit)."""
     from epmoe import EPMoE
     from epmoe import layer as layer_mod
     from epmoe.ops.gemm import _weights
@@ -617,55 +623,22 @@ def test_layer_fused_gate_warms_up_and_replays(scheme, monkeypatch):
     plain.load_weights(w1, w2)
     want = plain(x, ids, w)
     for mod in (layer_mod, _weights):
-        monkeypatch.setattr(mod, "fuses_gate", lambda *args: True)
-    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)  # (a table with "gate")
-    fused = EPMoE(**shape, **kw)
-    fused.load_weights(w1, w2)
-    fused.warmup([40])
-    with fused.record_stages() as rec:
-        out = fused(x, ids, w)
-    assert "gemm1" not in rec and rel_l2(out, want) < 2e-2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        replayed = fused(x, ids, w)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme,fused", [("bf16", False), ("fp8", True), ("int8", False)])
-def test_layer_gathering_warms_up_and_replays(scheme, fused, monkeypatch):
-    """A layer whose table says GEMM1 gathers its rows (permute copying none): warmup compiles the
-    gathering build (nothing compiles inside the capture), the replay gives the eager bytes, and
-    the output is the copying layer's (int8: the same kernel, bit for bit)."""
-    from epmoe import EPMoE
-    from epmoe import layer as layer_mod
-    from epmoe.ops.gemm import _weights
-    from tests._moe import global_weights, tokens
-
-    dev = torch.device("cuda")
-    shape = dict(num_experts=8, hidden_size=256, intermediate_size=256, top_k=2)
-    kw = dict(quant=scheme, mode="ht", alignment=32, backend="local", device=dev)
-    w1, w2 = global_weights(**shape)
-    x, ids, w = (t.to(dev) for t in tokens(40, seed=10, **shape))
-    plain = EPMoE(**shape, **kw)
-    plain.load_weights(w1, w2)
-    want = plain(x, ids, w)
-    for mod in (layer_mod, _weights):
-        monkeypatch.setattr(mod, "gathers", lambda *args: True)
         monkeypatch.setattr(mod, "fuses_gate", lambda *args: fused)
+        monkeypatch.setattr(mod, "gathers", lambda *args: gathered)
     monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)  # (a table with entries)
-    gathering = EPMoE(**shape, **kw)
-    gathering.load_weights(w1, w2)
-    gathering.warmup([40])
-    with gathering.record_stages() as rec:
-        out = gathering(x, ids, w)
-    assert rec["permute"].x.shape[1] == 0 and ("gemm1" in rec) is not fused
-    assert torch.equal(out, want) if scheme == "int8" else rel_l2(out, want) < 2e-2
+    layer = EPMoE(**shape, **kw)
+    layer.load_weights(w1, w2)
+    layer.warmup([40])
+    with layer.record_stages() as rec:
+        out = layer(x, ids, w)
+    assert ("gemm1" in rec) is not fused and (rec["permute"].x.shape[1] == 0) is gathered
+    if scheme == "int8" and not fused:
+        assert torch.equal(out, want)
+    else:
+        assert rel_l2(out, want) < 2e-2
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        replayed = gathering(x, ids, w)
+        replayed = layer(x, ids, w)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
