@@ -148,7 +148,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
         return _direct(out, x)
     a, s, mm, rows = st.ll_scatter(x, ids, E, C, q, scale_layout=lay)
     s = s if q != "bf16" else None
-    kw = dict(masked_m=mm, expected_m=layer._expected_m, trusted=True)
+    kw = dict(masked_m=mm, expected_m=layer.expected_m(tokens), trusted=True)
     gm = st.grouped_gemm_masked
     y1 = torch.zeros(E, C, I2, dtype=torch.bfloat16, device=dev)
     h, hs = layer._act(st, y1, mm)

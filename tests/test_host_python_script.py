@@ -12,7 +12,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_host_python_runs_every_path():
     res = subprocess.run(
-        [sys.executable, "scripts/host_python.py", "--iters", "3", "--repeats", "1"],
+        [sys.executable, "scripts/host_python.py", "--iters", "3", "--repeats", "1", "--stages"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -25,6 +25,7 @@ def test_host_python_runs_every_path():
     for quant in ("bf16", "fp8", "int8"):
         for path, tokens in (("gemv", 1), ("ll", 32), ("ht", 32)):
             assert float(rows[f"{quant} {path} T={tokens}"]) > 0
+    assert any("permute" in name for name in rows) and any("ll gemm1" in n for n in rows)
 
 
 def test_host_python_against_another_tree():

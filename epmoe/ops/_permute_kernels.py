@@ -67,8 +67,8 @@ def _scan_kernel(
     BLOCK: tl.constexpr, PDL: tl.constexpr, ASSERT: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, E): counts[e, b] <- entries of e in blocks < b; totals[e] <- all of them.
-    Program E: ok <- no invalid id in any block; with ASSERT (a debug=True build) it also asserts
-    ok (this small kernel, not the copy, carries the assert's registers)."""
+    Program E: ok <- no invalid id in any block; with ASSERT (a debug=True build) it asserts that
+    instead (this small kernel, not the copy, carries the assert's registers)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # counts and bad come from the count kernel
@@ -87,10 +87,11 @@ def _scan_kernel(
         for b0 in range(0, NB, BLOCK):
             offs = b0 + lane
             acc += tl.sum(tl.load(bad_ptr + offs, mask=offs < NB, other=0), axis=0)
-        tl.store(ok_ptr + lane, acc == 0, mask=lane < 1)
-        if ASSERT:
+        if ASSERT:  # (ok is then a placeholder, never written)
             n_bad = tl.max(acc, axis=0)
             tl.device_assert(n_bad == 0, "permute: topk_ids expected ids in [0, E) or -1")
+        else:
+            tl.store(ok_ptr + lane, acc == 0, mask=lane < 1)
 
 
 @triton.jit
@@ -365,7 +366,7 @@ def _small_permute_kernel(
     entries in earlier tokens, plus those earlier in the token; chunk 0 also writes inv_perm and
     the rows' source.
     Programs past M * CHUNKS: one expert's block of m_indices each (E: the unused tail); the
-    first also writes expert_offsets and the id check's flag, and with ASSERT (a launch with
+    first also writes expert_offsets and the id check's flag, or with ASSERT (a launch with
     debug=True, which compiles device asserts in) asserts it: no separate check kernel after this
     one."""
     pid = tl.program_id(0)
@@ -392,9 +393,10 @@ def _small_permute_kernel(
                        NUM_BINS, BLOCK_ROWS, 1)  # fmt: skip
         if q == 0:
             n_bad = tl.sum(bad.to(tl.int32), axis=0)
-            tl.store(ok_ptr + bins, n_bad + bins * 0 == 0, mask=bins < 1)
-            if ASSERT:
+            if ASSERT:  # (ok is then a placeholder, never written)
                 tl.device_assert(n_bad == 0, "permute: topk_ids expected ids in [0, E) or -1")
+            else:
+                tl.store(ok_ptr + bins, n_bad + bins * 0 == 0, mask=bins < 1)
     else:
         before = tl.histogram(tl.where(pos < t * K_PAD, binned, E), NUM_BINS)
         live = e >= 0

@@ -220,13 +220,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct: bool,
+def _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, in_kernel: bool,
                        cfg: PermuteConfig) -> None:  # fmt: skip
     """Launches _small_permute_kernel: the whole permute in one kernel (up to cfg.small_entries
     entries, no row-block scales) into ``outs`` (the op's 6 tensors); ``ok``: the id check's
-    flag, checked here unless the kernel asserts it."""
+    flag, checked here unless the kernel asserts it (``in_kernel``: then a placeholder)."""
     x_out, s_out, m_indices, inv_perm, offsets, src = outs
-    in_kernel = _checks.assert_in_kernel(direct)
     has_s = x_scales is not None
     launch = _one_kernel_launch(
         tuple(topk_ids.shape), x.shape[1], x_scales.shape[1] if has_s else 0, E, A, m_sum,
@@ -263,10 +262,10 @@ def _one_kernel_launch(ids_shape, H, S, E, A, m_sum, elem, x_strides, s_strides,
 
 
 def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct: bool,
-                  by_row: bool, cfg: PermuteConfig) -> None:  # fmt: skip
+                  in_kernel: bool, by_row: bool, cfg: PermuteConfig) -> None:  # fmt: skip
     """Launches the kernel chain (count, scan, place and copy, and with ``by_row`` the row-block
     scale copy) into ``outs`` (the op's 6 tensors); ``ok``: the id check's flag, checked here
-    unless the scan kernel asserts it."""
+    unless the scan kernel asserts it (``in_kernel``: then a placeholder)."""
     x_out, s_out, m_indices, inv_perm, offsets, src = outs
     M, K = topk_ids.shape
     H = x.shape[1]
@@ -300,7 +299,6 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
         TB=tb, K_PAD=k_pad, NUM_BINS=_launch.pow2(E + 1), PDL=use_pdl, num_warps=4,
     )  # fmt: skip
     # the id check: asserted by the scan kernel itself on direct CUDA launches (else below)
-    in_kernel = _checks.assert_in_kernel(direct)
     _launch.kernel(_scan_kernel)[(E + 1,)](
         counts, bad, totals, ok, E, nb, BLOCK=cfg.block_scan, ASSERT=in_kernel, num_warps=4,
         **pdl, **_checks.assert_build(in_kernel),
@@ -362,13 +360,17 @@ def _permute_triton(
     S = x_scales.shape[1] if x_scales is not None else 0
     outs = _outputs(x, topk_ids, E, A, x_scales, scale_layout)
     m_sum = outs[2].shape[0]  # (permuted_rows(M, K, E, A), as _outputs sized m_indices)
-    ok = torch.empty((1,), dtype=torch.bool, device=x.device)  # ([1]: Inductor fills a 0-d empty)
     by_row = _by_row(S, scale_layout, M * K, cfg)
     direct = _checks.direct_launch(x)
+    in_kernel = _checks.assert_in_kernel(direct)
+    # the id check's flag ([1]: Inductor fills a 0-d empty); asserted in the kernel, none: an
+    # input as the placeholder the kernel never writes
+    ok = topk_ids if in_kernel else torch.empty((1,), dtype=torch.bool, device=x.device)
     if not by_row and _at_most(M * _launch.pow2(K), cfg.small_entries):
-        _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, cfg)
+        _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E, A, m_sum, in_kernel, cfg)
     else:
-        _launch_chain(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, by_row, cfg)
+        _launch_chain(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, in_kernel, by_row,
+                      cfg)  # fmt: skip
     return outs
 
 
