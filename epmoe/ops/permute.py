@@ -186,9 +186,10 @@ def _scale_vec(x_scales: torch.Tensor, s_out: torch.Tensor) -> dict:
 
 def _pf_ok(x, block_h: int) -> bool:
     """The bulk prefetch can take x's column chunks of block_h (16-byte aligned, multiples of
-    16 bytes)."""
+    16 bytes; none for x without columns: no zero-size prefetch)."""
     size = x.element_size()
-    return _aligned16(x) and (x.shape[1] * size) % 16 == 0 and (block_h * size) % 16 == 0
+    row = x.shape[1] * size
+    return row > 0 and _aligned16(x) and row % 16 == 0 and (block_h * size) % 16 == 0
 
 
 def _scales_ok(x_scales) -> bool:

@@ -178,3 +178,13 @@ def test_permute_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         ops.permute(**args)
+
+
+def test_no_l2_prefetch_of_rows_without_columns():
+    """x[:, :0] (the gathering path's permute) asks the L2 for nothing: a zero-size bulk
+    prefetch is never issued."""
+    import importlib
+
+    P = importlib.import_module("epmoe.ops.permute")  # (the module: ops.permute is the function)
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    assert P._pf_ok(x, 2048) and not P._pf_ok(x[:, :0], 2048) and not P._pf_ok(x[:, :0], 8)
