@@ -45,9 +45,7 @@ def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offse
     """grouped_gemm_contiguous on CUDA (metadata checked by the caller, a's device current: every
     caller makes it so); trusted: no value check of m_indices / a_rows (rows from permute)."""
     if not trusted:
-        _checks.check_ids(m_indices, w.shape[0], OP, "m_indices")
-        if a_rows is not None:
-            _checks.check_ids(a_rows, a.shape[0], OP, "a_rows")
+        _check_rows(a, w, m_indices, a_rows, OP)
     scheme = scheme_of(a.dtype)
     M, K = m_indices.shape[0], a.shape[1]
     E, N, _ = w.shape
@@ -108,13 +106,19 @@ def _contiguous_output(a, w, m_indices, *_):
     return a.new_empty((m_indices.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
+def _check_rows(a, w, m_indices, a_rows, op: str) -> None:
+    """The row arguments' values: m_indices experts of w (or -1), a_rows rows of a (or -1)."""
+    _checks.check_ids(m_indices, w.shape[0], op, "m_indices")
+    if a_rows is not None:
+        _checks.check_ids(a_rows, a.shape[0], op, "a_rows")
+
+
 def _gathered(a, a_scales, m_indices, w, a_rows, op: str):
     """(a, a_scales) in row order: the CPU reference's view of a gathering call (its ids checked
     first, always: trusted is CUDA's)."""
-    _checks.check_ids(m_indices, w.shape[0], op, "m_indices")
+    _check_rows(a, w, m_indices, a_rows, op)
     if a_rows is None:
         return a, a_scales
-    _checks.check_ids(a_rows, a.shape[0], op, "a_rows")
     return reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
 
 
@@ -304,9 +308,7 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     """grouped_gemm_gate on CUDA: our fused kernel where it runs, else GEMM1 and the activation
     stage (the same values: the kernel rounds GEMM1's output to bf16 before the gate)."""
     if not trusted:
-        _checks.check_ids(m_indices, w.shape[0], OP_GATE, "m_indices")
-        if a_rows is not None:
-            _checks.check_ids(a_rows, a.shape[0], OP_GATE, "a_rows")
+        _check_rows(a, w, m_indices, a_rows, OP_GATE)
     scheme = quant.of_dtype(a.dtype)
     block = alignment or contiguous_row_block(scheme, a.device)
     g = _gate.get(gate, OP_GATE, "gate")

@@ -64,6 +64,16 @@ def _dot_k(
 
 
 @triton.jit
+def _a_rows(a_rows_ptr, offs_m, M, GATHER: tl.constexpr):
+    """int64 rows of a that block rows ``offs_m`` read: themselves (tail rows past M wrap onto
+    valid memory, never stored) or, with GATHER, a_rows' entries (padding's -1: row 0)."""
+    rows = (offs_m % M).to(tl.int64)
+    if GATHER:
+        rows = tl.maximum(tl.load(a_rows_ptr + rows), 0).to(tl.int64)
+    return rows
+
+
+@triton.jit
 def _block_mn(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of program ``pid``: GROUP_M row blocks (mostly of the same
     expert) sweep the N tiles together, so weight tiles and activation rows are reused from L2."""
@@ -125,9 +135,7 @@ def _contiguous_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # tail rows/columns wrap onto valid memory; their results are never stored
-    rows = (offs_m % M).to(tl.int64)
-    if GATHER:  # the rows of a these read (padding's -1: row 0, never stored)
-        rows = tl.maximum(tl.load(a_rows_ptr + rows), 0).to(tl.int64)
+    rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
     cols = offs_n % N
     y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
               rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn, stride_wk,
@@ -214,9 +222,7 @@ def _contiguous_gate_kernel(
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_m % M).to(tl.int64)  # (tail rows wrap onto valid memory, never stored)
-    if GATHER:  # the rows of a these read (padding's -1: row 0, never stored)
-        rows = tl.maximum(tl.load(a_rows_ptr + rows), 0).to(tl.int64)
+    rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
     wc = cols % I
     offs_k = tl.arange(0, BLOCK_K)
     up = I if GLU else 0  # (the up rows' offset in w and in the bias)
