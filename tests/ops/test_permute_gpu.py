@@ -30,7 +30,7 @@ def _check(x, ids, e, a, scales=None, layout="row"):
             p = permute(x.cuda(), ids.cuda(), e, a, sc, scale_layout=layout)
         torch.cuda.synchronize()
         s = p.x_scales if p.x_scales is not None else torch.empty((p.x.shape[0], 0))
-        out = (p.x, s, p.m_indices, p.inv_perm, p.expert_offsets)
+        out = (p.x, s, p.m_indices, p.inv_perm, p.expert_offsets, p.src_rows)
         C.assert_permute_equal(out, ref)
     return out
 
@@ -168,7 +168,7 @@ def test_cuda_graph_replay(m, h):
         graph.replay()
         torch.cuda.synchronize()
         ref = C.reference_permute(x, ids, e, a, scales)
-        C.assert_permute_equal((p.x, p.x_scales, p.m_indices, p.inv_perm, p.expert_offsets), ref)
+        C.assert_permute_equal(tuple(p), ref)
 
 
 @pytest.mark.parametrize(
