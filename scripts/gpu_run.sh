@@ -29,26 +29,21 @@ for step in "$@"; do
   cap_var="EPMOE_CAP_${step}"; cap=${!cap_var:-$t}; [ "$cap" -lt "$t" ] && t=$cap; [ "$t" -gt 20 ] || { echo "no time left for $step" >> "$OUT/summary.txt"; break; }
   case "$step" in
     tests)
-      # EPMOE_TEST_JOBS=N: N pytest processes on the one GPU, test files split by test count
-      # (the suite is bound by kernel compilation on the host, not by the GPU)
+      # EPMOE_TEST_JOBS=N: N pytest-xdist workers on the one GPU, tests handed out as workers free
+      # up (the suite is bound by kernel compilation on the host, not by the GPU); tests.txt gets
+      # each test's outcome as it ends and failures.txt each traceback, so a capped run keeps both
       jobs=${EPMOE_TEST_JOBS:-1}
-      python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" --collect-only -q -p no:cacheprovider \
-        ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} 2>/dev/null | grep '::' | cut -d: -f1 | sort | uniq -c | sort -rn \
-        | awk -v n="$jobs" '{b=0; for(i=1;i<n;i++) if(l[i]<l[b]) b=i; l[b]+=$1; f[b]=f[b]" "$2}
-                            END{for(i=0;i<n;i++) if(f[i]!="") print f[i]}' > "$OUT/test_groups.txt"
-      i=0; pids=()
-      while read -r files; do
-        EPMOE_FAILLOG="$OUT/failures.txt" setsid timeout $((t - 10)) python3 -m pytest $files -m "gpu or multi_gpu" -q -rfE \
-          -p no:cacheprovider --timeout 300 ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests_$i.log" 2>&1 < /dev/null &
-        pids+=($!); i=$((i + 1))
-      done < "$OUT/test_groups.txt"
-      rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-      # a job cut by the cap can leave workers running (Inductor's compile pool), which would slow
-      # every later step's host: each job runs in its own process group, ended here
-      for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null; done
-      for f in "$OUT"/gpu_tests_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/gpu_tests.log"
-      rm -f "$OUT"/gpu_tests_*.log
+      xdist=(); [ "$jobs" -gt 1 ] && xdist=(-n "$jobs")
+      EPMOE_FAILLOG="$OUT/failures.txt" EPMOE_TESTLOG="$OUT/tests.txt" setsid timeout $((t - 10)) \
+        python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE -p no:cacheprovider \
+        --timeout 300 "${xdist[@]}" ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests.log" 2>&1 < /dev/null &
+      pid=$!; wait "$pid"; rc=$?
+      # a run cut by the cap can leave workers running (Inductor's compile pool), which would slow
+      # every later step's host: the run has its own process group, ended here
+      kill -- -"$pid" 2>/dev/null
       grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" >> "$OUT/summary.txt"
+      [ -f "$OUT/tests.txt" ] && echo "tests ended: $(cut -d' ' -f1 "$OUT/tests.txt" | sort | uniq -c | xargs)" \
+        >> "$OUT/summary.txt"
       echo "tests rc=$rc" >> "$OUT/summary.txt" ;;
     layer_bench)
       timeout $((t - 10)) python3 benchmarks/bench_layer.py --out "$OUT/layer.json" \

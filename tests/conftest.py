@@ -49,9 +49,18 @@ def triton_interpret():
 
 
 def pytest_runtest_logreport(report):
-    """With EPMOE_FAILLOG=path, append each failure as it happens (a run cut off by a time limit on
-    the GPU machine still leaves its tracebacks)."""
+    """As each test ends (a run cut off by a time limit on the GPU machine keeps what ran): with
+    EPMOE_FAILLOG=path, append each failure's traceback; with EPMOE_TESTLOG=path, each test's
+    outcome, id and seconds. Under xdist the controller writes (the workers' reports reach it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     path = os.environ.get("EPMOE_FAILLOG")
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+    path = os.environ.get("EPMOE_TESTLOG")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        if report.when == "teardown" and report.outcome == "skipped":
+            return
+        with open(path, "a") as f:
+            f.write(f"{report.outcome} {report.nodeid} ({report.when}) {report.duration:.1f}s\n")
