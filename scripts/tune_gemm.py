@@ -580,17 +580,23 @@ class Tuner:
         best = "gather" if us.get("gather", math.inf) < us.get("copy", math.inf) else "copy"
         return gemm_entry(p, best, {}, us)
 
+    def weights(self, p: Problem, cache: Dict[Tuple, Tuple]) -> Tuple:
+        """(w, w_scales) of ``p``'s GEMM, made once per scheme and shape (``cache`` holds the
+        last one: the previous shape's are freed first)."""
+        rows = _gate.get(p.gate).width(p.N) if p.layout == "gate" else p.N  # (w1's rows)
+        key = (p.scheme, p.E, rows, p.K)
+        if key not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            cache[key] = _weights(quant.get(p.scheme), p.E, rows, p.K, self.gen, self.device)
+        return cache[key]
+
     def gather_entries(self, problems: List[Problem]) -> Iterator[Dict]:
         """The "gather" entry of each problem (w1 made once per shape and scheme)."""
         weights: Dict[Tuple, Tuple] = {}
         for p in problems:
             self.check_time()
-            key = (p.scheme, p.E, p.N, p.K)
-            if key not in weights:
-                weights.clear()
-                torch.cuda.empty_cache()
-                weights[key] = _weights(quant.get(p.scheme), p.E, p.N, p.K, self.gen, self.device)
-            e = self.gathers(p, *weights[key])
+            e = self.gathers(p, *self.weights(p, weights))
             if e is None:
                 print(f"  no gather entry for {p[:7]}: GEMM1 is not ours there", flush=True)
                 continue
@@ -602,14 +608,8 @@ class Tuner:
         weights: Dict[Tuple, Tuple] = {}
         for p in problems:
             self.check_time()
-            rows = _gate.get(p.gate).width(p.N) if p.layout == "gate" else p.N  # (w1's rows)
-            key = (p.scheme, p.E, rows, p.K)
-            if key not in weights:
-                weights.clear()
-                torch.cuda.empty_cache()
-                weights[key] = _weights(quant.get(p.scheme), p.E, rows, p.K, self.gen, self.device)
             runs = self.backends(p)
-            best = winner(self.gemm(p, *weights[key], runs), runs)
+            best = winner(self.gemm(p, *self.weights(p, weights), runs), runs)
             if best is None:
                 print(f"  no entry for {p[:7]}: nothing ran", flush=True)
                 continue

@@ -60,7 +60,5 @@ def pytest_runtest_logreport(report):
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
     path = os.environ.get("EPMOE_TESTLOG")
     if path and (report.when == "call" or report.outcome != "passed"):
-        if report.when == "teardown" and report.outcome == "skipped":
-            return
         with open(path, "a") as f:
             f.write(f"{report.outcome} {report.nodeid} ({report.when}) {report.duration:.1f}s\n")

@@ -53,8 +53,7 @@ def _contiguous_cuda(a, w, m_indices, a_scales=None, w_scales=None, expert_offse
     backend = _backend(scheme, "contiguous", a.device, N, K, E, block, M)
     if backend == "triton":
         return contiguous_triton(a, w, m_indices, a_scales, w_scales, block, a_rows=a_rows)
-    if a_rows is not None:  # (the other backends read a in row order: its rows gathered first)
-        a, a_scales = reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
+    a, a_scales = _in_order(a, a_scales, a_rows)  # (the other backends read a in row order)
     if backend == "reference" or M == 0:
         return reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
     if backend == "grouped_mm":
@@ -113,13 +112,18 @@ def _check_rows(a, w, m_indices, a_rows, op: str) -> None:
         _checks.check_ids(a_rows, a.shape[0], op, "a_rows")
 
 
+def _in_order(a, a_scales, a_rows):
+    """(a, a_scales) in row order: their rows gathered through a_rows (None: as they are)."""
+    if a_rows is None:
+        return a, a_scales
+    return reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
+
+
 def _gathered(a, a_scales, m_indices, w, a_rows, op: str):
     """(a, a_scales) in row order: the CPU reference's view of a gathering call (its ids checked
     first, always: trusted is CUDA's)."""
     _check_rows(a, w, m_indices, a_rows, op)
-    if a_rows is None:
-        return a, a_scales
-    return reference.take_rows(a, a_rows), reference.take_rows(a_scales, a_rows)
+    return _in_order(a, a_scales, a_rows)
 
 
 def _contiguous_reference(a, w, m_indices, a_scales=None, w_scales=None, expert_offsets=None,
