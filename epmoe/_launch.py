@@ -13,9 +13,9 @@
 
 The direct key is what Triton specializes on: the device, every keyword (constexprs and launch
 options), each tensor's dtype and 16-byte alignment, each int's ``== 1`` / multiple-of-16 / 32-bit
-range, and the type of any other argument. A runtime scalar passed by keyword is keyed by its value
-(a runtime tensor by keyword is never cached). Profiler launch hooks, when set, send every launch
-through Triton's own path.
+range, a TMA tensor descriptor's dtype and tile, and the type of any other argument. A runtime
+scalar passed by keyword is keyed by its value (a runtime tensor by keyword is never cached).
+Profiler launch hooks, when set, send every launch through Triton's own path.
 
 :func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts.
 :func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
@@ -30,6 +30,7 @@ import torch
 import triton
 from torch._library import triton as _triton_lib
 from torch.library import wrap_triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter
 
@@ -155,6 +156,8 @@ def _key(dev, args, meta) -> Tuple:
         elif c is _Tensor or isinstance(a, _Tensor):
             key.append(a.dtype)
             key.append(a.data_ptr() & 15 == 0)
+        elif c is TensorDescriptor:  # (Triton specializes on its dtype and tile)
+            key.append((a.base.dtype, tuple(a.block_shape)))
         else:
             key.append(c)
     return tuple(key)
@@ -194,6 +197,8 @@ class Prepared:
         dev = torch._C._cuda_getDevice()
         key = [dev]
         for t in tensors:
+            if t.__class__ is TensorDescriptor:  # (its tile is the meta's: fixed here)
+                t = t.base
             key.append(t.dtype)
             key.append(t.data_ptr() & 15 == 0)
         key = tuple(key)

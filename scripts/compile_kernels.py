@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from epmoe import _checks, _launch, gate, reference  # noqa: E402
 
@@ -114,6 +115,8 @@ def _arg_type(v) -> str:
         return "constexpr"
     if isinstance(v, torch.Tensor):
         return "*" + _DTYPES[v.dtype]
+    if isinstance(v, TensorDescriptor):  # (a TMA-fed GEMM's operands)
+        return f"tensordesc<{_DTYPES[v.base.dtype]}[{','.join(map(str, v.block_shape))}]>"
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
@@ -141,8 +144,9 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     # tensors and ints divisible by 16 get the divisibility hint that lets loads and stores
     # vectorize; not for do_not_specialize arguments
     keep = {names[d] if isinstance(d, int) else d for d in fn.do_not_specialize}
+    defaults = {p.name: p.default for p in fn.params}
     for i, name in enumerate(names):
-        v = values[name]
+        v = values[name] if name in values else defaults[name]
         is_int = isinstance(v, int) and not isinstance(v, bool)
         if i in fn.constexprs or v is None:
             sig[name] = "constexpr"

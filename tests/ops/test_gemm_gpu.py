@@ -501,6 +501,45 @@ def test_triton_contiguous_small_row_blocks(scheme, align):
         assert rel_l2(y2[live], want[live]) < GEMM_VS_QUANT_AWARE
 
 
+# the TMA-fed configs (one program per tile, or persistent), explicit and as the tuned table's
+# choice: the prepared launch builds the descriptors per call, also inside a CUDA graph capture
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_triton_contiguous_tma_configs(scheme, monkeypatch):
+    from epmoe.ops.gemm import _triton, _tuned
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(40)
+    m_idx = _layout([300, 0, 128, 5], ALIGN, trailing_blocks=2).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 4, 384, 640, dev, gen)
+    live = m_idx >= 0
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    code = quant.get(scheme).kernel_code
+    tma = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
+           if c.kwargs.get("TMA") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
+    assert tma
+    for cfg in tma:
+        y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
+    cfg = tma[-1]
+    explicit = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
+    monkeypatch.setattr(_tuned, "lookup", lambda *args, **kw: dict(cfg))
+    _triton._contiguous_plan.cache_clear()
+    try:
+        first = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
+        again = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
+        out = torch.zeros_like(first)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        _triton._contiguous_plan.cache_clear()
+    for y in (first, again, out):
+        assert torch.equal(y[live], explicit[live])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_triton_masked_every_scheme(scheme):

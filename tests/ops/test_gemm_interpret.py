@@ -328,3 +328,43 @@ def test_contiguous_gather_of_no_tokens_reads_nothing():
     y = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=CONTIG,
                                   out=sentinel.clone(), a_rows=src)  # fmt: skip
     assert torch.equal(y, sentinel)
+
+
+# The TMA-fed contiguous kernel (a and w through tensor descriptors; persistent: fewer programs
+# than tiles, each looping over them): the pointer kernel's bytes, -1 blocks left unwritten
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
+    gen = torch.Generator().manual_seed(18)
+    counts, N, K = [5, 0, 33, 16], 384, 256  # (N: a partial last column tile; K: 2 steps)
+    m_idx = torch.cat([_contiguous_layout(counts, 16), torch.full((32,), -1)]).int()
+    a, as_, w, ws = _operands((m_idx.numel(),), len(counts), N, K, gen, scheme)
+    if scheme == "fp8":
+        as_ = as_.t().contiguous().t()
+    cfg = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=2, num_warps=4)
+    want = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=cfg)
+    sentinel = torch.full((m_idx.numel(), N), 3.0, dtype=torch.bfloat16)
+    tma = dict(cfg, TMA=True, PERSISTENT=persistent)
+    got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=tma,
+                                    out=sentinel.clone())  # fmt: skip
+    live = m_idx >= 0
+    dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
+    assert torch.equal(got[live], want[live])
+    assert dead.any() and torch.equal(got[dead], sentinel[dead])
+
+
+def test_contiguous_tma_falls_back_where_it_cannot_run():
+    """A gather (rows of a through a_rows) or an a that does not start on a 16-byte boundary runs
+    the same tiles through pointers: the same bytes, never a misread."""
+    gen = torch.Generator().manual_seed(19)
+    x, xs, (xp, sp, m_idx, _, _, src), w, ws = _gather_case("int8", gen, 128)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4)
+    tma = dict(cfg, TMA=True, PERSISTENT=1)
+    live = m_idx >= 0
+    want = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=cfg)
+    got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=tma, a_rows=src)
+    assert torch.equal(got[live], want[live])
+    shifted = torch.empty(xp.numel() + 1, dtype=xp.dtype)[1:].view(xp.shape).copy_(xp)
+    assert shifted.data_ptr() % 16 != 0
+    got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
+    assert torch.equal(got[live], want[live])

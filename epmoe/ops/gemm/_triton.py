@@ -6,12 +6,14 @@ takes any row block (permute ``alignment``) that is a multiple of 16, the masked
 Tile configs: the tuned table for this GPU (:mod:`epmoe.ops.gemm._tuned`) where it has the shape,
 else Triton's autotuner over the candidates below (once per static key, in warmup)."""
 
+import functools
 import math
 from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epmoe import _launch, quant
 from epmoe._jit import _quant_fp8_groups, round_float
@@ -29,6 +31,32 @@ def _even_k(args) -> bool:
 
 
 @triton.jit
+def _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K: tl.constexpr,
+         QUANT: tl.constexpr, SCALE_K: tl.constexpr):  # fmt: skip
+    """acc plus a `[BLOCK_M, BLOCK_K]` x b `[BLOCK_K, BLOCK_N]` of K step ``kb`` (fp8: times that
+    step's scale group, BLOCK_K dividing SCALE_K; int8: an int32 sum)."""
+    if QUANT == 1:
+        g = kb * BLOCK_K // SCALE_K
+        a_s = tl.load(as_ptrs + g * stride_ask)
+        w_s = tl.load(ws_ptrs + g * stride_wsk)
+        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+    elif QUANT == 2:
+        acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(a, b, acc=acc)
+    return acc
+
+
+@triton.jit
+def _acc0(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+    """The zero accumulator: int32 for int8, else float32."""
+    if QUANT == 2:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
 def _dot_k(
     a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -37,10 +65,7 @@ def _dot_k(
     """`[BLOCK_M, BLOCK_N]` sum over K of a `[BLOCK_M, BLOCK_K]` x w `[BLOCK_K, BLOCK_N]` tiles from
     ``a_ptrs`` / ``w_ptrs`` (the K tail masked to 0 unless EVEN_K): float32 (QUANT 0 bf16; 1 fp8,
     each step times its SCALE_K-group scales at ``as_ptrs`` / ``ws_ptrs``) or int32 (2, int8)."""
-    if QUANT == 2:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -49,17 +74,23 @@ def _dot_k(
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        if QUANT == 1:  # (BLOCK_K divides SCALE_K: one scale group per step)
-            g = kb * BLOCK_K // SCALE_K
-            a_s = tl.load(as_ptrs + g * stride_ask)
-            w_s = tl.load(ws_ptrs + g * stride_wsk)
-            acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
-        elif QUANT == 2:
-            acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a, b, acc=acc)
+        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, stride_ask, stride_wsk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               QUANT: tl.constexpr, SCALE_K: tl.constexpr):  # fmt: skip
+    """:func:`_dot_k` of a's rows from ``row_a`` and w's (`[E * N, K]`) from ``row_w``, their
+    tiles brought by TMA (rows and K past the tensors read as zeros)."""
+    acc = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([row_a, kb * BLOCK_K])
+        b = w_desc.load([row_w, kb * BLOCK_K]).T
+        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K)
     return acc
 
 
@@ -86,6 +117,15 @@ def _block_mn(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _scaled(acc, as_ptrs, ws_ptrs, QUANT: tl.constexpr):
+    """float32 of a K sum: int8's per-token x per-channel scales applied (others: as it is)."""
+    if QUANT == 2:
+        return acc.to(tl.float32) * tl.load(as_ptrs)[:, None] * tl.load(ws_ptrs)[None, :]
+    else:
+        return acc
+
+
+@triton.jit
 def _tile(
     a_row_ptr, w_ptr, a_scale_row_ptr, w_scale_ptr, rows, cols, offs_k, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk,
@@ -101,17 +141,49 @@ def _tile(
     ws_ptrs = w_scale_ptr + ws_cols * stride_wsn
     acc = _dot_k(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask,
                  stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
-    if QUANT == 2:
-        y = acc.to(tl.float32) * tl.load(as_ptrs)[:, None] * tl.load(ws_ptrs)[None, :]
-    else:
-        y = acc
-    return y
+    return _scaled(acc, as_ptrs, ws_ptrs, QUANT)
+
+
+@triton.jit
+def _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on):
+    """y rounded to bf16 into out's rows offs_m (< M) and columns offs_n (< N)."""
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(o_ptrs, round_float(y, tl.bfloat16), mask=o_mask)
+
+
+@triton.jit
+def _tma_tiles(
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr, M, N, K,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The contiguous kernel's tiles through TMA descriptors, each program taking tiles pid,
+    pid + programs, ... (persistent when the grid is smaller than the tile count)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
+        if expert >= 0:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = offs_n % N
+            as_ptrs = a_scale_ptr + (offs_m % M) * stride_asm
+            ws_cols = cols // SCALE_K if QUANT == 1 else cols
+            ws_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + ws_cols * stride_wsn
+            acc = _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
+                             expert * N + pid_n * BLOCK_N, K, stride_ask, stride_wsk, BLOCK_M,
+                             BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
+            y = _scaled(acc, as_ptrs, ws_ptrs, QUANT)
+            _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _contiguous_kernel(
-    # tensors (bf16: the scale pointers are unused; a_rows_ptr: GATHER only)
+    # tensors (bf16: the scale pointers are unused; a_rows_ptr: GATHER only; TMA: a_ptr and w_ptr
+    # are tensor descriptors of a `[M, K]` and w `[E * N, K]`)
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr,
     # sizes (E only keys the autotuner)
     M, N, K, E,
@@ -124,26 +196,43 @@ def _contiguous_kernel(
     # meta
     QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
+    if TMA:
+        _tma_tiles(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr, M, N, K,
+                   stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
+                   stride_on, QUANT, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+    else:
+        _pointer_tile(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr,
+                      M, N, K, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm,
+                      stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, QUANT,
+                      SCALE_K, GATHER, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)  # fmt: skip
+
+
+@triton.jit
+def _pointer_tile(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr, M, N, K,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The contiguous kernel's tile of this program, read through pointers (rows of a through
+    a_rows with GATHER)."""
     pid_m, pid_n = _block_mn(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
-    if expert < 0:
-        return
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # tail rows/columns wrap onto valid memory; their results are never stored
-    rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-    cols = offs_n % N
-    y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
-              rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn, stride_wk,
-              stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-              QUANT, SCALE_K)  # fmt: skip
-    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(o_ptrs, round_float(y, tl.bfloat16), mask=o_mask)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # tail rows/columns wrap onto valid memory; their results are never stored
+        rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
+        cols = offs_n % N
+        y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
+                  rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
+                  stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
+                  BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+        _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.jit
@@ -343,6 +432,18 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
     _cfg(4, 3, BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+    # prefill tiles fed by TMA (the tuned table's choice only), one program per tile or
+    # persistent (PERSISTENT programs per multiprocessor loop over the tiles)
+    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
+    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=2),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -412,21 +513,33 @@ def _tuner(layout: str, quant_code: int, row_block: int):
     else:
         fn, configs, key = _masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]
         test = lambda config, code, block_m: fits(config, code, 0, block_m)  # noqa: E731
-    keep = [c for c in configs if test(c.all_kwargs(), quant_code, row_block)]
+    # (TMA configs take descriptors the autotuner cannot build: the tuned table picks those)
+    keep = [c for c in configs if not c.kwargs.get("TMA") and test(c.all_kwargs(), quant_code,
+                                                                     row_block)]  # fmt: skip
     return triton.autotune(keep or configs[-1:], key=key)(fn)
 
 
 class _Plan:
     """One GEMM call's static launch: its layout and scheme, the tuned table's key of it, the
     grid (a function of the meta-parameters), the trailing sizes / strides and the constexprs;
-    ``prepared`` holds the chosen config's launch per device, made on the first call."""
+    ``tma``: whether a and w can be read through TMA descriptors (contiguous, no gather, rows of
+    16-byte multiples); ``prepared`` holds the chosen config's launch per device, made on the
+    first call."""
 
-    __slots__ = ("layout", "code", "row_block", "table", "grid", "sizes", "meta", "prepared")
+    __slots__ = ("layout", "code", "row_block", "table", "grid", "sizes", "meta", "tma",
+                 "prepared")  # fmt: skip
 
-    def __init__(self, layout, code, row_block, table, grid, sizes, meta):
+    def __init__(self, layout, code, row_block, table, grid, sizes, meta, tma=False):
         self.layout, self.code, self.row_block, self.table = layout, code, row_block, table
-        self.grid, self.sizes, self.meta = grid, sizes, meta
+        self.grid, self.sizes, self.meta, self.tma = grid, sizes, meta, tma
         self.prepared: Dict[int, _launch.Prepared] = {}
+
+
+_KERNELS = dict(contiguous="_contiguous_kernel", masked="_masked_kernel",
+                gate="_contiguous_gate_kernel")  # fmt: skip
+# config keys the host reads (the kernel never sees them): programs per multiprocessor of a
+# persistent TMA launch (0: one program per tile)
+_HOST_KEYS = ("PERSISTENT",)
 
 
 def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> None:
@@ -436,15 +549,16 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
     config's JITFunction as a cached :class:`epmoe._launch.Prepared`, without the autotuner's and
     the heuristics' per-call re-binding (the kernels run inside an opaque op: never traced)."""
     if config is not None:
-        kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
-                      gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
-        kernel[plan.grid](*tensors, *plan.sizes, **plan.meta, **config)
+        config = _runnable(plan, config, tensors)
+        meta = {**plan.meta, **config}
+        kernel = globals()[_KERNELS[plan.layout]]
+        kernel[plan.grid(meta)](*_args(tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
         dev = torch._C._cuda_getDevice()
         prepared = plan.prepared.get(dev)
-        if prepared is not None:
-            prepared.untraced(*tensors)
+        if prepared is not None and (not prepared.meta.get("TMA") or _aligned(tensors)):
+            prepared.untraced(*_args(tensors, prepared.meta))
             return
         config = _tuned.lookup(*plan.table)
     tuned = _tuner(plan.layout, plan.code, plan.row_block)
@@ -453,19 +567,61 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         if not _launch._INTERPRET:
             plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, tuned.best_config.all_kwargs())
         return
-    plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, config)
-    plan.prepared[dev].untraced(*tensors)
+    prepared = _prepared(tuned.fn, plan, tensors, _runnable(plan, config, tensors))
+    if prepared.meta.get("TMA") or dev not in plan.prepared:  # (a misaligned call: kept aside)
+        plan.prepared[dev] = prepared
+    prepared.untraced(*_args(tensors, prepared.meta))
+
+
+def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
+    """``config``, without TMA where the plan or these tensors cannot take it (the same tiles
+    through pointers)."""
+    if config.get("TMA") and not (plan.tma and _aligned(tensors)):
+        return {k: v for k, v in config.items() if k != "TMA" and k not in _HOST_KEYS}
+    return config
+
+
+def _aligned(tensors: Tuple) -> bool:
+    """a and w start at 16-byte boundaries (TMA's requirement; their strides are the plan's)."""
+    return tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
+
+
+def _args(tensors: Tuple, meta: Dict) -> Tuple:
+    """The kernel's leading arguments: ``tensors``, with a `[M, K]` and w `[E, N, K]` as TMA
+    descriptors (w's as `[E * N, K]`) of the config's tiles when it takes TMA."""
+    if not meta.get("TMA"):
+        return tensors
+    a, w = tensors[0], tensors[1]
+    bk = meta["BLOCK_K"]
+    a_d = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [meta["BLOCK_M"], bk])
+    w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
+                           [meta["BLOCK_N"], bk])  # fmt: skip
+    return (a_d, w_d, *tensors[2:])
+
+
+def _kernel_meta(meta: Dict) -> Dict:
+    return {k: v for k, v in meta.items() if k not in _HOST_KEYS}
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
     """The launch of ``config`` (plus the values of the heuristics under the autotuner ``fn``:
     ours read key-static arguments only, fixed per plan)."""
     meta = {**plan.meta, **config}
+    grid = plan.grid(meta)
+    meta = _kernel_meta(meta)
     while isinstance(fn, triton.runtime.autotuner.Heuristics):
         named = {**dict(zip(fn.arg_names, (*tensors, *plan.sizes), strict=False)), **meta}
         meta = {**meta, **{name: value(named) for name, value in fn.values.items()}}
         fn = fn.fn
-    return _launch.Prepared(fn, plan.grid(meta), plan.sizes, meta)
+    return _launch.Prepared(fn, grid, plan.sizes, meta)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the interpreter: 4)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @_launch.memo  # (sizes only: the same for every call of a layer)
@@ -548,12 +704,19 @@ def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, gather,
     rows of a through a_rows)."""
     meta = dict(_constexprs(dtype), GATHER=gather)
     sizes = (M, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *so)
+    tiles = (M, N)
 
     def grid(m):
-        return (_launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(N, m["BLOCK_N"]),)
+        n = _launch.cdiv(tiles[0], m["BLOCK_M"]) * _launch.cdiv(tiles[1], m["BLOCK_N"])
+        per_sm = m.get("PERSISTENT", 0)
+        return (min(n, per_sm * _multiprocessors(device)) if per_sm else n,)
 
+    # TMA: unit last strides, the others of 16-byte multiples, w's experts back to back
+    width = dtype.itemsize
+    tma = not gather and sa[1] == 1 and sw[2] == 1 and sw[0] == N * sw[1] and \
+        (sa[0] * width) % 16 == 0 and (sw[1] * width) % 16 == 0  # fmt: skip
     table = ("contiguous", quant.of_dtype(dtype), N, K, E, row_block, M, device)
-    return _Plan("contiguous", meta["QUANT"], row_block, table, grid, sizes, meta)
+    return _Plan("contiguous", meta["QUANT"], row_block, table, grid, sizes, meta, tma)
 
 
 def masked_triton(
