@@ -46,8 +46,9 @@ the timed call (~10 us, more than a decode-sized GEMM takes).
 The file is rewritten after each shape x scheme (a run cut by its timeout keeps what it measured);
 entries and paths of the same key (problem + m, layer + t) are replaced, the rest kept, all sorted.
 ``--budget-s`` stops the run cleanly between measurements; ``--resume`` skips the problems and
-path sizes the file already has (a long tuning in several sessions). A summary table goes to
-stdout; ``--dry-run`` prints the merged file instead of writing it.
+path sizes the file already has (a long tuning in several sessions). Each GEMM problem logs every
+measurement that ran, fastest first, then its entry; a summary table goes to stdout;
+``--dry-run`` prints the merged file instead of writing it.
 """
 
 import argparse
@@ -245,6 +246,15 @@ def winner(measured: Iterable[Measured], runnable: Optional[Collection[str]] = N
     backend = min(sorted(best), key=lambda b: best[b])
     config = min(ours, key=lambda x: x.us).config
     return backend, dict(config), {b: round(best[b], 2) for b in sorted(best)}
+
+
+def ranking(measured: Iterable[Measured]) -> List[str]:
+    """One log line per measurement that ran, fastest first: µs, backend and (Triton) the config
+    (the entry keeps only the winners; the log keeps what they beat)."""
+    ok = (x for x in measured if x.us is not None and math.isfinite(x.us))
+    ran = sorted(ok, key=lambda x: (x.us, x.backend))
+    return [f"  {x.us:9.2f} {x.backend} {json.dumps(x.config) if x.config else ''}".rstrip()
+            for x in ran]  # fmt: skip
 
 
 def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
@@ -609,7 +619,9 @@ class Tuner:
         for p in problems:
             self.check_time()
             runs = self.backends(p)
-            best = winner(self.gemm(p, *self.weights(p, weights), runs), runs)
+            measured = self.gemm(p, *self.weights(p, weights), runs)
+            print("\n".join(ranking(measured)), flush=True)
+            best = winner(measured, runs)
             if best is None:
                 print(f"  no entry for {p[:7]}: nothing ran", flush=True)
                 continue

@@ -147,6 +147,16 @@ def test_failed_measurements_are_ignored():
     assert tg.winner([]) is None
 
 
+def test_the_log_ranks_every_measurement_that_ran():
+    tma = dict(CFG, TMA=True)
+    ms = [_m("triton", 30.0, CFG), _m("deep_gemm", 25.0), _m("triton", None, tma, "x"),
+          _m("triton", float("nan"), tma), _m("triton", 20.0, tma)]  # fmt: skip
+    lines = tg.ranking(ms)
+    assert [ln.split()[:2] for ln in lines] == [["20.00", "triton"], ["25.00", "deep_gemm"],
+                                                ["30.00", "triton"]]  # fmt: skip
+    assert '"TMA": true' in lines[0] and lines[1].endswith("deep_gemm")
+
+
 def test_path_entries():
     cfg = CONFIGS["qwen3-30b-a3b"]
     # the GEMV cutoff of qwen3 (E 128, top-8) lies between 8 and 32; nothing above the LL sizes
