@@ -216,6 +216,11 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     assert not _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 1, 16)
     assert _triton.fits(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 2, 16)
     assert not _triton.fits(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), 1, 128)  # (fp8 spills)
+    # fp8 past 64x128 outputs: 8 warps (64 outputs a thread) and K tiles of 64 compile unspilled
+    wide = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+    assert _triton.fits(wide, 1, 128) and not _triton.fits(dict(wide, num_warps=4), 1, 128)
+    assert not _triton.fits(dict(wide, BLOCK_K=128), 1, 128)
+    assert not _triton.fits(dict(wide, BLOCK_N=256), 1, 128)
     # shared memory (sm90: 227 KiB) holds num_stages (a, w) tile pairs of the operands' bytes:
     # 3 x (128 + 256) x 128 x 2 B = 288 KiB for bf16 (OutOfResources on the H200), half for int8
     big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3)

@@ -444,6 +444,7 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
+    _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -490,8 +491,11 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     if quant_code == 1:
         if quant.FP8_GROUP % config["BLOCK_K"]:
             return False  # one scale group per K step
-        if bm * config["BLOCK_N"] > _FP8_MAX_TILE:
-            return False  # two float32 tiles live at once: larger ones spill (sm90, ptxas)
+        # two float32 tiles live at once: more than 64 outputs a thread, or tiles past 64x128
+        # with K tiles of 128, spill (sm90, ptxas; compile_kernels.py --resources)
+        tile, threads = bm * config["BLOCK_N"], 32 * config.get("num_warps", 4)
+        if tile > _FP8_MAX_TILE and (tile > 64 * threads or config["BLOCK_K"] > 64):
+            return False
     if row_block % bm:
         return False
     width = 2 if quant_code == 0 else 1  # operand bytes: bf16, else fp8 / int8 codes
