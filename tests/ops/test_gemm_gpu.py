@@ -591,6 +591,36 @@ def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_gemm_gate_tma_configs(scheme):
+    """Every TMA-fed GEMM1 + gate config against the pointer kernel of the same tiles."""
+    from epmoe import gate as G
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    g = G.get("silu:alpha=1.702,limit=7.0,up_offset=1.0")
+    gen = torch.Generator().manual_seed(41)
+    m_idx = _layout([300, 0, 128, 5], ALIGN, trailing_blocks=2).to(dev)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 4, g.width(256), 640, dev, gen)
+    b = torch.randn(4, g.width(256), generator=gen).to(dev)
+    live = m_idx >= 0
+    code = quant.get(scheme).kernel_code
+    tma = [dict(c.all_kwargs()) for c in _triton._GATE_CONFIGS
+           if c.kwargs.get("TMA") and _triton.fits_gate(c.all_kwargs(), code, ALIGN)]  # fmt: skip
+    assert tma
+    for cfg in tma:
+        outs = []
+        for c in (cfg, {k: v for k, v in cfg.items() if k not in ("TMA", "PERSISTENT")}):
+            h = torch.zeros((m_idx.numel(), 256), device=dev,
+                            dtype=torch.bfloat16 if scheme == "int8" else a.dtype)  # fmt: skip
+            hs = torch.zeros((m_idx.numel(), 2), device=dev)
+            _triton.contiguous_gate_triton(a, w, m_idx, as_, ws, g, b, h, hs, row_block=ALIGN,
+                                           config=c)  # fmt: skip
+            outs.append(h[live].float())
+        assert rel_l2(outs[0], outs[1]) < 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("align", [16, 64])
 def test_layer_small_alignment_matches_reference(scheme, align):
     """The whole one-rank layer at a permute alignment deep_gemm cannot take (graph replay too)."""

@@ -373,3 +373,30 @@ def test_contiguous_tma_falls_back_where_it_cannot_run():
     assert shifted.data_ptr() % 16 != 0
     got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
     assert torch.equal(got[live], want[live])
+
+
+# GEMM1 + gate fed by TMA (a and w through descriptors, gate and up rows of the same descriptor;
+# persistent or a program per tile): the pointer kernel's bytes
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("spec,persistent", [("silu:alpha=1.702,limit=7.0,up_offset=1.0", 0),
+                                             ("relu2:glu=0", 1)])  # fmt: skip
+def test_gate_tma_is_the_pointer_kernel(scheme, spec, persistent):
+    from epmoe import gate as G
+
+    g = G.get(spec)
+    gen = torch.Generator().manual_seed(20)
+    E, I, K = 3, 256, 256  # (I: two column tiles of 128)
+    m_idx = torch.cat([_contiguous_layout([5, 0, 20], 16), torch.full((16,), -1)]).int()
+    a, as_, w, ws = _operands((m_idx.numel(),), E, g.width(I), K, gen, scheme)
+    bias = torch.randn(E, g.width(I), generator=gen)
+    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=2)
+    outs = []
+    for c in (cfg, dict(cfg, TMA=True, PERSISTENT=persistent)):
+        h = torch.full((m_idx.numel(), I), 3.0).to(torch.bfloat16 if scheme == "int8" else a.dtype)
+        hs = torch.full((m_idx.numel(), I // 128), -1.0)
+        _triton.contiguous_gate_triton(a, w, m_idx, as_, ws, g, bias, h, hs, row_block=16,
+                                       config=c)  # fmt: skip
+        outs.append((h.view(torch.uint8) if scheme == "fp8" else h, hs))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
+    assert (outs[1][1][dead] == -1.0).all()

@@ -236,6 +236,28 @@ def _pointer_tile(
 
 
 @triton.jit
+def _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb, stride_ask, stride_wsk,
+                  BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+                  GLU: tl.constexpr):  # fmt: skip
+    """:func:`_mma` of one a tile with the gate (``bg``) and up (``bu``) w tiles (the up scales
+    ``UP_S`` elements past the gate's); without GLU only the up sum."""
+    acc_u = _mma(acc_u, a, bu, as_ptrs, ws_ptrs + UP_S, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
+                 SCALE_K)  # fmt: skip
+    if GLU:
+        acc_g = _mma(acc_g, a, bg, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
+                     SCALE_K)  # fmt: skip
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT: tl.constexpr, GLU: tl.constexpr):
+    """float32 (gate, up) of the K sums: int8's per-token x per-channel scales applied."""
+    u = _scaled(acc_u, as_ptrs, ws_ptrs + UP_S, QUANT)
+    g = _scaled(acc_g, as_ptrs, ws_ptrs, QUANT) if GLU else u
+    return g, u
+
+
+@triton.jit
 def _dot_gate_up(
     a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, UP, UP_S, stride_ak, stride_wk, stride_ask,
     stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -245,12 +267,8 @@ def _dot_gate_up(
     scales ``UP_S``) further, one load of each a tile for both: float32 (gate, up), their scales
     applied (int8: int32 sums, then per-token x per-channel scales as :func:`_tile`); without GLU
     the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused)."""
-    if QUANT == 2:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc_u = _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -261,34 +279,114 @@ def _dot_gate_up(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
             bu = tl.load(w_ptrs + UP, mask=offs_k[:, None] < k_left, other=0)
             bg = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0) if GLU else None
-        if QUANT == 1:  # (BLOCK_K divides SCALE_K: one scale group per step)
-            g = kb * BLOCK_K // SCALE_K
-            a_s = tl.load(as_ptrs + g * stride_ask)[:, None]
-            acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
-            if GLU:
-                acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
-        elif QUANT == 2:
-            acc_u = tl.dot(a, bu, acc=acc_u, out_dtype=tl.int32)
-            if GLU:
-                acc_g = tl.dot(a, bg, acc=acc_g, out_dtype=tl.int32)
-        else:
-            acc_u = tl.dot(a, bu, acc=acc_u)
-            if GLU:
-                acc_g = tl.dot(a, bg, acc=acc_g)
+        acc_g, acc_u = _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb,
+                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
+                                     GLU)  # fmt: skip
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    if QUANT == 2:  # (one return per build: the compiler wants one type)
-        a_s = tl.load(as_ptrs)[:, None]
-        u = acc_u.to(tl.float32) * a_s * tl.load(ws_ptrs + UP_S)[None, :]
-        return acc_g.to(tl.float32) * a_s * tl.load(ws_ptrs)[None, :] if GLU else u, u
+    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU)
+
+
+@triton.jit
+def _dot_gate_up_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, UP_ROWS, UP_S,
+                     stride_ask, stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+                     GLU: tl.constexpr):  # fmt: skip
+    """:func:`_dot_gate_up` of a's rows from ``row_a`` and w's (`[E * W, K]`) gate rows from
+    ``row_w``, up rows ``UP_ROWS`` further, their tiles brought by TMA."""
+    acc_g = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc_u = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([row_a, kb * BLOCK_K])
+        bu = w_desc.load([row_w + UP_ROWS, kb * BLOCK_K]).T
+        bg = w_desc.load([row_w, kb * BLOCK_K]).T if GLU else None
+        acc_g, acc_u = _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb,
+                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
+                                     GLU)  # fmt: skip
+    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU)
+
+
+@triton.jit
+def _gate_store(
+    acc_g, acc_u, expert, offs_m, cols, pid_n, M, I, b_ptr, h_ptr, hs_ptr, stride_be, stride_bw,
+    stride_hm, stride_hn, stride_hsm, stride_hsg, UP: tl.constexpr, QUANT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FAST: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr, GLU: tl.constexpr,
+    GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """h of a tile: the bias of the block's expert (as the activation stage adds it), then the
+    gate on GEMM1's bf16 outputs (the unfused chain's bytes), stored as bf16 or, fp8, quantized
+    over the tile (BLOCK_N == SCALE_K: one scale group a row) with its scales."""
+    wc = cols % I
+    bg, bu = None, None
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be
+        bu = tl.load(b_row + (UP + wc) * stride_bw)[None, :]
+        bg = tl.load(b_row + wc * stride_bw)[None, :] if GLU else None
+    g = round_float(acc_g, tl.bfloat16) if GLU else None
+    h = _gate_rounded(g, round_float(acc_u, tl.bfloat16), bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT,
+                      CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
+    m = (offs_m[:, None] < M) & (cols[None, :] < I)
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + cols[None, :] * stride_hn
+    if QUANT == 1:
+        q, hs = _quant_fp8_groups(h)
+        tl.store(h_ptrs, q, mask=m)
+        tl.store(hs_ptr + offs_m.to(tl.int64) * stride_hsm + pid_n * stride_hsg, hs,
+                 mask=offs_m < M)  # fmt: skip
     else:
-        return acc_g, acc_u
+        tl.store(h_ptrs, round_float(h, tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _gate_tile(
+    tile, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, b_ptr, h_ptr, hs_ptr,
+    M, I, K, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_be, stride_bw, stride_hm, stride_hn, stride_hsm,
+    stride_hsg, QUANT: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FAST: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr, UP_OFFSET: tl.constexpr,
+    GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """The GEMM1 + gate kernel's ``tile``: its K sums through pointers or (TMA) descriptors,
+    then :func:`_gate_store`; a -1 block writes nothing."""
+    pid_m, pid_n = _block_mn(tile, M, I, BLOCK_M, BLOCK_N, GROUP_M)
+    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
+    if expert >= 0:
+        up = I if GLU else 0  # (the up rows' offset in w and in the bias)
+        per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        wc = cols % I
+        e64 = expert.to(tl.int64)
+        ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
+        if TMA:
+            acc_g, acc_u = _dot_gate_up_tma(
+                a_ptr, w_ptr, a_scale_ptr + (offs_m % M) * stride_asm, ws_e, pid_m * BLOCK_M,
+                expert * (up + I) + pid_n * BLOCK_N, K, up, (up // per) * stride_wsn,
+                stride_ask, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K, GLU,
+            )  # fmt: skip
+        else:
+            rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+            w_e = w_ptr + e64 * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc_g, acc_u = _dot_gate_up(
+                a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
+                (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
+            )  # fmt: skip
+        _gate_store(acc_g, acc_u, e64, offs_m, cols, pid_n, M, I, b_ptr, h_ptr, hs_ptr,
+                    stride_be, stride_bw, stride_hm, stride_hn, stride_hsm, stride_hsg, up, QUANT,
+                    HAS_BIAS, FAST, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP,
+                    UP_SOFTCAP)  # fmt: skip
 
 
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _contiguous_gate_kernel(
-    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused; a_rows_ptr: GATHER)
+    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused; a_rows_ptr: GATHER;
+    # TMA: a_ptr and w_ptr are tensor descriptors of a `[M, K]` and w `[E * W, K]`)
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, b_ptr, h_ptr, hs_ptr,
     # sizes: I the gate's outputs (w's rows: the I gate rows, then the I up rows with GLU)
     M, I, K, E,
@@ -303,45 +401,27 @@ def _contiguous_gate_kernel(
     # the gate (epmoe.gate.Gate.meta)
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m, pid_n = _block_mn(tl.program_id(0), M, I, BLOCK_M, BLOCK_N, GROUP_M)
-    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
-    if expert < 0:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-    wc = cols % I
-    offs_k = tl.arange(0, BLOCK_K)
-    up = I if GLU else 0  # (the up rows' offset in w and in the bias)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_e = w_ptr + expert * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
-    ws_e = w_scale_ptr + expert * stride_wse + (wc // per) * stride_wsn
-    acc_g, acc_u = _dot_gate_up(
-        a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
-        (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
-        BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
-    )  # fmt: skip
-    bg, bu = None, None
-    if HAS_BIAS:  # (the bias row of the block's expert, as the activation stage adds it)
-        b_row = b_ptr + expert * stride_be
-        bu = tl.load(b_row + (up + wc) * stride_bw)[None, :]
-        bg = tl.load(b_row + wc * stride_bw)[None, :] if GLU else None
-    # GEMM1's bf16 output, then the activation stage's math on it: the unfused chain's bytes
-    g = round_float(acc_g, tl.bfloat16) if GLU else None
-    h = _gate_rounded(g, round_float(acc_u, tl.bfloat16), bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT,
-                      CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP, UP_SOFTCAP, FAST)  # fmt: skip
-    m = (offs_m[:, None] < M) & (cols[None, :] < I)
-    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + cols[None, :] * stride_hn
-    if QUANT == 1:  # (BLOCK_N == SCALE_K: the tile is one activation scale group per row)
-        q, hs = _quant_fp8_groups(h)
-        tl.store(h_ptrs, q, mask=m)
-        tl.store(hs_ptr + offs_m.to(tl.int64) * stride_hsm + pid_n * stride_hsg, hs,
-                 mask=offs_m < M)  # fmt: skip
+    # TMA: programs loop over the tiles (persistent when fewer than the tiles); else one tile each
+    if TMA:
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(I, BLOCK_N),
+                          tl.num_programs(0)):  # fmt: skip
+            _gate_tile(tile, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr,
+                       b_ptr, h_ptr, hs_ptr, M, I, K, stride_am, stride_ak, stride_we,
+                       stride_wn, stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn,
+                       stride_wsk, stride_be, stride_bw, stride_hm, stride_hn, stride_hsm,
+                       stride_hsg, QUANT, SCALE_K, HAS_BIAS, FAST, GATHER, BLOCK_M, BLOCK_N,
+                       BLOCK_K, GROUP_M, EVEN_K, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU,
+                       GATE_SOFTCAP, UP_SOFTCAP, True)  # fmt: skip
     else:
-        tl.store(h_ptrs, round_float(h, tl.bfloat16), mask=m)
+        _gate_tile(tl.program_id(0), a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr,
+                   a_rows_ptr, b_ptr, h_ptr, hs_ptr, M, I, K, stride_am, stride_ak, stride_we,
+                   stride_wn, stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn,
+                   stride_wsk, stride_be, stride_bw, stride_hm, stride_hn, stride_hsm,
+                   stride_hsg, QUANT, SCALE_K, HAS_BIAS, FAST, GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+                   GROUP_M, EVEN_K, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP,
+                   UP_SOFTCAP, False)  # fmt: skip
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -468,6 +548,11 @@ _GATE_CONFIGS = [
     _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4),
     _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1),
     _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1),
+    # fed by TMA (the tuned table's choice only; PERSISTENT as the contiguous configs)
+    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True),
+    _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, TMA=True),
 ]
 
 
@@ -561,9 +646,13 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
     if not _launch._INTERPRET:
         dev = torch._C._cuda_getDevice()
         prepared = plan.prepared.get(dev)
-        if prepared is not None and (not prepared.meta.get("TMA") or _aligned(tensors)):
-            prepared.untraced(*_args(tensors, prepared.meta))
-            return
+        if prepared is not None:
+            if not prepared.meta.get("TMA"):
+                prepared.untraced(*tensors)
+                return
+            if _aligned(tensors):  # (else this call's own launch, through pointers, below)
+                prepared.untraced(*_args(tensors, prepared.meta))
+                return
         config = _tuned.lookup(*plan.table)
     tuned = _tuner(plan.layout, plan.code, plan.row_block)
     if config is None:  # (the autotuner's run launches the kernel too)
@@ -708,19 +797,30 @@ def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, gather,
     rows of a through a_rows)."""
     meta = dict(_constexprs(dtype), GATHER=gather)
     sizes = (M, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *so)
-    tiles = (M, N)
+    table = ("contiguous", quant.of_dtype(dtype), N, K, E, row_block, M, device)
+    tma = _tma_ok(dtype, sa, sw, N, gather)
+    return _Plan("contiguous", meta["QUANT"], row_block, table, _tile_grid(M, N, device), sizes,
+                 meta, tma)  # fmt: skip
+
+
+def _tile_grid(M: int, N: int, device):
+    """The grid of a contiguous launch over ``M`` x ``N`` outputs: a program per tile, or
+    PERSISTENT programs per multiprocessor (fewer when there are fewer tiles)."""
 
     def grid(m):
-        n = _launch.cdiv(tiles[0], m["BLOCK_M"]) * _launch.cdiv(tiles[1], m["BLOCK_N"])
+        n = _launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(N, m["BLOCK_N"])
         per_sm = m.get("PERSISTENT", 0)
         return (min(n, per_sm * _multiprocessors(device)) if per_sm else n,)
 
-    # TMA: unit last strides, the others of 16-byte multiples, w's experts back to back
+    return grid
+
+
+def _tma_ok(dtype, sa, sw, rows: int, gather: bool) -> bool:
+    """Whether a (strides ``sa``) and w (``sw``, ``rows`` rows an expert) can be read through TMA:
+    no gather, unit last strides, the others of 16-byte multiples, w's experts back to back."""
     width = dtype.itemsize
-    tma = not gather and sa[1] == 1 and sw[2] == 1 and sw[0] == N * sw[1] and \
+    return not gather and sa[1] == 1 and sw[2] == 1 and sw[0] == rows * sw[1] and \
         (sa[0] * width) % 16 == 0 and (sw[1] * width) % 16 == 0  # fmt: skip
-    table = ("contiguous", quant.of_dtype(dtype), N, K, E, row_block, M, device)
-    return _Plan("contiguous", meta["QUANT"], row_block, table, grid, sizes, meta, tma)
 
 
 def masked_triton(
@@ -841,10 +941,8 @@ def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block
     meta = dict(_constexprs(dtype), HAS_BIAS=sb is not None, FAST=not _launch._INTERPRET,
                 GATHER=gather, **gate.meta())  # fmt: skip
     sizes = (M, I, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *(sb or (0, 0)), *sh, *shs)
-
-    def grid(m):
-        return (_launch.cdiv(M, m["BLOCK_M"]) * _launch.cdiv(I, m["BLOCK_N"]),)
-
     scheme, has_bias = quant.of_dtype(dtype), sb is not None
     table = ("gate", scheme, I, K, E, row_block, M, device, gate.spec, has_bias)
-    return _Plan("gate", meta["QUANT"], row_block, table, grid, sizes, meta)
+    tma = _tma_ok(dtype, sa, sw, I * (2 if meta["GLU"] else 1), gather)
+    return _Plan("gate", meta["QUANT"], row_block, table, _tile_grid(M, I, device), sizes, meta,
+                 tma)  # fmt: skip
