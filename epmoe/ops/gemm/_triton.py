@@ -153,30 +153,40 @@ def _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on):
 
 
 @triton.jit
-def _tma_tiles(
-    a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr, M, N, K,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _contiguous_tile(
+    tile, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr, M, N, K,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
-    """The contiguous kernel's tiles through TMA descriptors, each program taking tiles pid,
-    pid + programs, ... (persistent when the grid is smaller than the tile count)."""
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
-        if expert >= 0:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            cols = offs_n % N
+    """The contiguous kernel's ``tile``, read through pointers (rows of a through a_rows with
+    GATHER) or TMA descriptors; a -1 block writes nothing."""
+    pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
+    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
+    if expert >= 0:
+        e64 = expert.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # tail rows/columns wrap onto valid memory (TMA: read as zeros); never stored
+        cols = offs_n % N
+        if TMA:
             as_ptrs = a_scale_ptr + (offs_m % M) * stride_asm
-            ws_cols = cols // SCALE_K if QUANT == 1 else cols
-            ws_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + ws_cols * stride_wsn
-            acc = _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
+            ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
+            ws_ptrs = w_scale_ptr + e64 * stride_wse + ws_cols * stride_wsn
+            acc = _dot_k_tma(a_ptr, w_ptr, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
                              expert * N + pid_n * BLOCK_N, K, stride_ask, stride_wsk, BLOCK_M,
                              BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
             y = _scaled(acc, as_ptrs, ws_ptrs, QUANT)
-            _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
+        else:
+            rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
+            y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
+                      rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
+                      stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M,
+                      BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+        _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -198,41 +208,21 @@ def _contiguous_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
+    # TMA: programs loop over the tiles (persistent when fewer than the tiles); else one tile each
     if TMA:
-        _tma_tiles(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, out_ptr, M, N, K,
-                   stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
-                   stride_on, QUANT, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N),
+                          tl.num_programs(0)):  # fmt: skip
+            _contiguous_tile(tile, a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr,
+                             a_rows_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_we,
+                             stride_wn, stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn,
+                             stride_wsk, stride_om, stride_on, QUANT, SCALE_K, GATHER, BLOCK_M,
+                             BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, True)  # fmt: skip
     else:
-        _pointer_tile(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr,
-                      M, N, K, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm,
-                      stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, QUANT,
-                      SCALE_K, GATHER, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)  # fmt: skip
-
-
-@triton.jit
-def _pointer_tile(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr, M, N, K,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
-    stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """The contiguous kernel's tile of this program, read through pointers (rows of a through
-    a_rows with GATHER)."""
-    pid_m, pid_n = _block_mn(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
-    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M).to(tl.int64)
-    if expert >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # tail rows/columns wrap onto valid memory; their results are never stored
-        rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-        cols = offs_n % N
-        y = _tile(a_ptr, w_ptr + expert * stride_we, a_scale_ptr, w_scale_ptr + expert * stride_wse,
-                  rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
-                  stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
-                  BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
-        _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
+        _contiguous_tile(tl.program_id(0), a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr,
+                         a_rows_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_we, stride_wn,
+                         stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+                         stride_om, stride_on, QUANT, SCALE_K, GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M, EVEN_K, False)  # fmt: skip
 
 
 @triton.jit
@@ -240,12 +230,20 @@ def _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb, stride_as
                   BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
                   GLU: tl.constexpr):  # fmt: skip
     """:func:`_mma` of one a tile with the gate (``bg``) and up (``bu``) w tiles (the up scales
-    ``UP_S`` elements past the gate's); without GLU only the up sum."""
-    acc_u = _mma(acc_u, a, bu, as_ptrs, ws_ptrs + UP_S, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
-                 SCALE_K)  # fmt: skip
-    if GLU:
-        acc_g = _mma(acc_g, a, bg, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
+    ``UP_S`` elements past the gate's; fp8: a's step scale loaded once for both); without GLU
+    only the up sum."""
+    if QUANT == 1:
+        g = kb * BLOCK_K // SCALE_K
+        a_s = tl.load(as_ptrs + g * stride_ask)[:, None]
+        acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
+        if GLU:
+            acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
+    else:
+        acc_u = _mma(acc_u, a, bu, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
                      SCALE_K)  # fmt: skip
+        if GLU:
+            acc_g = _mma(acc_g, a, bg, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K,
+                         QUANT, SCALE_K)  # fmt: skip
     return acc_g, acc_u
 
 
@@ -552,7 +550,7 @@ _GATE_CONFIGS = [
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
-    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, TMA=True),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, TMA=True),
 ]
 
 
