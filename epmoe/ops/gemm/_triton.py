@@ -166,27 +166,29 @@ def _contiguous_tile(
     pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
-    if expert >= 0:
-        e64 = expert.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # tail rows/columns wrap onto valid memory (TMA: read as zeros); never stored
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # tail rows/columns wrap onto valid memory (TMA: read as zeros); their results are never stored
+    if TMA:
         cols = offs_n % N
-        if TMA:
-            as_ptrs = a_scale_ptr + (offs_m % M) * stride_asm
-            ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
-            ws_ptrs = w_scale_ptr + e64 * stride_wse + ws_cols * stride_wsn
-            acc = _dot_k_tma(a_ptr, w_ptr, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
-                             expert * N + pid_n * BLOCK_N, K, stride_ask, stride_wsk, BLOCK_M,
-                             BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
-            y = _scaled(acc, as_ptrs, ws_ptrs, QUANT)
-        else:
-            rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-            y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
-                      rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
-                      stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M,
-                      BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
-        _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
+        as_ptrs = a_scale_ptr + (offs_m % M) * stride_asm
+        ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
+        ws_ptrs = w_scale_ptr + e64 * stride_wse + ws_cols * stride_wsn
+        acc = _dot_k_tma(a_ptr, w_ptr, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
+                         expert * N + pid_n * BLOCK_N, K, stride_ask, stride_wsk, BLOCK_M,
+                         BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
+        y = _scaled(acc, as_ptrs, ws_ptrs, QUANT)
+    else:
+        rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
+        cols = offs_n % N
+        y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
+                  rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
+                  stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
+                  BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+    _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -350,34 +352,37 @@ def _gate_tile(
     then :func:`_gate_store`; a -1 block writes nothing."""
     pid_m, pid_n = _block_mn(tile, M, I, BLOCK_M, BLOCK_N, GROUP_M)
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
-    if expert >= 0:
-        up = I if GLU else 0  # (the up rows' offset in w and in the bias)
-        per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    e64 = expert.to(tl.int64)
+    up = I if GLU else 0  # (the up rows' offset in w and in the bias)
+    per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
+    if TMA:
         wc = cols % I
-        e64 = expert.to(tl.int64)
         ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
-        if TMA:
-            acc_g, acc_u = _dot_gate_up_tma(
-                a_ptr, w_ptr, a_scale_ptr + (offs_m % M) * stride_asm, ws_e, pid_m * BLOCK_M,
-                expert * (up + I) + pid_n * BLOCK_N, K, up, (up // per) * stride_wsn,
-                stride_ask, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K, GLU,
-            )  # fmt: skip
-        else:
-            rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-            w_e = w_ptr + e64 * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc_g, acc_u = _dot_gate_up(
-                a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
-                (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
-                BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
-            )  # fmt: skip
-        _gate_store(acc_g, acc_u, e64, offs_m, cols, pid_n, M, I, b_ptr, h_ptr, hs_ptr,
-                    stride_be, stride_bw, stride_hm, stride_hn, stride_hsm, stride_hsg, up, QUANT,
-                    HAS_BIAS, FAST, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP,
-                    UP_SOFTCAP)  # fmt: skip
+        acc_g, acc_u = _dot_gate_up_tma(
+            a_ptr, w_ptr, a_scale_ptr + (offs_m % M) * stride_asm, ws_e, pid_m * BLOCK_M,
+            expert * (up + I) + pid_n * BLOCK_N, K, up, (up // per) * stride_wsn,
+            stride_ask, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K, GLU,
+        )  # fmt: skip
+    else:
+        rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
+        wc = cols % I
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        w_e = w_ptr + e64 * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
+        acc_g, acc_u = _dot_gate_up(
+            a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
+            (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
+            BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU,
+        )  # fmt: skip
+    _gate_store(acc_g, acc_u, e64, offs_m, cols, pid_n, M, I, b_ptr, h_ptr, hs_ptr,
+                stride_be, stride_bw, stride_hm, stride_hn, stride_hsm, stride_hsg, up, QUANT,
+                HAS_BIAS, FAST, ACT, ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP,
+                UP_SOFTCAP)  # fmt: skip
 
 
 @triton.heuristics({"EVEN_K": _even_k})
