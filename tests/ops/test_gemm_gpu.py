@@ -591,6 +591,36 @@ def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_triton_masked_tma_configs(scheme):
+    """Every TMA-fed masked config (the decode weight stream) against the reference, in a graph."""
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(42)
+    E, T = 4, 128
+    a, as_, w, ws = _operands(scheme, (E, T), E, 384, 640, dev, gen)
+    mm = torch.tensor([0, 5, 77, 128], dtype=torch.int32, device=dev)
+    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
+    code = quant.get(scheme).kernel_code
+    tma = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
+           if c.kwargs.get("TMA") and _triton.fits(c.all_kwargs(), code, 0, 32)]  # fmt: skip
+    assert tma
+    for cfg in tma:
+        cfg = dict(cfg, BLOCK_M=32)
+        eager = _triton.masked_triton(a, w, mm, as_, ws, 32, config=cfg)  # (compiles it)
+        out = torch.zeros((E, T, 384), dtype=torch.bfloat16, device=dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _triton.masked_triton(a, w, mm, as_, ws, 32, config=cfg, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_l2(eager[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
+        assert torch.equal(out[live], eager[live]) and (out[~live] == 0).all(), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_gemm_gate_tma_configs(scheme):
     """Every TMA-fed GEMM1 + gate config against the pointer kernel of the same tiles."""
     from epmoe import gate as G

@@ -400,3 +400,21 @@ def test_gate_tma_is_the_pointer_kernel(scheme, spec, persistent):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
     assert (outs[1][1][dead] == -1.0).all()
+
+
+# the masked kernel's weight stream through TMA (a `[E, T, K]` as `[E * T, K]`): the pointer
+# kernel's bytes, rows past each count left unwritten
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_masked_tma_is_the_pointer_kernel(scheme):
+    gen = torch.Generator().manual_seed(21)
+    E, T, N, K = 3, 40, 384, 256
+    masked_m = torch.tensor([0, 17, 40], dtype=torch.int32)
+    a, as_, w, ws = _operands((E, T), E, N, K, gen, scheme)
+    cfg = dict(BLOCK_N=256, BLOCK_K=128, num_warps=4, BLOCK_M=16, M_SPLIT=2)
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
+    want = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg, out=sentinel.clone())
+    got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=dict(cfg, TMA=True),
+                                out=sentinel.clone())  # fmt: skip
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    assert torch.equal(got[live], want[live])
+    assert torch.equal(got[~live], sentinel[~live])

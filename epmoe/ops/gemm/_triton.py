@@ -145,6 +145,22 @@ def _tile(
 
 
 @triton.jit
+def _tile_tma(
+    a_desc, w_desc, a_scale_row_ptr, w_scale_ptr, row_a, row_w, rows, cols, K, stride_asm,
+    stride_ask, stride_wsn, stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile` with a's rows from ``row_a`` and w's from ``row_w`` of their descriptors
+    (``rows`` / ``cols``: the rows and columns whose scales apply)."""
+    as_ptrs = a_scale_row_ptr + rows * stride_asm
+    ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
+    ws_ptrs = w_scale_ptr + ws_cols * stride_wsn
+    acc = _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, stride_ask, stride_wsk,
+                     BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
+    return _scaled(acc, as_ptrs, ws_ptrs, QUANT)
+
+
+@triton.jit
 def _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on):
     """y rounded to bf16 into out's rows offs_m (< M) and columns offs_n (< N)."""
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -174,13 +190,10 @@ def _contiguous_tile(
     # tail rows/columns wrap onto valid memory (TMA: read as zeros); their results are never stored
     if TMA:
         cols = offs_n % N
-        as_ptrs = a_scale_ptr + (offs_m % M) * stride_asm
-        ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
-        ws_ptrs = w_scale_ptr + e64 * stride_wse + ws_cols * stride_wsn
-        acc = _dot_k_tma(a_ptr, w_ptr, as_ptrs, ws_ptrs, pid_m * BLOCK_M,
-                         expert * N + pid_n * BLOCK_N, K, stride_ask, stride_wsk, BLOCK_M,
-                         BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
-        y = _scaled(acc, as_ptrs, ws_ptrs, QUANT)
+        y = _tile_tma(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr + e64 * stride_wse, pid_m * BLOCK_M,
+                      expert * N + pid_n * BLOCK_N, offs_m % M, cols, K, stride_asm, stride_ask,
+                      stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
+                      SCALE_K)  # fmt: skip
     else:
         rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
         cols = offs_n % N
@@ -430,7 +443,8 @@ def _contiguous_gate_kernel(
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def _masked_kernel(
-    # tensors (bf16: the scale pointers are unused)
+    # tensors (bf16: the scale pointers are unused; TMA: a_ptr and w_ptr are tensor descriptors
+    # of a `[E * T, K]` and w `[E * N, K]`)
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
     # sizes (E only keys the autotuner)
     T, N, K, E,
@@ -443,7 +457,7 @@ def _masked_kernel(
     # meta
     QUANT: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr,
+    EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
@@ -466,10 +480,18 @@ def _masked_kernel(
         offs_t = m0 + tl.arange(0, BLOCK_M)
         # rows >= count are never read: clamp onto the last live row, never store them
         rows = tl.minimum(offs_t, count - 1).to(tl.int64)
-        y = _tile(a_ptr + e64 * stride_ae, w_ptr + e64 * stride_we, a_scale_ptr + e64 * stride_ase,
-                  w_scale_ptr + e64 * stride_wse, rows, cols, tl.arange(0, BLOCK_K), K, stride_at,
-                  stride_ak, stride_wn, stride_wk, stride_ast, stride_ask, stride_wsn, stride_wsk,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+        if TMA:  # (a `[E * T, K]`, w `[E * N, K]`; rows past the count are read, not stored)
+            y = _tile_tma(a_ptr, w_ptr, a_scale_ptr + e64 * stride_ase,
+                          w_scale_ptr + e64 * stride_wse, expert * T + m0,
+                          expert * N + pid_n * BLOCK_N, rows, cols, K, stride_ast, stride_ask,
+                          stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
+                          SCALE_K)  # fmt: skip
+        else:
+            y = _tile(a_ptr + e64 * stride_ae, w_ptr + e64 * stride_we,
+                      a_scale_ptr + e64 * stride_ase, w_scale_ptr + e64 * stride_wse, rows, cols,
+                      tl.arange(0, BLOCK_K), K, stride_at, stride_ak, stride_wn, stride_wk,
+                      stride_ast, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K, QUANT, SCALE_K)  # fmt: skip
         o_ptrs = (
             out_ptr
             + e64 * stride_oe
@@ -539,6 +561,10 @@ _MASKED_CONFIGS = [
     _cfg(8, 3, BLOCK_N=128, BLOCK_K=128),
     _cfg(4, 6, BLOCK_N=64, BLOCK_K=64),
     _cfg(4, 5, BLOCK_N=128, BLOCK_K=64),
+    # the weight stream through TMA (the tuned table's choice only)
+    _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True),
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
 ]
 
 
@@ -683,13 +709,14 @@ def _aligned(tensors: Tuple) -> bool:
 
 
 def _args(tensors: Tuple, meta: Dict) -> Tuple:
-    """The kernel's leading arguments: ``tensors``, with a `[M, K]` and w `[E, N, K]` as TMA
-    descriptors (w's as `[E * N, K]`) of the config's tiles when it takes TMA."""
+    """The kernel's leading arguments: ``tensors``, with a `[M, K]` (masked: `[E, T, K]`, as
+    `[E * T, K]`) and w `[E, N, K]` (as `[E * N, K]`) as TMA descriptors of the config's tiles
+    when it takes TMA."""
     if not meta.get("TMA"):
         return tensors
     a, w = tensors[0], tensors[1]
-    bk = meta["BLOCK_K"]
-    a_d = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [meta["BLOCK_M"], bk])
+    bk, k = meta["BLOCK_K"], a.shape[-1]
+    a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [meta["BLOCK_M"], bk])
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
                            [meta["BLOCK_N"], bk])  # fmt: skip
     return (a_d, w_d, *tensors[2:])
@@ -887,7 +914,8 @@ def _masked_plan(dtype, T, N, K, E, sa, sw, sas, sws, so, expected_m, check, blo
         return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
 
     table = ("masked", quant.of_dtype(dtype), N, K, E, block_m, expected_m or T, device)
-    return _Plan("masked", meta["QUANT"], block_m, table, grid, sizes, meta)
+    tma = sa[0] == T * sa[1] and _tma_ok(dtype, sa[1:], sw, N, False)  # (slots back to back)
+    return _Plan("masked", meta["QUANT"], block_m, table, grid, sizes, meta, tma)
 
 
 def contiguous_gate_triton(
