@@ -188,15 +188,14 @@ def _contiguous_tile(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # tail rows/columns wrap onto valid memory (TMA: read as zeros); their results are never stored
+    cols = offs_n % N
     if TMA:
-        cols = offs_n % N
         y = _tile_tma(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr + e64 * stride_wse, pid_m * BLOCK_M,
                       expert * N + pid_n * BLOCK_N, offs_m % M, cols, K, stride_asm, stride_ask,
                       stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
                       SCALE_K)  # fmt: skip
     else:
         rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-        cols = offs_n % N
         y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
                   rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
                   stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
@@ -372,9 +371,9 @@ def _gate_tile(
     e64 = expert.to(tl.int64)
     up = I if GLU else 0  # (the up rows' offset in w and in the bias)
     per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
+    wc = cols % I
+    ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
     if TMA:
-        wc = cols % I
-        ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
         acc_g, acc_u = _dot_gate_up_tma(
             a_ptr, w_ptr, a_scale_ptr + (offs_m % M) * stride_asm, ws_e, pid_m * BLOCK_M,
             expert * (up + I) + pid_n * BLOCK_N, K, up, (up // per) * stride_wsn,
@@ -382,11 +381,9 @@ def _gate_tile(
         )  # fmt: skip
     else:
         rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
-        wc = cols % I
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         w_e = w_ptr + e64 * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
         acc_g, acc_u = _dot_gate_up(
             a_ptrs, w_e, a_scale_ptr + rows * stride_asm, ws_e, offs_k, K, up * stride_wn,
             (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
@@ -653,8 +650,6 @@ class _Plan:
         self.prepared: Dict[int, _launch.Prepared] = {}
 
 
-_KERNELS = dict(contiguous="_contiguous_kernel", masked="_masked_kernel",
-                gate="_contiguous_gate_kernel")  # fmt: skip
 # config keys the host reads (the kernel never sees them): programs per multiprocessor of a
 # persistent TMA launch (0: one program per tile)
 _HOST_KEYS = ("PERSISTENT",)
@@ -669,7 +664,8 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
     if config is not None:
         config = _runnable(plan, config, tensors)
         meta = {**plan.meta, **config}
-        kernel = globals()[_KERNELS[plan.layout]]
+        kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
+                      gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
         kernel[plan.grid(meta)](*_args(tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
