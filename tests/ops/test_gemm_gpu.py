@@ -525,8 +525,16 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     explicit = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
     monkeypatch.setattr(_tuned, "lookup", lambda *args, **kw: dict(cfg))
     _triton._contiguous_plan.cache_clear()
+    # a not 16-byte aligned: the same tiles through pointers, cached beside the TMA launch
+    shifted = torch.empty(a.numel() + 1, dtype=a.dtype, device=dev)[1:].view(a.shape)
+    shifted.copy_(a)
+    plans, launch = [], _triton._launch_plan
+    monkeypatch.setattr(
+        _triton, "_launch_plan", lambda plan, *args: (plans.append(plan), launch(plan, *args))
+    )
     try:
         first = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
+        pointers = _triton.contiguous_triton(shifted, w, m_idx, as_, ws, row_block=ALIGN)
         again = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
         out = torch.zeros_like(first)
         graph = torch.cuda.CUDAGraph()
@@ -538,6 +546,13 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
         _triton._contiguous_plan.cache_clear()
     for y in (first, again, out):
         assert torch.equal(y[live], explicit[live])
+    assert rel_l2(pointers[live], want[live]) < GEMM_VS_QUANT_AWARE
+    assert len({id(p) for p in plans}) == 1
+    feeds = {key: bool(p.meta.get("TMA")) for key, p in plans[0].prepared.items()}
+    assert feeds == {
+        (torch.cuda.current_device(), False): False,
+        (torch.cuda.current_device(), True): True,
+    }
 
 
 @pytest.mark.gpu

@@ -638,8 +638,8 @@ class _Plan:
     """One GEMM call's static launch: its layout and scheme, the tuned table's key of it, the
     grid (a function of the meta-parameters), the trailing sizes / strides and the constexprs;
     ``tma``: whether a and w can be read through TMA descriptors (contiguous, no gather, rows of
-    16-byte multiples); ``prepared`` holds the chosen config's launch per device, made on the
-    first call."""
+    16-byte multiples); ``prepared`` holds the chosen config's launch per device and feed (TMA or
+    pointers), made on the first such call."""
 
     __slots__ = ("layout", "code", "row_block", "table", "grid", "sizes", "meta", "tma",
                  "prepared")  # fmt: skip
@@ -647,7 +647,7 @@ class _Plan:
     def __init__(self, layout, code, row_block, table, grid, sizes, meta, tma=False):
         self.layout, self.code, self.row_block, self.table = layout, code, row_block, table
         self.grid, self.sizes, self.meta, self.tma = grid, sizes, meta, tma
-        self.prepared: Dict[int, _launch.Prepared] = {}
+        self.prepared: Dict[Tuple[int, bool], _launch.Prepared] = {}
 
 
 # config keys the host reads (the kernel never sees them): programs per multiprocessor of a
@@ -669,25 +669,23 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         kernel[plan.grid(meta)](*_args(tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
-        dev = torch._C._cuda_getDevice()
-        prepared = plan.prepared.get(dev)
+        # one launch per device and feed: a call whose a or w is not 16-byte aligned takes the
+        # same tiles through pointers, cached beside the TMA launch rather than instead of it
+        key = (torch._C._cuda_getDevice(), plan.tma and _aligned(tensors))
+        prepared = plan.prepared.get(key)
         if prepared is not None:
-            if not prepared.meta.get("TMA"):
-                prepared.untraced(*tensors)
-                return
-            if _aligned(tensors):  # (else this call's own launch, through pointers, below)
-                prepared.untraced(*_args(tensors, prepared.meta))
-                return
+            prepared.untraced(*(_args(tensors, prepared.meta) if key[1] else tensors))
+            return
         config = _tuned.lookup(*plan.table)
     tuned = _tuner(plan.layout, plan.code, plan.row_block)
     if config is None:  # (the autotuner's run launches the kernel too)
         tuned[plan.grid](*tensors, *plan.sizes, **plan.meta)
         if not _launch._INTERPRET:
-            plan.prepared[dev] = _prepared(tuned.fn, plan, tensors, tuned.best_config.all_kwargs())
+            plan.prepared[key] = _prepared(tuned.fn, plan, tensors, tuned.best_config.all_kwargs())
         return
     prepared = _prepared(tuned.fn, plan, tensors, _runnable(plan, config, tensors))
-    if prepared.meta.get("TMA") or dev not in plan.prepared:  # (a misaligned call: kept aside)
-        plan.prepared[dev] = prepared
+    if not _launch._INTERPRET:
+        plan.prepared[key] = prepared
     prepared.untraced(*_args(tensors, prepared.meta))
 
 
