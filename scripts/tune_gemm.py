@@ -32,11 +32,12 @@ bf16) on the same operands. The entry keeps the fastest Triton config, the faste
 best µs of each; a config that fails to compile or to launch is skipped (its error in the log).
 
 Path entries (``--paths``): per shape and scheme, each T of ``--tokens`` above the shape's GEMV
-cutoff (``epmoe.layer.gemv_max_tokens``) and up to LL_MAX_TOKENS: the whole one-rank layer (local
-backend, same weights, the same routing for every variant, ``warmup([T])`` first) as mode "ll"
-(max_tokens_per_rank = T) and as mode "ht" at each alignment of PATH_ALIGNMENTS, reading the GEMM
-entries of this run (and of the file) as the layer does; the fastest becomes the path entry
-(HT over LL only by more than PATH_MARGIN).
+cutoff (``epmoe.layer.gemv_max_tokens``): the whole one-rank layer (local backend, same weights,
+the same routing for every variant, ``warmup([T])`` first) as mode "ll" (max_tokens_per_rank = T;
+T up to LL_MAX_TOKENS) and as mode "ht" at each alignment of PATH_ALIGNMENTS (above LL_MAX_TOKENS:
+HT_ALIGNMENTS, the entry then picks HT's alignment only), reading the GEMM entries of this run
+(and of the file) as the layer does; the fastest becomes the path entry (HT over LL only by more
+than PATH_MARGIN).
 
 Timing: ``benchmarks/_timing.time_cuda``, the project's timer: one call captured in a CUDA graph,
 replayed ``--iters`` times, each replay after an L2 flush and between two CUDA events; the median.
@@ -91,6 +92,8 @@ TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
 PATH_ALIGNMENTS = (128, 64, 32, 16)
+# above the LL sizes: blocks of 16-32 rows force tiles of as many rows, 2-4x slower there
+HT_ALIGNMENTS = (128, 64)
 # HT replaces LL (the path without a table) only when faster by more: whole-layer timings move
 # 3-5% between runs, so a smaller win is noise
 PATH_MARGIN = 0.03
@@ -264,11 +267,19 @@ def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> 
                 **layer, config=config, backend=backend, us=us)  # fmt: skip
 
 
-def path_tokens(cfg, scheme: str, tokens: Iterable[int], max_tokens: int = LL_MAX_TOKENS):
+def path_tokens(cfg, scheme: str, tokens: Iterable[int]) -> List[int]:
     """The T of ``tokens`` a path entry is measured at: above the one-rank layer's GEMV cutoff
-    (those calls take the GEMVs), at most ``max_tokens`` (above it "auto" takes HT)."""
+    (those calls take the GEMVs)."""
     cutoff = gemv_max_tokens(quant.get(scheme), cfg.local_experts, cfg.top_k)
-    return [t for t in sorted(set(tokens)) if cutoff < t <= max_tokens]
+    return [t for t in sorted(set(tokens)) if cutoff < t]
+
+
+def path_variants(t: int) -> List[Tuple[str, int]]:
+    """(path, alignment) of each layer variant timed at T = ``t``: LL (up to LL_MAX_TOKENS, above
+    it "auto" takes HT) and HT at each alignment."""
+    if t > LL_MAX_TOKENS:
+        return [("ht", a) for a in HT_ALIGNMENTS]
+    return [("ll", 0)] + [("ht", a) for a in PATH_ALIGNMENTS]
 
 
 def variant_name(path: str, alignment: int) -> str:
@@ -629,8 +640,9 @@ class Tuner:
             print(json.dumps(e), flush=True)
             yield e
 
-    def paths(self, cfg, scheme: str, tokens: List[int], alignments) -> Iterator[Dict]:
-        """The path entry of each T of ``tokens`` (see the module docstring)."""
+    def paths(self, cfg, scheme: str, tokens: List[int], variants=path_variants) -> Iterator[Dict]:
+        """The path entry of each T of ``tokens`` (see the module docstring); ``variants``: T ->
+        the (path, alignment) pairs timed."""
         torch.cuda.empty_cache()  # (the GEMM phase's or the previous shape's cached blocks)
         dev, E, H, I = self.device, cfg.local_experts, cfg.hidden, cfg.intermediate  # noqa: E741
         width = _gate.get(cfg.gate).width(I)
@@ -656,8 +668,7 @@ class Tuner:
                     setattr(x, name, buf)
             return x
 
-        ht = {a: layer(mode="ht", alignment=a, max_tokens_per_rank=max(tokens), worst_case=True)
-              for a in alignments}  # fmt: skip
+        ht: Dict[int, epmoe.EPMoE] = {}  # alignment -> the HT layer, sized for the largest T
         for t in tokens:
             self.check_time()
             ids = routing(t, E, cfg.top_k, dev)
@@ -665,9 +676,15 @@ class Tuner:
             x = torch.randn((t, H), generator=gx, device=dev, dtype=torch.bfloat16)
             tw = torch.softmax(torch.randn((t, cfg.top_k), generator=gx, device=dev), dim=1)
             us: Dict[str, Optional[float]] = {}
-            for name, m in [("ll", layer(mode="ll", max_tokens_per_rank=t))] + [
-                (variant_name("ht", a), ht[a]) for a in alignments
-            ]:
+            for path, a in variants(t):
+                if path == "ll":
+                    m = layer(mode="ll", max_tokens_per_rank=t)
+                else:
+                    if a not in ht:
+                        ht[a] = layer(mode="ht", alignment=a, max_tokens_per_rank=max(tokens),
+                                      worst_case=True)  # fmt: skip
+                    m = ht[a]
+                name = variant_name(path, a)
                 m.warmup([t])
                 us[name] = self.measure(name, functools.partial(m, x, ids, tw)).us
             p = path_entry(cfg, scheme, t, us)
@@ -801,7 +818,7 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
             if ts:
                 print(f"== paths {shape} {scheme}", flush=True)
                 with reading_table(merge(old, entries, paths, header(name)), name):
-                    for p in tuner.paths(cfg, scheme, ts, PATH_ALIGNMENTS):
+                    for p in tuner.paths(cfg, scheme, ts):
                         paths.append(p)
                 save()
     except OutOfTime:

@@ -159,8 +159,12 @@ def test_the_log_ranks_every_measurement_that_ran():
 
 def test_path_entries():
     cfg = CONFIGS["qwen3-30b-a3b"]
-    # the GEMV cutoff of qwen3 (E 128, top-8) lies between 8 and 32; nothing above the LL sizes
-    assert tg.path_tokens(cfg, "fp8", (2048, 8, 32, 512, 128, 32)) == [32, 128, 512]
+    # the GEMV cutoff of qwen3 (E 128, top-8) lies between 8 and 32; above the LL sizes HT only
+    assert tg.path_tokens(cfg, "fp8", (2048, 8, 32, 512, 128, 32)) == [32, 128, 512, 2048]
+    assert tg.path_variants(512) == [("ll", 0)] + [("ht", a) for a in tg.PATH_ALIGNMENTS]
+    assert tg.path_variants(513) == [("ht", a) for a in tg.HT_ALIGNMENTS]
+    p = tg.path_entry(cfg, "fp8", 4096, {"ht@128": 500.0, "ht@64": 480.0})
+    assert (p["path"], p["alignment"], p["t"]) == ("ht", 64, 4096)
     p = tg.path_entry(cfg, "fp8", 32, {"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0, "ht@32": None})
     assert (p["path"], p["alignment"], p["t"]) == ("ht", 16, 32)
     assert (p["E"], p["H"], p["I"], p["K"]) == (128, 2048, 768, 8)
@@ -329,9 +333,15 @@ def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
 def test_paths_time_every_variant(cpu_tuner):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # (biases, a gate of its own, sizes no multiple of 128)
-    (p,) = tuner.paths(cfg, "bf16", [8], (128, 16))
+    (p,) = tuner.paths(cfg, "bf16", [8], lambda t: [("ll", 0), ("ht", 128), ("ht", 16)])
     assert len(calls) == 3 and (p["path"], p["alignment"], p["t"]) == ("ll", 0, 8)
     assert list(p["us"]) == ["ll", "ht@128", "ht@16"]
+    # above the LL sizes: HT's alignments only, on the HT layers made once
+    p, q = tuner.paths(
+        cfg, "bf16", [8, 16], lambda t: [("ht", 16)] if t > 8 else [("ht", 16), ("ll", 0)]
+    )
+    assert len(calls) == 6 and list(p["us"]) == ["ht@16", "ll"] and list(q["us"]) == ["ht@16"]
+    assert (q["path"], q["alignment"], q["t"]) == ("ht", 16, 16)
     assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
 
 
