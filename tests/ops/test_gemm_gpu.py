@@ -525,7 +525,7 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     explicit = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
     monkeypatch.setattr(_tuned, "lookup", lambda *args, **kw: dict(cfg))
     _triton._contiguous_plan.cache_clear()
-    # a not 16-byte aligned: the same tiles through pointers, cached beside the TMA launch
+    # a or out not 16-byte aligned: the same tiles through pointers, cached beside the TMA launch
     shifted = torch.empty(a.numel() + 1, dtype=a.dtype, device=dev)[1:].view(a.shape)
     shifted.copy_(a)
     plans, launch = [], _triton._launch_plan
@@ -535,6 +535,9 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     try:
         first = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
         pointers = _triton.contiguous_triton(shifted, w, m_idx, as_, ws, row_block=ALIGN)
+        odd = torch.empty(want.numel() + 1, dtype=torch.bfloat16, device=dev)[1:]
+        odd_out = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN,
+                                            out=odd.view(want.shape))  # fmt: skip
         again = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN)
         out = torch.zeros_like(first)
         graph = torch.cuda.CUDAGraph()
@@ -547,6 +550,7 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     for y in (first, again, out):
         assert torch.equal(y[live], explicit[live])
     assert rel_l2(pointers[live], want[live]) < GEMM_VS_QUANT_AWARE
+    assert rel_l2(odd_out[live], want[live]) < GEMM_VS_QUANT_AWARE
     assert len({id(p) for p in plans}) == 1
     feeds = {key: bool(p.meta.get("TMA")) for key, p in plans[0].prepared.items()}
     assert feeds == {

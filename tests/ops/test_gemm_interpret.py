@@ -359,8 +359,8 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
 
 
 def test_contiguous_tma_falls_back_where_it_cannot_run():
-    """A gather (rows of a through a_rows) or an a that does not start on a 16-byte boundary runs
-    the same tiles through pointers: the same bytes, never a misread."""
+    """A gather (rows of a through a_rows), or an a or out that does not start on a 16-byte
+    boundary, runs the same tiles through pointers: the same bytes, never a misread."""
     gen = torch.Generator().manual_seed(19)
     x, xs, (xp, sp, m_idx, _, _, src), w, ws = _gather_case("int8", gen, 128)
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4)
@@ -372,6 +372,9 @@ def test_contiguous_tma_falls_back_where_it_cannot_run():
     shifted = torch.empty(xp.numel() + 1, dtype=xp.dtype)[1:].view(xp.shape).copy_(xp)
     assert shifted.data_ptr() % 16 != 0
     got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
+    assert torch.equal(got[live], want[live])
+    out = torch.empty(want.numel() + 1, dtype=want.dtype)[1:].view(want.shape)  # (TMA stores out)
+    got = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=tma, out=out)
     assert torch.equal(got[live], want[live])
 
 

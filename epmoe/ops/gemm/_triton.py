@@ -177,8 +177,8 @@ def _contiguous_tile(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
 ):  # fmt: skip
-    """The contiguous kernel's ``tile``, read through pointers (rows of a through a_rows with
-    GATHER) or TMA descriptors; a -1 block writes nothing."""
+    """The contiguous kernel's ``tile``, read and written through pointers (rows of a through
+    a_rows with GATHER) or TMA descriptors; a -1 block writes nothing."""
     pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
@@ -200,14 +200,17 @@ def _contiguous_tile(
                   rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
                   stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
                   BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
-    _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
+    if TMA:  # (the store clips the tile at M and N; an async store frees the registers sooner)
+        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_float(y, tl.bfloat16))
+    else:
+        _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit(do_not_specialize=["M"])
 def _contiguous_kernel(
-    # tensors (bf16: the scale pointers are unused; a_rows_ptr: GATHER only; TMA: a_ptr and w_ptr
-    # are tensor descriptors of a `[M, K]` and w `[E * N, K]`)
+    # tensors (bf16: the scale pointers are unused; a_rows_ptr: GATHER only; TMA: a_ptr, w_ptr and
+    # out_ptr are tensor descriptors of a `[M, K]`, w `[E * N, K]` and out `[M, N]`)
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out_ptr,
     # sizes (E only keys the autotuner)
     M, N, K, E,
@@ -637,9 +640,9 @@ def _tuner(layout: str, quant_code: int, row_block: int):
 class _Plan:
     """One GEMM call's static launch: its layout and scheme, the tuned table's key of it, the
     grid (a function of the meta-parameters), the trailing sizes / strides and the constexprs;
-    ``tma``: whether a and w can be read through TMA descriptors (contiguous, no gather, rows of
-    16-byte multiples); ``prepared`` holds the chosen config's launch per device and feed (TMA or
-    pointers), made on the first such call."""
+    ``tma``: whether a and w can be read through TMA descriptors (no gather, rows of 16-byte
+    multiples; contiguous: out written through one too); ``prepared`` holds the chosen config's
+    launch per device and feed (TMA or pointers), made on the first such call."""
 
     __slots__ = ("layout", "code", "row_block", "table", "grid", "sizes", "meta", "tma",
                  "prepared")  # fmt: skip
@@ -666,15 +669,15 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         meta = {**plan.meta, **config}
         kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
                       gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
-        kernel[plan.grid(meta)](*_args(tensors, meta), *plan.sizes, **_kernel_meta(meta))
+        kernel[plan.grid(meta)](*_args(plan, tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
         # one launch per device and feed: a call whose a or w is not 16-byte aligned takes the
         # same tiles through pointers, cached beside the TMA launch rather than instead of it
-        key = (torch._C._cuda_getDevice(), plan.tma and _aligned(tensors))
+        key = (torch._C._cuda_getDevice(), plan.tma and _aligned(plan, tensors))
         prepared = plan.prepared.get(key)
         if prepared is not None:
-            prepared.untraced(*(_args(tensors, prepared.meta) if key[1] else tensors))
+            prepared.untraced(*(_args(plan, tensors, prepared.meta) if key[1] else tensors))
             return
         config = _tuned.lookup(*plan.table)
     tuned = _tuner(plan.layout, plan.code, plan.row_block)
@@ -686,34 +689,40 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
     prepared = _prepared(tuned.fn, plan, tensors, _runnable(plan, config, tensors))
     if not _launch._INTERPRET:
         plan.prepared[key] = prepared
-    prepared.untraced(*_args(tensors, prepared.meta))
+    prepared.untraced(*_args(plan, tensors, prepared.meta))
 
 
 def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     """``config``, without TMA where the plan or these tensors cannot take it (the same tiles
     through pointers)."""
-    if config.get("TMA") and not (plan.tma and _aligned(tensors)):
+    if config.get("TMA") and not (plan.tma and _aligned(plan, tensors)):
         return {k: v for k, v in config.items() if k != "TMA" and k not in _HOST_KEYS}
     return config
 
 
-def _aligned(tensors: Tuple) -> bool:
-    """a and w start at 16-byte boundaries (TMA's requirement; their strides are the plan's)."""
-    return tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
+def _aligned(plan: _Plan, tensors: Tuple) -> bool:
+    """a and w (contiguous: and out) start at 16-byte boundaries (TMA's requirement; their
+    strides are the plan's)."""
+    ok = tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
+    return ok and (plan.layout != "contiguous" or tensors[-1].data_ptr() % 16 == 0)
 
 
-def _args(tensors: Tuple, meta: Dict) -> Tuple:
+def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
     """The kernel's leading arguments: ``tensors``, with a `[M, K]` (masked: `[E, T, K]`, as
     `[E * T, K]`) and w `[E, N, K]` (as `[E * N, K]`) as TMA descriptors of the config's tiles
-    when it takes TMA."""
+    when it takes TMA, and the contiguous layout's out `[M, N]` too."""
     if not meta.get("TMA"):
         return tensors
     a, w = tensors[0], tensors[1]
-    bk, k = meta["BLOCK_K"], a.shape[-1]
-    a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [meta["BLOCK_M"], bk])
+    bm, bk, k = meta["BLOCK_M"], meta["BLOCK_K"], a.shape[-1]
+    a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [bm, bk])
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
                            [meta["BLOCK_N"], bk])  # fmt: skip
-    return (a_d, w_d, *tensors[2:])
+    if plan.layout != "contiguous":
+        return (a_d, w_d, *tensors[2:])
+    out = tensors[-1]
+    o_d = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [bm, meta["BLOCK_N"]])
+    return (a_d, w_d, *tensors[2:-1], o_d)
 
 
 def _kernel_meta(meta: Dict) -> Dict:
@@ -822,7 +831,8 @@ def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, gather,
     meta = dict(_constexprs(dtype), GATHER=gather)
     sizes = (M, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 1), *so)
     table = ("contiguous", quant.of_dtype(dtype), N, K, E, row_block, M, device)
-    tma = _tma_ok(dtype, sa, sw, N, gather)
+    # (TMA stores out too: bf16 rows of 16-byte multiples)
+    tma = _tma_ok(dtype, sa, sw, N, gather) and so[1] == 1 and (so[0] * 2) % 16 == 0
     return _Plan("contiguous", meta["QUANT"], row_block, table, _tile_grid(M, N, device), sizes,
                  meta, tma)  # fmt: skip
 
