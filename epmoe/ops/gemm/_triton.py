@@ -550,6 +550,8 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
+    # (int8 only: one warpgroup a 128x128 tile, the fastest persistent int8 GEMM2 of a one-off)
+    _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
