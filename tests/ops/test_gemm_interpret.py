@@ -226,6 +226,10 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3)
     assert not _triton.fits(big, 0, 128) and _triton.fits(big, 2, 128)
     assert _triton.fits(dict(big, BLOCK_K=64), 0, 128)
+    # PERSISTENT programs a multiprocessor hold their pipelines together: 2 x 96 KiB for int8
+    pair = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=3, PERSISTENT=2)
+    assert _triton.fits(pair, 2, 128) and not _triton.fits(pair, 0, 128)
+    assert _triton.fits(dict(pair, PERSISTENT=1), 0, 128)
     # masked: the call's BLOCK_M sets the tiles (0: the largest, 64)
     decode = dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
     assert _triton.fits(decode, 0, 0, 16) and not _triton.fits(decode, 0, 0, 64)

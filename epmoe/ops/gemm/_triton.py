@@ -543,7 +543,9 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
-    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=2),
+    # two programs resident a multiprocessor (int8 only: 96 KB of shared memory and 204 registers
+    # a thread each), each running its epilogue while the other computes
+    _cfg(4, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=2),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
@@ -616,7 +618,9 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
         return False
     width = 2 if quant_code == 0 else 1  # operand bytes: bf16, else fp8 / int8 codes
     tiles = (bm + config["BLOCK_N"]) * config["BLOCK_K"] * width
-    return config.get("num_stages", 1) * tiles <= _MAX_SHARED
+    # (PERSISTENT programs a multiprocessor: resident together)
+    resident = max(config.get("PERSISTENT", 1), 1)
+    return resident * config.get("num_stages", 1) * tiles <= _MAX_SHARED
 
 
 @_launch.memo
