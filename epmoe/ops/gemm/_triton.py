@@ -194,15 +194,14 @@ def _contiguous_tile(
                       expert * N + pid_n * BLOCK_N, offs_m % M, cols, K, stride_asm, stride_ask,
                       stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
                       SCALE_K)  # fmt: skip
+        # (the store clips the tile at M and N; an async store frees the registers sooner)
+        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_float(y, tl.bfloat16))
     else:
         rows = _a_rows(a_rows_ptr, offs_m, M, GATHER)
         y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
                   rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
                   stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
                   BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
-    if TMA:  # (the store clips the tile at M and N; an async store frees the registers sooner)
-        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_float(y, tl.bfloat16))
-    else:
         _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
@@ -552,7 +551,7 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
-    # (int8 only: one warpgroup a 128x128 tile, the fastest persistent int8 GEMM2 of a one-off)
+    # (int8 only: a 128x128 tile on one warpgroup, persistent)
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
