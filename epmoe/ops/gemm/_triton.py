@@ -458,9 +458,11 @@ def _masked_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    expert = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # (the M_SPLIT programs of one weight tile are adjacent in launch order: they stream the same
+    # weights at the same time, the later ones from L2)
+    pid_s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.program_id(2)
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if pid_n + expert + pid_s == 0:
             ex = tl.arange(0, E_PAD)
@@ -924,7 +926,7 @@ def _masked_plan(dtype, T, N, K, E, sa, sw, sas, sws, so, expected_m, check, blo
     sizes = (T, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 2), *so)
 
     def grid(m):
-        return (_launch.cdiv(N, m["BLOCK_N"]), E, m["M_SPLIT"])
+        return (m["M_SPLIT"], _launch.cdiv(N, m["BLOCK_N"]), E)
 
     table = ("masked", quant.of_dtype(dtype), N, K, E, block_m, expected_m or T, device)
     tma = sa[0] == T * sa[1] and _tma_ok(dtype, sa[1:], sw, N, False)  # (slots back to back)
