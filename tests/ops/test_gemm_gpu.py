@@ -619,7 +619,7 @@ def test_triton_masked_tma_configs(scheme):
     E, T = 4, 128
     a, as_, w, ws = _operands(scheme, (E, T), E, 384, 640, dev, gen)
     mm = torch.tensor([0, 5, 77, 128], dtype=torch.int32, device=dev)
-    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    live = _live(mm, T)
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     code = quant.get(scheme).kernel_code
     tma = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS

@@ -544,8 +544,8 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
-    # two programs resident a multiprocessor (int8 only: 96 KB of shared memory and 204 registers
-    # a thread each), each running its epilogue while the other computes
+    # two programs resident a multiprocessor (int8 only: 96 KB of shared memory each), each
+    # running its epilogue while the other computes
     _cfg(4, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=2),
     # the same pair on 64-row blocks (fp8 / int8: 96 KB each), and a 64-row bf16 / int8 tile on one
     # warpgroup's widest wgmma: alignment 64 pads half the rows 128 does
