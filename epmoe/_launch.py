@@ -43,6 +43,8 @@ _wrap_enabled = _triton_lib.is_wrap_triton_enabled
 _Tensor = torch.Tensor
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _SCALARS = (int, float, bool)
+# TMA descriptor classes kernels take (Triton's; epmoe.ops.gemm._gluon adds Gluon's on import)
+DESCRIPTORS = {TensorDescriptor}
 
 
 def pow2(n):
@@ -156,7 +158,7 @@ def _key(dev, args, meta) -> Tuple:
         elif c is _Tensor or isinstance(a, _Tensor):
             key.append(a.dtype)
             key.append(a.data_ptr() & 15 == 0)
-        elif c is TensorDescriptor:  # (Triton specializes on its dtype and tile)
+        elif c in DESCRIPTORS:  # (Triton specializes on its dtype and tile)
             key.append((a.base.dtype, tuple(a.block_shape)))
         else:
             key.append(c)
@@ -197,7 +199,7 @@ class Prepared:
         dev = torch._C._cuda_getDevice()
         key = [dev]
         for t in tensors:
-            if t.__class__ is TensorDescriptor:  # (its tile is the meta's: fixed here)
+            if t.__class__ in DESCRIPTORS:  # (its tile is the meta's: fixed here)
                 t = t.base
             key.append(t.dtype)
             key.append(t.data_ptr() & 15 == 0)

@@ -40,6 +40,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from epmoe import _checks, _launch, gate, reference  # noqa: E402
@@ -75,18 +77,21 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
     saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._masked_kernel,
-             G._contiguous_kernel, G._contiguous_gate_kernel)  # fmt: skip
+             G._contiguous_kernel, G._contiguous_gate_kernel, G._gluon_kernel)  # fmt: skip
     _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
     _checks.check_values = _checks.check_codes = lambda *a, **k: None
     # the GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._masked_kernel = _Recorder(G._masked_kernel, calls)
     G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
     G._contiguous_gate_kernel = _Recorder(G._contiguous_gate_kernel, calls)
+    gluon = _Recorder(saved[6](), calls)
+    G._gluon_kernel = lambda: gluon
     try:
         launch()
     finally:
         _launch.kernel, _checks.check_values, _checks.check_codes = saved[:3]
-        G._masked_kernel, G._contiguous_kernel, G._contiguous_gate_kernel = saved[3:]
+        G._masked_kernel, G._contiguous_kernel, G._contiguous_gate_kernel = saved[3:6]
+        G._gluon_kernel = saved[6]
     return calls
 
 
@@ -117,6 +122,8 @@ def _arg_type(v) -> str:
         return "*" + _DTYPES[v.dtype]
     if isinstance(v, TensorDescriptor):  # (a TMA-fed GEMM's operands)
         return f"tensordesc<{_DTYPES[v.base.dtype]}[{','.join(map(str, v.block_shape))}]>"
+    if type(v).__name__ == "TensorDescriptor":  # (Gluon's: its shared layout in the type)
+        return mangle_type(v)
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
@@ -140,6 +147,8 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     attrs = {}
     values = dict(zip(names, args, strict=False))  # trailing constexprs may come as kwargs
     values.update(kwargs)
+    if "num_warps" in names:  # (a Gluon kernel's constexpr: Triton passes the launch option)
+        values["num_warps"] = options.get("num_warps", 4)
     # the launcher's own specialization (what the GPU compiles): ints equal to 1 become constants,
     # tensors and ints divisible by 16 get the divisibility hint that lets loads and stores
     # vectorize; not for do_not_specialize arguments
@@ -158,7 +167,8 @@ def compile_launch(fn, args: tuple, kwargs: dict):
             sig[name] = _arg_type(v)
             if name not in keep and (isinstance(v, torch.Tensor) or (is_int and v % 16 == 0)):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    src = source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options)
 
 

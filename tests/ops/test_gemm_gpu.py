@@ -559,6 +559,31 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     }
 
 
+# the Gluon int8 kernel (asynchronous wgmma) writes the Triton kernel's bytes: the same tiles' int32
+# sums and float ops; three multiprocessors, so each program loops over many tiles (stages and
+# barrier phases carried across tiles), K = 576 a partial last step for K tiles of 128
+@pytest.mark.gpu
+def test_gluon_int8_equals_triton_bytes(monkeypatch):
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(41)
+    m_idx = _layout([700, 0, 1, 257, 130], ALIGN, trailing_blocks=3).to(dev)
+    a, as_, w, ws = _operands("int8", (m_idx.numel(),), 5, 448, 576, dev, gen)
+    live = m_idx >= 0
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
+    monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
+    gluon = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
+             if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), 2, ALIGN)]  # fmt: skip
+    assert len(gluon) >= 4
+    for cfg in gluon:
+        y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
+        triton_cfg = {k: v for k, v in cfg.items() if k not in ("GLUON", "STORE_TMA")}
+        x = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=triton_cfg)
+        assert torch.equal(y[live], x[live]), cfg
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_triton_masked_every_scheme(scheme):

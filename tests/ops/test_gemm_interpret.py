@@ -234,6 +234,10 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     decode = dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
     assert _triton.fits(decode, 0, 0, 16) and not _triton.fits(decode, 0, 0, 64)
     assert not _triton.fits(decode, 0) and _triton.fits(decode, 2)
+    # the Gluon kernel: int8's only; a TMA store's staged out tile counts against shared memory
+    gl = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=4, GLUON=True, STORE_TMA=True)
+    assert not _triton.fits(gl, 2, 128) and _triton.fits(dict(gl, STORE_TMA=False), 2, 128)
+    assert not _triton.fits(dict(gl, BLOCK_N=128, num_stages=3), 0, 128)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)

@@ -513,6 +513,12 @@ def _cfg(num_warps, num_stages, **kw):
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
+def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma):
+    return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                GROUP_M=8, TMA=True, PERSISTENT=persistent, GLUON=True,
+                STORE_TMA=store_tma)  # fmt: skip
+
+
 # Hopper-sized tiles for the compute-bound prefill GEMM (<= ~200 KB shared memory; configs that do
 # not fit are dropped by the autotuner), then narrower row blocks for small alignments (decode).
 _CONTIGUOUS_CONFIGS = [
@@ -559,6 +565,16 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
     # (int8 only: a 128x128 tile on one warpgroup, persistent)
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
+    # int8 through the Gluon kernel (its wgmma asynchronous; num_stages = its TMA stages), out
+    # staged for a TMA store or (two programs a multiprocessor) stored from registers
+    _gluon_cfg(4, 4, 128, 128, 128, 1, True),
+    _gluon_cfg(4, 3, 128, 128, 128, 2, False),
+    _gluon_cfg(4, 4, 128, 128, 64, 2, True),
+    _gluon_cfg(8, 3, 128, 256, 128, 1, True),
+    _gluon_cfg(8, 4, 128, 256, 128, 1, False),
+    _gluon_cfg(8, 4, 128, 256, 64, 1, True),
+    _gluon_cfg(4, 4, 64, 128, 128, 2, False),
+    _gluon_cfg(4, 4, 64, 256, 128, 1, True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -611,6 +627,8 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     ``quant_code`` on expert blocks aligned to ``row_block`` rows; 0: the masked layout, whose
     BLOCK_M the call sets (``block_m``; 0: the largest it may take)."""
     bm = config["BLOCK_M"] if row_block else (block_m or _MASKED_MAX_BLOCK_M)
+    if config.get("GLUON") and quant_code != 2:
+        return False  # (the Gluon kernel is int8's)
     if quant_code == 1:
         if quant.FP8_GROUP % config["BLOCK_K"]:
             return False  # one scale group per K step
@@ -625,7 +643,8 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     tiles = (bm + config["BLOCK_N"]) * config["BLOCK_K"] * width
     # (PERSISTENT programs a multiprocessor: resident together)
     resident = max(config.get("PERSISTENT", 1), 1)
-    return resident * config.get("num_stages", 1) * tiles <= _MAX_SHARED
+    staged = bm * config["BLOCK_N"] * 2 if config.get("STORE_TMA") else 0  # (bf16 out tile)
+    return resident * (config.get("num_stages", 1) * tiles + staged) <= _MAX_SHARED
 
 
 @_launch.memo
@@ -667,6 +686,9 @@ class _Plan:
 # config keys the host reads (the kernel never sees them): programs per multiprocessor of a
 # persistent TMA launch (0: one program per tile)
 _HOST_KEYS = ("PERSISTENT",)
+# keys that only a TMA launch takes (GLUON: the Gluon kernel instead of the Triton one), dropped
+# with TMA where a call cannot take it
+_TMA_KEYS = ("TMA", "GLUON", "STORE_TMA", *_HOST_KEYS)
 
 
 def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> None:
@@ -680,6 +702,7 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         meta = {**plan.meta, **config}
         kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
                       gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
+        kernel = _gluon_kernel() if meta.get("GLUON") else kernel
         kernel[plan.grid(meta)](*_args(plan, tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
@@ -707,7 +730,7 @@ def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     """``config``, without TMA where the plan or these tensors cannot take it (the same tiles
     through pointers)."""
     if config.get("TMA") and not (plan.tma and _aligned(plan, tensors)):
-        return {k: v for k, v in config.items() if k != "TMA" and k not in _HOST_KEYS}
+        return {k: v for k, v in config.items() if k not in _TMA_KEYS}
     return config
 
 
@@ -726,6 +749,10 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
         return tensors
     a, w = tensors[0], tensors[1]
     bm, bk, k = meta["BLOCK_M"], meta["BLOCK_K"], a.shape[-1]
+    if meta.get("GLUON"):
+        a_d, w_d, o_d = _gluon_module().descriptors(a, w, tensors[-1], bm, meta["BLOCK_N"], bk,
+                                                    meta["STORE_TMA"])  # fmt: skip
+        return (a_d, w_d, *tensors[2:-1], o_d)
     a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [bm, bk])
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
                            [meta["BLOCK_N"], bk])  # fmt: skip
@@ -737,14 +764,28 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
 
 
 def _kernel_meta(meta: Dict) -> Dict:
-    return {k: v for k, v in meta.items() if k not in _HOST_KEYS}
+    out = {k: v for k, v in meta.items() if k not in _HOST_KEYS}
+    if meta.get("GLUON"):  # (its pipeline depth is a constexpr: Gluon does not pipeline)
+        out["STAGES"] = meta["num_stages"]
+    return out
+
+
+def _gluon_module():
+    from epmoe.ops.gemm import _gluon  # (Gluon imported only where a tuned config takes it)
+
+    return _gluon
+
+
+def _gluon_kernel():
+    return _gluon_module()._contiguous_int8_kernel
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
     """The launch of ``config`` (plus the values of the heuristics under the autotuner ``fn``:
-    ours read key-static arguments only, fixed per plan)."""
+    ours read key-static arguments only, fixed per plan; a Gluon config: its kernel)."""
     meta = {**plan.meta, **config}
     grid = plan.grid(meta)
+    fn = _gluon_kernel() if meta.get("GLUON") else fn
     meta = _kernel_meta(meta)
     while isinstance(fn, triton.runtime.autotuner.Heuristics):
         named = {**dict(zip(fn.arg_names, (*tensors, *plan.sizes), strict=False)), **meta}
