@@ -49,6 +49,42 @@ def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, count, row_a, row_w, kb,
 
 
 @gluon.jit
+def _live_tile(tile, num_tiles, step, m_indices_ptr, M, N, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """(tile, its expert): the first of ``tile``, ``tile`` + step, ... whose row block is an
+    expert's (num_tiles when none is left)."""
+    expert = _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    while (tile < num_tiles) & (expert < 0):
+        tile += step
+        expert = _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return gl.minimum(tile, num_tiles), expert
+
+
+@gluon.jit
+def _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """The expert of ``tile``'s row block (its first row's; -1 past the tiles)."""
+    pid_m, _ = _block_mn(gl.minimum(tile, num_tiles - 1), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    expert = gl.load(m_indices_ptr + pid_m * BLOCK_M)
+    return gl.where(tile < num_tiles, expert, -1)
+
+
+@gluon.jit
+def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert, num_tiles, k_tiles,
+                 M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Loads the first STAGES - 1 K steps of ``tile`` (none past the tiles); the new count."""
+    if tile < num_tiles:
+        pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        for kb in gl.static_range(STAGES - 1):
+            if kb < k_tiles:
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, pid_m * BLOCK_M,
+                           expert * N + pid_n * BLOCK_N, kb, BLOCK_K, STAGES)  # fmt: skip
+                loads += 1
+    return loads
+
+
+@gluon.jit
 def _contiguous_int8_kernel(
     # the Triton contiguous kernel's arguments (a, w: Gluon TMA descriptors; out one with
     # STORE_TMA, else a pointer; a_rows and the a / w strides unused: the descriptors hold them)
@@ -73,50 +109,56 @@ def _contiguous_int8_kernel(
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out.layout)
 
     k_tiles = gl.cdiv(K, BLOCK_K)
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    step = gl.num_programs(0)
     loads = 0  # K steps this program has loaded / consumed: stage = count % STAGES
     used = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N),
-                      gl.num_programs(0)):  # fmt: skip
+    tile, expert = _live_tile(gl.program_id(0), num_tiles, step, m_indices_ptr, M, N, BLOCK_M,
+                              BLOCK_N, GROUP_M)  # fmt: skip
+    loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert, num_tiles,
+                         k_tiles, M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)  # fmt: skip
+    while tile < num_tiles:
         pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(m_indices_ptr + pid_m * BLOCK_M)
-        if expert >= 0:
-            row_a = pid_m * BLOCK_M
-            row_w = expert * N + pid_n * BLOCK_N
-            for kb in gl.static_range(STAGES - 1):
-                if kb < k_tiles:
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w, kb,
-                               BLOCK_K, STAGES)  # fmt: skip
-                    loads += 1
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
-            for kb in range(k_tiles):
-                s = used % STAGES
-                mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
-                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
-                used += 1
-                if kb + STAGES - 1 < k_tiles:
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w,
-                               kb + STAGES - 1, BLOCK_K, STAGES)  # fmt: skip
-                    loads += 1
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            # (rows past M and columns past N wrap onto valid scales and are never stored)
-            offs_m = row_a + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
-            a_s = gl.load(a_scale_ptr + (offs_m % M) * stride_asm)
-            w_s = gl.load(w_scale_ptr + expert.to(gl.int64) * stride_wse +
-                          (offs_n % N) * stride_wsn)  # fmt: skip
-            y = (acc.to(gl.float32) * a_s[:, None] * w_s[None, :]).to(gl.bfloat16)
-            if STORE_TMA:
-                tma.store_wait(0)  # the previous tile's store has left o_smem
-                o_smem.store(y)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out, [row_a, pid_n * BLOCK_N], o_smem)
-            else:
-                o_ptrs = out + offs_m.to(gl.int64)[:, None] * stride_om + \
-                    offs_n[None, :] * stride_on  # fmt: skip
-                gl.store(o_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        row_a = pid_m * BLOCK_M
+        row_w = expert * N + pid_n * BLOCK_N
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
+        for kb in range(k_tiles):
+            s = used % STAGES
+            mbarrier.wait(ready.index(s), (used // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
+            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
+            used += 1
+            if kb + STAGES - 1 < k_tiles:
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w,
+                           kb + STAGES - 1, BLOCK_K, STAGES)  # fmt: skip
+                loads += 1
+        # the next tile's first steps load during this one's last MMA and epilogue (every stage
+        # but the last step's is free)
+        expert_now = expert
+        tile, expert = _live_tile(tile + step, num_tiles, step, m_indices_ptr, M, N, BLOCK_M,
+                                  BLOCK_N, GROUP_M)  # fmt: skip
+        loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert,
+                             num_tiles, k_tiles, M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES)  # fmt: skip
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        # (rows past M and columns past N wrap onto valid scales and are never stored)
+        offs_m = row_a + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+        a_s = gl.load(a_scale_ptr + (offs_m % M) * stride_asm)
+        w_s = gl.load(w_scale_ptr + expert_now.to(gl.int64) * stride_wse +
+                      (offs_n % N) * stride_wsn)  # fmt: skip
+        y = (acc.to(gl.float32) * a_s[:, None] * w_s[None, :]).to(gl.bfloat16)
+        if STORE_TMA:
+            tma.store_wait(0)  # the previous tile's store has left o_smem
+            o_smem.store(y)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out, [row_a, pid_n * BLOCK_N], o_smem)
+        else:
+            o_ptrs = out + offs_m.to(gl.int64)[:, None] * stride_om + \
+                offs_n[None, :] * stride_on  # fmt: skip
+            gl.store(o_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     if STORE_TMA:
         tma.store_wait(0)
     for i in gl.static_range(STAGES):

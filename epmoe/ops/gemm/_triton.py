@@ -573,6 +573,7 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(8, 3, 128, 256, 128, 1, True),
     _gluon_cfg(8, 4, 128, 256, 128, 1, False),
     _gluon_cfg(8, 4, 128, 256, 64, 1, True),
+    _gluon_cfg(8, 6, 128, 256, 64, 1, True),
     _gluon_cfg(4, 4, 64, 128, 128, 2, False),
     _gluon_cfg(4, 4, 64, 256, 128, 1, True),
 ]
