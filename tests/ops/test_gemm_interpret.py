@@ -364,26 +364,32 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
     dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
     assert torch.equal(got[live], want[live])
     assert dead.any() and torch.equal(got[dead], sentinel[dead])
+    if scheme == "int8":  # (a Gluon config: the interpreter runs the Triton kernel's tiles)
+        gluon = dict(tma, GLUON=True, STORE_TMA=True)
+        got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=gluon)
+        assert torch.equal(got[live], want[live])
 
 
 def test_contiguous_tma_falls_back_where_it_cannot_run():
     """A gather (rows of a through a_rows), or an a or out that does not start on a 16-byte
-    boundary, runs the same tiles through pointers: the same bytes, never a misread."""
+    boundary, runs the same tiles through pointers (a Gluon config too: the Triton kernel):
+    the same bytes, never a misread."""
     gen = torch.Generator().manual_seed(19)
     x, xs, (xp, sp, m_idx, _, _, src), w, ws = _gather_case("int8", gen, 128)
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4)
-    tma = dict(cfg, TMA=True, PERSISTENT=1)
     live = m_idx >= 0
     want = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=cfg)
-    got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=tma, a_rows=src)
-    assert torch.equal(got[live], want[live])
     shifted = torch.empty(xp.numel() + 1, dtype=xp.dtype)[1:].view(xp.shape).copy_(xp)
     assert shifted.data_ptr() % 16 != 0
-    got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
-    assert torch.equal(got[live], want[live])
     out = torch.empty(want.numel() + 1, dtype=want.dtype)[1:].view(want.shape)  # (TMA stores out)
-    got = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=tma, out=out)
-    assert torch.equal(got[live], want[live])
+    for tma in (dict(cfg, TMA=True, PERSISTENT=1),
+                dict(cfg, TMA=True, PERSISTENT=2, GLUON=True, STORE_TMA=True)):  # fmt: skip
+        got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=tma, a_rows=src)
+        assert torch.equal(got[live], want[live])
+        got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
+        assert torch.equal(got[live], want[live])
+        got = _triton.contiguous_triton(xp, w, m_idx, sp, ws, row_block=16, config=tma, out=out)
+        assert torch.equal(got[live], want[live])
 
 
 # GEMM1 + gate fed by TMA (a and w through descriptors, gate and up rows of the same descriptor;

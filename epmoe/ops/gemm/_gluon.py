@@ -24,6 +24,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from epmoe import _launch
 
 _launch.DESCRIPTORS.add(TensorDescriptor)
+# TMA copies by their Triton 3.6 names (the device's), renamed async_load / async_store later
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -44,8 +47,8 @@ def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, count, row_a, row_w, kb,
     s = count % STAGES
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [row_a, kb * BLOCK_K], bar, a_bufs.index(s))
-    tma.async_copy_global_to_shared(w_desc, [row_w, kb * BLOCK_K], bar, w_bufs.index(s))
+    _tma_load(a_desc, [row_a, kb * BLOCK_K], bar, a_bufs.index(s))
+    _tma_load(w_desc, [row_w, kb * BLOCK_K], bar, w_bufs.index(s))
 
 
 @gluon.jit
@@ -154,7 +157,7 @@ def _contiguous_int8_kernel(
             tma.store_wait(0)  # the previous tile's store has left o_smem
             o_smem.store(y)
             fence_async_shared()
-            tma.async_copy_shared_to_global(out, [row_a, pid_n * BLOCK_N], o_smem)
+            _tma_store(out, [row_a, pid_n * BLOCK_N], o_smem)
         else:
             o_ptrs = out + offs_m.to(gl.int64)[:, None] * stride_om + \
                 offs_n[None, :] * stride_on  # fmt: skip

@@ -729,9 +729,11 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
 
 def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     """``config``, without TMA where the plan or these tensors cannot take it (the same tiles
-    through pointers)."""
+    through pointers), on the Triton kernel under the interpreter."""
     if config.get("TMA") and not (plan.tma and _aligned(plan, tensors)):
         return {k: v for k, v in config.items() if k not in _TMA_KEYS}
+    if config.get("GLUON") and _launch._INTERPRET:  # (no Gluon there: the Triton kernel's tiles)
+        return {k: v for k, v in config.items() if k not in ("GLUON", "STORE_TMA")}
     return config
 
 
