@@ -3,12 +3,16 @@
 Triton 3.6 makes a wgmma asynchronous only with a float32 accumulator, so each int8 K step of
 :mod:`epmoe.ops.gemm._triton` waits for its own MMA before the next is issued. This kernel is the
 same tiles with the MMA of step k in flight while step k + 1's is issued (``warpgroup_mma_wait(1)``)
-and TMA filling the stages ahead: a persistent loop over the `[BLOCK_M, BLOCK_N]` output tiles of
-expert-contiguous rows (a block's expert is its first row's; -1 blocks are skipped), a `[M, K]`
-and w `[E * N, K]` through TMA descriptors, int32 sums scaled per token x per channel, out `[M, N]`
-through a TMA store. The bytes equal the Triton kernel's (the same integer sums, the same float
-ops). GPU only: the interpreter runs no Gluon (CI tests the Triton kernel, the reference of this).
+and TMA filling the stages ahead: a persistent loop over the live `[BLOCK_M, BLOCK_N]` output tiles
+of expert-contiguous rows (a block's expert is its first row's; -1 blocks never load), the next
+tile's first K steps loaded during the current one's epilogue; a int8 `[M, K]` and w int8
+`[E * N, K]` through TMA descriptors, int32 sums scaled per token x per channel (float32), out
+bf16 `[M, N]` through a TMA store or from registers. The bytes equal the Triton kernel's (the same
+integer sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton
+kernel (:func:`epmoe.ops.gemm._triton._runnable`).
 """
+
+import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -178,20 +182,21 @@ def _instr_n(block_m, block_n, num_warps):
     return n
 
 
+@functools.cache  # (per call otherwise: the descriptors are made at every launch)
 def _layout(shape, dtype):
-    return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
 
 
 def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool):
-    """The kernel's a `[M, K]`, w `[E, N, K]` (as `[E * N, K]`) and out `[M, N]`: TMA descriptors
-    of its tiles (out: as it is without ``store_tma``)."""
+    """The kernel's a int8 `[M, K]`, w int8 `[E, N, K]` (as `[E * N, K]`) and out bf16 `[M, N]`:
+    TMA descriptors of its tiles (out: the tensor itself without ``store_tma``)."""
     k = a.shape[1]
     a_d = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [block_m, block_k],
-                           _layout([block_m, block_k], gl.int8))  # fmt: skip
+                           _layout((block_m, block_k), gl.int8))  # fmt: skip
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], k], [w.stride(1), 1], [block_n, block_k],
-                           _layout([block_n, block_k], gl.int8))  # fmt: skip
+                           _layout((block_n, block_k), gl.int8))  # fmt: skip
     if not store_tma:
         return a_d, w_d, out
     o_d = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n],
-                           _layout([block_m, block_n], gl.bfloat16))  # fmt: skip
+                           _layout((block_m, block_n), gl.bfloat16))  # fmt: skip
     return a_d, w_d, o_d
