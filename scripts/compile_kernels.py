@@ -41,6 +41,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
@@ -122,7 +123,7 @@ def _arg_type(v) -> str:
         return "*" + _DTYPES[v.dtype]
     if isinstance(v, TensorDescriptor):  # (a TMA-fed GEMM's operands)
         return f"tensordesc<{_DTYPES[v.base.dtype]}[{','.join(map(str, v.block_shape))}]>"
-    if type(v).__name__ == "TensorDescriptor":  # (Gluon's: its shared layout in the type)
+    if isinstance(v, GluonDescriptor):  # (its shared layout in the type)
         return mangle_type(v)
     if isinstance(v, bool):
         return "i1"
