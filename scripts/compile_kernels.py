@@ -85,8 +85,8 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     G._masked_kernel = _Recorder(G._masked_kernel, calls)
     G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
     G._contiguous_gate_kernel = _Recorder(G._contiguous_gate_kernel, calls)
-    gluon = _Recorder(saved[6](), calls)
-    G._gluon_kernel = lambda: gluon
+    gluon = {lay: _Recorder(saved[6](lay), calls) for lay in ("contiguous", "masked")}
+    G._gluon_kernel = gluon.__getitem__
     try:
         launch()
     finally:

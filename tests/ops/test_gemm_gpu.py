@@ -584,6 +584,43 @@ def test_gluon_int8_equals_triton_bytes(monkeypatch):
         assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
 
 
+# the masked Gluon int8 kernel: the Triton masked kernel's bytes on every live row, rows past each
+# count (a slot of T = 200: not a multiple of either row tile) never written, its count check
+# set, and a CUDA-graph replay; three multiprocessors, so each program loops over many tiles
+@pytest.mark.gpu
+def test_gluon_int8_masked_equals_triton_bytes(monkeypatch):
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(42)
+    E, T, N, K = 5, 200, 448, 576
+    a, as_, w, ws = _operands("int8", (E, T), E, N, K, dev, gen)
+    mm = torch.tensor([200, 0, 1, 129, 64], dtype=torch.int32, device=dev)
+    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
+    monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16, device=dev)
+    gluon = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
+             if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), 2, 0, 16)]  # fmt: skip
+    assert len(gluon) >= 4
+    x = _triton.masked_triton(a, w, mm, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
+    for cfg in gluon:
+        ok = torch.tensor(False, device=dev)
+        y = _triton.masked_triton(a, w, mm, as_, ws, 64, config=cfg, out=sentinel.clone(), ok=ok)
+        assert torch.equal(y[live], x[live]), cfg
+        assert torch.equal(y[~live], sentinel[~live]) and bool(ok), cfg
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
+    out = sentinel.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _triton.masked_triton(a, w, mm, as_, ws, 64, config=gluon[0], out=out)
+    mm.copy_(torch.tensor([3, 200, 0, 0, 70], dtype=torch.int32))  # (new counts, same graph)
+    graph.replay()
+    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    x = _triton.masked_triton(a, w, mm, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
+    assert torch.equal(out[live], x[live]) and torch.equal(out[~live], sentinel[~live])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_triton_masked_every_scheme(scheme):
@@ -647,8 +684,9 @@ def test_triton_masked_tma_configs(scheme):
     live = _live(mm, T)
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     code = quant.get(scheme).kernel_code
-    tma = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
-           if c.kwargs.get("TMA") and _triton.fits(c.all_kwargs(), code, 0, 32)]  # fmt: skip
+    tma = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS  # (Gluon's: its own test)
+           if c.kwargs.get("TMA") and not c.kwargs.get("GLUON") and
+           _triton.fits(c.all_kwargs(), code, 0, 32)]  # fmt: skip
     assert tma
     for cfg in tma:
         cfg = dict(cfg, BLOCK_M=32)

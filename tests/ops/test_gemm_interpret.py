@@ -234,10 +234,13 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     decode = dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
     assert _triton.fits(decode, 0, 0, 16) and not _triton.fits(decode, 0, 0, 64)
     assert not _triton.fits(decode, 0) and _triton.fits(decode, 2)
-    # the Gluon kernel: int8's only; a TMA store's staged out tile counts against shared memory
+    # the Gluon kernels: int8's only; a TMA store's staged out tile counts against shared memory
     gl = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=4, GLUON=True, STORE_TMA=True)
     assert not _triton.fits(gl, 2, 128) and _triton.fits(dict(gl, STORE_TMA=False), 2, 128)
     assert not _triton.fits(dict(gl, BLOCK_N=128, num_stages=3), 0, 128)
+    # masked: a config's own BLOCK_M (the Gluon kernel's) sets its tiles, not the call's
+    assert not _triton.fits(dict(gl, STORE_TMA=False, num_stages=5), 2, 0, 16)
+    assert _triton.fits(dict(gl, STORE_TMA=False, BLOCK_M=64, num_stages=5), 2, 0, 16)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
@@ -435,3 +438,9 @@ def test_masked_tma_is_the_pointer_kernel(scheme):
     live = torch.arange(T)[None, :] < masked_m[:, None]
     assert torch.equal(got[live], want[live])
     assert torch.equal(got[~live], sentinel[~live])
+    if scheme == "int8":  # (a Gluon config, its own BLOCK_M and row groups: the Triton kernel)
+        gluon = dict(cfg, TMA=True, GLUON=True, PERSISTENT=1, BLOCK_M=64)
+        got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=gluon,
+                                    out=sentinel.clone())  # fmt: skip
+        assert torch.equal(got[live], want[live])
+        assert torch.equal(got[~live], sentinel[~live])

@@ -1,15 +1,21 @@
-"""The int8 contiguous grouped GEMM for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
+"""The int8 grouped GEMMs for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
 
 Triton 3.6 makes a wgmma asynchronous only with a float32 accumulator, so each int8 K step of
-:mod:`epmoe.ops.gemm._triton` waits for its own MMA before the next is issued. This kernel is the
-same tiles with the MMA of step k in flight while step k + 1's is issued (``warpgroup_mma_wait(1)``)
-and TMA filling the stages ahead: a persistent loop over the live `[BLOCK_M, BLOCK_N]` output tiles
-of expert-contiguous rows (a block's expert is its first row's; -1 blocks never load), the next
-tile's first K steps loaded during the current one's epilogue; a int8 `[M, K]` and w int8
-`[E * N, K]` through TMA descriptors, int32 sums scaled per token x per channel (float32), out
-bf16 `[M, N]` through a TMA store or from registers. The bytes equal the Triton kernel's (the same
-integer sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton
-kernel (:func:`epmoe.ops.gemm._triton._runnable`).
+:mod:`epmoe.ops.gemm._triton` waits for its own MMA before the next is issued. These kernels are
+the same tiles with the MMA of step k in flight while step k + 1's is issued
+(``warpgroup_mma_wait(1)``) and TMA filling the stages ahead: a persistent loop over the live
+`[BLOCK_M, BLOCK_N]` output tiles, the next tile's first K steps loaded during the current one's
+epilogue; int32 sums scaled per token x per channel (float32), out bf16. Two layouts, one loop:
+
+- contiguous: a int8 `[M, K]` of expert-contiguous rows (a block's expert is its first row's; -1
+  blocks never load), out `[M, N]` through a TMA store or from registers;
+- masked: a int8 `[E, T, K]` (as `[E * T, K]`), the live tiles only (each expert's count in row
+  blocks, from a running sum over the counts every program makes), out `[E, T, N]` from
+  registers (rows past the count never written).
+
+w int8 `[E * N, K]` through a TMA descriptor. The bytes equal the Triton kernels' (the same integer
+sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton kernel
+(:func:`epmoe.ops.gemm._triton._runnable`).
 """
 
 import functools
@@ -56,53 +62,99 @@ def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, count, row_a, row_w, kb,
 
 
 @gluon.jit
-def _live_tile(tile, num_tiles, step, m_indices_ptr, M, N, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """(tile, its expert): the first of ``tile``, ``tile`` + step, ... whose row block is an
-    expert's (num_tiles when none is left)."""
-    expert = _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _block_ends(masked_m_ptr, E, T, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                num_warps: gl.constexpr):  # fmt: skip
+    """int32 `[E_PAD]`: the running sum of the experts' live row blocks (counts clamped to
+    [0, T]; E_PAD >= E, the padding's blocks 0)."""
+    ex = gl.arange(0, E_PAD, gl.BlockedLayout([1], [32], [num_warps], [0]))
+    count = gl.minimum(gl.maximum(gl.load(masked_m_ptr + ex, mask=ex < E, other=0), 0), T)
+    return gl.associative_scan((count + BLOCK_M - 1) // BLOCK_M, 0, _add)
+
+
+@gluon.jit
+def _tile_of(tile, num_tiles, rows_ptr, ends, M, N, T, MASKED: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """(expert, a's first row, the row within the expert's frame, column block) of ``tile``; the
+    expert is -1 for a dead tile or one past the tiles. Contiguous: the first row's m_indices
+    (``rows_ptr``). Masked: the live tiles only, expert by expert (``ends``: their row blocks'
+    running sum), column block by column block, row blocks fastest (the programs that share a
+    weight tile run together: it is read from HBM once)."""
+    t = gl.minimum(tile, num_tiles - 1)
+    if MASKED:
+        n_blocks = gl.cdiv(N, BLOCK_N)
+        before = ends * n_blocks <= t  # (the experts whose tiles all come before t)
+        e = gl.sum(before.to(gl.int32), axis=0)
+        first = gl.max(gl.where(before, ends, 0), axis=0)
+        blocks = gl.maximum(gl.min(gl.where(before, 2**30, ends), axis=0) - first, 1)
+        pid_n = (t - first * n_blocks) // blocks
+        t0 = (t - first * n_blocks) % blocks * BLOCK_M
+        expert = e
+        row_a = e * T + t0
+    else:
+        pid_m, pid_n = _block_mn(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        expert = gl.load(rows_ptr + pid_m * BLOCK_M)
+        row_a = pid_m * BLOCK_M
+        t0 = row_a
+    return gl.where(tile < num_tiles, expert, -1), row_a, t0, pid_n
+
+
+@gluon.jit
+def _live_tile(tile, num_tiles, step, rows_ptr, ends, M, N, T, MASKED: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """:func:`_tile_of` of the first live tile of ``tile``, ``tile`` + step, ... (the tile:
+    num_tiles when none is left)."""
+    expert, row_a, t0, pid_n = _tile_of(tile, num_tiles, rows_ptr, ends, M, N, T, MASKED, BLOCK_M,
+                                        BLOCK_N, GROUP_M)  # fmt: skip
     while (tile < num_tiles) & (expert < 0):
         tile += step
-        expert = _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    return gl.minimum(tile, num_tiles), expert
+        expert, row_a, t0, pid_n = _tile_of(tile, num_tiles, rows_ptr, ends, M, N, T, MASKED,
+                                            BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+    return gl.minimum(tile, num_tiles), expert, row_a, t0, pid_n
 
 
 @gluon.jit
-def _expert_of(tile, num_tiles, m_indices_ptr, M, N, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """The expert of ``tile``'s row block (its first row's; -1 past the tiles)."""
-    pid_m, _ = _block_mn(gl.minimum(tile, num_tiles - 1), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    expert = gl.load(m_indices_ptr + pid_m * BLOCK_M)
-    return gl.where(tile < num_tiles, expert, -1)
-
-
-@gluon.jit
-def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert, num_tiles, k_tiles,
-                 M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Loads the first STAGES - 1 K steps of ``tile`` (none past the tiles); the new count."""
-    if tile < num_tiles:
-        pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, live, row_a, row_w, k_tiles,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Loads the first STAGES - 1 K steps of a tile (none unless ``live``); the new count."""
+    if live:
         for kb in gl.static_range(STAGES - 1):
             if kb < k_tiles:
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, pid_m * BLOCK_M,
-                           expert * N + pid_n * BLOCK_N, kb, BLOCK_K, STAGES)  # fmt: skip
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w, kb,
+                           BLOCK_K, STAGES)  # fmt: skip
                 loads += 1
     return loads
 
 
 @gluon.jit
-def _contiguous_int8_kernel(
-    # the Triton contiguous kernel's arguments (a, w: Gluon TMA descriptors; out one with
-    # STORE_TMA, else a pointer; a_rows and the a / w strides unused: the descriptors hold them)
-    a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out,
-    M, N, K, E,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
-    stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-    QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
-    GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
+def _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N, stride_ase,
+                stride_asm, stride_wse, stride_wsn, acc_layout: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """bf16 of a tile's int32 sums times its per-token x per-channel scales, with its rows (in
+    the expert's frame of ``rows`` rows) and columns; rows past ``rows`` and columns past N wrap
+    onto valid scales and are never stored."""
+    offs_m = t0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+    e64 = expert.to(gl.int64)
+    a_s = gl.load(a_scale_ptr + e64 * stride_ase + (offs_m % rows) * stride_asm)
+    w_s = gl.load(w_scale_ptr + e64 * stride_wse + (offs_n % N) * stride_wsn)
+    return (acc.to(gl.float32) * a_s[:, None] * w_s[None, :]).to(gl.bfloat16), offs_m, offs_n
+
+
+@gluon.jit
+def _persistent_int8(
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, stride_ase,
+    stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on, MASKED: gl.constexpr,
+    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
+    """The loop both kernels run over their live tiles (module doc); M: a's rows, E (<= E_PAD)
+    and T: the masked layout's experts and slot rows."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1],
         instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 32],
@@ -117,16 +169,19 @@ def _contiguous_int8_kernel(
 
     k_tiles = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    ends = num_tiles  # (contiguous: unused)
+    if MASKED:  # (the live tiles only)
+        ends = _block_ends(rows_ptr, E, T, E_PAD, BLOCK_M, num_warps)
+        num_tiles = gl.max(ends, axis=0) * gl.cdiv(N, BLOCK_N)
     step = gl.num_programs(0)
     loads = 0  # K steps this program has loaded / consumed: stage = count % STAGES
     used = 0
-    tile, expert = _live_tile(gl.program_id(0), num_tiles, step, m_indices_ptr, M, N, BLOCK_M,
-                              BLOCK_N, GROUP_M)  # fmt: skip
-    loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert, num_tiles,
-                         k_tiles, M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
+                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                GROUP_M)  # fmt: skip
+    loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile < num_tiles, row_a,
+                         expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K, STAGES)  # fmt: skip
     while tile < num_tiles:
-        pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        row_a = pid_m * BLOCK_M
         row_w = expert * N + pid_n * BLOCK_N
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
         for kb in range(k_tiles):
@@ -143,33 +198,75 @@ def _contiguous_int8_kernel(
                 loads += 1
         # the next tile's first steps load during this one's last MMA and epilogue (every stage
         # but the last step's is free)
-        expert_now = expert
-        tile, expert = _live_tile(tile + step, num_tiles, step, m_indices_ptr, M, N, BLOCK_M,
-                                  BLOCK_N, GROUP_M)  # fmt: skip
-        loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile, expert,
-                             num_tiles, k_tiles, M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        this = (expert, row_a, t0, pid_n)
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
+        loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile < num_tiles,
+                             row_a, expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K,
                              STAGES)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        # (rows past M and columns past N wrap onto valid scales and are never stored)
-        offs_m = row_a + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
-        a_s = gl.load(a_scale_ptr + (offs_m % M) * stride_asm)
-        w_s = gl.load(w_scale_ptr + expert_now.to(gl.int64) * stride_wse +
-                      (offs_n % N) * stride_wsn)  # fmt: skip
-        y = (acc.to(gl.float32) * a_s[:, None] * w_s[None, :]).to(gl.bfloat16)
+        rows = gl.minimum(gl.load(rows_ptr + this[0]), T) if MASKED else M  # (live rows)
+        y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, this[0], this[2], this[3],
+                                        rows, N, stride_ase, stride_asm, stride_wse, stride_wsn,
+                                        acc_layout, BLOCK_M, BLOCK_N)  # fmt: skip
         if STORE_TMA:
             tma.store_wait(0)  # the previous tile's store has left o_smem
             o_smem.store(y)
             fence_async_shared()
-            _tma_store(out, [row_a, pid_n * BLOCK_N], o_smem)
+            _tma_store(out, [this[1], this[3] * BLOCK_N], o_smem)
         else:
-            o_ptrs = out + offs_m.to(gl.int64)[:, None] * stride_om + \
-                offs_n[None, :] * stride_on  # fmt: skip
-            gl.store(o_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            o_ptrs = out + this[0].to(gl.int64) * stride_oe + \
+                offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on  # fmt: skip
+            gl.store(o_ptrs, y, mask=(offs_m[:, None] < rows) & (offs_n[None, :] < N))
     if STORE_TMA:
         tma.store_wait(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
+
+
+@gluon.jit
+def _contiguous_int8_kernel(
+    # the Triton contiguous kernel's arguments (a, w: Gluon TMA descriptors; out one with
+    # STORE_TMA, else a pointer; a_rows and the a / w strides unused: the descriptors hold them)
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out,
+    M, N, K, E,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+    QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
+    GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
+                     0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on, False, 1,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
+                     num_warps)  # fmt: skip
+
+
+@gluon.jit
+def _masked_int8_kernel(
+    # the Triton masked kernel's arguments (a `[E * T, K]`, w: Gluon TMA descriptors; out a
+    # pointer; the a / w strides unused: the descriptors hold them)
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
+    T, N, K, E,
+    stride_ae, stride_at, stride_ak, stride_we, stride_wn, stride_wk,
+    stride_ase, stride_ast, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_oe, stride_ot, stride_on,
+    QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
+    TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
+        if gl.program_id(0) == 0:
+            ex = gl.arange(0, E_PAD, gl.BlockedLayout([1], [32], [num_warps], [0]))
+            c = gl.load(masked_m_ptr + ex, mask=ex < E, other=0)
+            n_bad = gl.sum(((c < 0) | (c > T)).to(gl.int32), axis=0)
+            gl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
+    # (counts clamped to T: a bad count never reads past its expert's slot)
+    _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
+                     E, T, stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot,
+                     stride_on, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
+                     num_warps)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -188,10 +285,11 @@ def _layout(shape, dtype):
 
 
 def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool):
-    """The kernel's a int8 `[M, K]`, w int8 `[E, N, K]` (as `[E * N, K]`) and out bf16 `[M, N]`:
-    TMA descriptors of its tiles (out: the tensor itself without ``store_tma``)."""
-    k = a.shape[1]
-    a_d = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [block_m, block_k],
+    """The kernels' a int8 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w int8 `[E, N, K]`
+    (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out: the tensor itself
+    without ``store_tma``)."""
+    k = a.shape[-1]
+    a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [block_m, block_k],
                            _layout((block_m, block_k), gl.int8))  # fmt: skip
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], k], [w.stride(1), 1], [block_n, block_k],
                            _layout((block_n, block_k), gl.int8))  # fmt: skip

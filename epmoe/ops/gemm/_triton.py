@@ -513,10 +513,11 @@ def _cfg(num_warps, num_stages, **kw):
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma):
+def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None):
+    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers)."""
+    kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=8, TMA=True, PERSISTENT=persistent, GLUON=True,
-                STORE_TMA=store_tma)  # fmt: skip
+                TMA=True, PERSISTENT=persistent, GLUON=True, **kw)  # fmt: skip
 
 
 # Hopper-sized tiles for the compute-bound prefill GEMM (<= ~200 KB shared memory; configs that do
@@ -591,6 +592,14 @@ _MASKED_CONFIGS = [
     _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True),
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True),
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
+    # int8 through the Gluon kernel (its wgmma asynchronous), persistent over the live row blocks
+    # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
+    _gluon_cfg(4, 4, 64, 128, 128, 2),
+    _gluon_cfg(4, 4, 64, 256, 128, 1),
+    _gluon_cfg(4, 4, 128, 128, 128, 1),
+    _gluon_cfg(4, 3, 128, 128, 128, 2),
+    _gluon_cfg(8, 4, 128, 256, 128, 1),
+    _gluon_cfg(8, 6, 128, 256, 64, 1),
 ]
 
 
@@ -626,8 +635,9 @@ def fits_gate(config: Dict, quant_code: int, row_block: int) -> bool:
 def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) -> bool:
     """Whether tile ``config`` (BLOCK_M / BLOCK_N / BLOCK_K keys) runs the scheme of kernel code
     ``quant_code`` on expert blocks aligned to ``row_block`` rows; 0: the masked layout, whose
-    BLOCK_M the call sets (``block_m``; 0: the largest it may take)."""
-    bm = config["BLOCK_M"] if row_block else (block_m or _MASKED_MAX_BLOCK_M)
+    BLOCK_M the call sets (``block_m``; 0: the largest it may take) unless the config does."""
+    bm = config["BLOCK_M"] if row_block else \
+        (config.get("BLOCK_M") or block_m or _MASKED_MAX_BLOCK_M)  # fmt: skip
     if config.get("GLUON") and quant_code != 2:
         return False  # (the Gluon kernel is int8's)
     if quant_code == 1:
@@ -703,7 +713,7 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         meta = {**plan.meta, **config}
         kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
                       gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
-        kernel = _gluon_kernel() if meta.get("GLUON") else kernel
+        kernel = _gluon_kernel(plan.layout) if meta.get("GLUON") else kernel
         kernel[plan.grid(meta)](*_args(plan, tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
     if not _launch._INTERPRET:
@@ -753,6 +763,9 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
     a, w = tensors[0], tensors[1]
     bm, bk, k = meta["BLOCK_M"], meta["BLOCK_K"], a.shape[-1]
     if meta.get("GLUON"):
+        if plan.layout != "contiguous":  # (masked: out through pointers)
+            return (*_gluon_module().descriptors(a, w, None, bm, meta["BLOCK_N"], bk, False)[:2],
+                    *tensors[2:])  # fmt: skip
         a_d, w_d, o_d = _gluon_module().descriptors(a, w, tensors[-1], bm, meta["BLOCK_N"], bk,
                                                     meta["STORE_TMA"])  # fmt: skip
         return (a_d, w_d, *tensors[2:-1], o_d)
@@ -779,8 +792,9 @@ def _gluon_module():
     return _gluon
 
 
-def _gluon_kernel():
-    return _gluon_module()._contiguous_int8_kernel
+def _gluon_kernel(layout: str):
+    g = _gluon_module()
+    return g._contiguous_int8_kernel if layout == "contiguous" else g._masked_int8_kernel
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
@@ -788,7 +802,7 @@ def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared
     ours read key-static arguments only, fixed per plan; a Gluon config: its kernel)."""
     meta = {**plan.meta, **config}
     grid = plan.grid(meta)
-    fn = _gluon_kernel() if meta.get("GLUON") else fn
+    fn = _gluon_kernel(plan.layout) if meta.get("GLUON") else fn
     meta = _kernel_meta(meta)
     while isinstance(fn, triton.runtime.autotuner.Heuristics):
         named = {**dict(zip(fn.arg_names, (*tensors, *plan.sizes), strict=False)), **meta}
@@ -970,6 +984,9 @@ def _masked_plan(dtype, T, N, K, E, sa, sw, sas, sws, so, expected_m, check, blo
     sizes = (T, N, K, E, *sa, *sw, *_scale_strides(sas, sws, 2), *so)
 
     def grid(m):
+        if m.get("GLUON"):  # (persistent over the live tiles: at most every slot row's)
+            n = E * _launch.cdiv(T, m["BLOCK_M"]) * _launch.cdiv(N, m["BLOCK_N"])
+            return (min(n, m["PERSISTENT"] * _multiprocessors(device)),)
         return (m["M_SPLIT"], _launch.cdiv(N, m["BLOCK_N"]), E)
 
     table = ("masked", quant.of_dtype(dtype), N, K, E, block_m, expected_m or T, device)
