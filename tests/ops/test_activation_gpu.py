@@ -117,9 +117,13 @@ def test_quant_edges(scheme):
 def test_quant_odd_group_and_two_pass():
     gen = torch.Generator().manual_seed(5)
     _check_quant(torch.randn((9, 384), generator=gen), "fp8", group_size=96)
-    _check_quant(torch.randn((5, 40000), generator=gen).to(torch.bfloat16), "int8")  # I > 8192
-    y3 = torch.randn((3, 7, 20000), generator=gen).to(torch.bfloat16)
+    _check_quant(torch.randn((5, 40000), generator=gen).to(torch.bfloat16), "int8")  # I > 16384
+    y3 = torch.randn((3, 7, 40000), generator=gen).to(torch.bfloat16)
     _check_quant(y3, "int8", masked_m=torch.tensor([7, 0, 2], dtype=torch.int32))
+    # Mixtral's I = 14336: one pass, the row in registers (64 elements a thread)
+    y3 = torch.randn((3, 7, 28672), generator=gen).to(torch.bfloat16)
+    _check_quant(y3, "int8", masked_m=torch.tensor([7, 0, 2], dtype=torch.int32))
+    _check_quant(y3[0], "int8")
 
 
 def test_strided_input():

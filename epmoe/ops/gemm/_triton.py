@@ -596,6 +596,7 @@ _MASKED_CONFIGS = [
     # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
     _gluon_cfg(4, 4, 64, 128, 128, 2),
     _gluon_cfg(4, 4, 64, 256, 128, 1),
+    _gluon_cfg(4, 5, 64, 256, 128, 1),
     _gluon_cfg(4, 4, 128, 128, 128, 1),
     _gluon_cfg(4, 3, 128, 128, 128, 2),
     _gluon_cfg(8, 4, 128, 256, 128, 1),
