@@ -146,38 +146,15 @@ def _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N, strid
 
 
 @gluon.jit
-def _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, expert, row_a, t0, pid_n, M,
-              N, T, strides, acc_layout: gl.constexpr, MASKED: gl.constexpr,
-              STORE_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """A finished tile's int32 sums, scaled, into out: through o_smem and a TMA store, or from
-    registers (masked: rows below the expert's count; ``strides``: a scales' expert and row, w
-    scales' expert and column, out's expert, row and column)."""
-    stride_ase, stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on = strides
-    rows = gl.minimum(gl.load(rows_ptr + expert), T) if MASKED else M  # (live rows)
-    y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N,
-                                    stride_ase, stride_asm, stride_wse, stride_wsn, acc_layout,
-                                    BLOCK_M, BLOCK_N)  # fmt: skip
-    if STORE_TMA:
-        tma.store_wait(0)  # the previous tile's store has left o_smem
-        o_smem.store(y)
-        fence_async_shared()
-        _tma_store(out, [row_a, pid_n * BLOCK_N], o_smem)
-    else:
-        o_ptrs = out + expert.to(gl.int64) * stride_oe + \
-            offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on  # fmt: skip
-        gl.store(o_ptrs, y, mask=(offs_m[:, None] < rows) & (offs_n[None, :] < N))
-
-
-@gluon.jit
 def _persistent_int8(
-    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
-    MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, stride_ase,
+    stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on, MASKED: gl.constexpr,
+    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """The loop both kernels run over their live tiles (module doc); M: a's rows, E (<= E_PAD)
-    and T: the masked layout's experts and slot rows; ``strides`` as :func:`_epilogue` takes
-    them. OVERLAP: a tile's epilogue runs under the next tile's first MMA (two accumulators)."""
+    and T: the masked layout's experts and slot rows."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1],
         instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 32],
@@ -187,7 +164,6 @@ def _persistent_int8(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    o_smem = out  # (without STORE_TMA: unused)
     if STORE_TMA:
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out.layout)
 
@@ -200,14 +176,11 @@ def _persistent_int8(
     step = gl.num_programs(0)
     loads = 0  # K steps this program has loaded / consumed: stage = count % STAGES
     used = 0
-    done = 0  # tiles this program has finished (OVERLAP: the last one's epilogue pending)
     tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
                                                 M, N, T, MASKED, BLOCK_M, BLOCK_N,
                                                 GROUP_M)  # fmt: skip
     loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile < num_tiles, row_a,
                          expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K, STAGES)  # fmt: skip
-    prev = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)  # (OVERLAP: the pending tile's)
-    p_e, p_ra, p_t0, p_n = expert, row_a, t0, pid_n
     while tile < num_tiles:
         row_w = expert * N + pid_n * BLOCK_N
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
@@ -223,11 +196,6 @@ def _persistent_int8(
                 _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w,
                            kb + STAGES - 1, BLOCK_K, STAGES)  # fmt: skip
                 loads += 1
-            if OVERLAP:
-                if (kb == 0) & (done > 0):  # the previous tile's epilogue under this MMA
-                    _epilogue(prev, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, p_e, p_ra,
-                              p_t0, p_n, M, N, T, strides, acc_layout, MASKED, STORE_TMA,
-                              BLOCK_M, BLOCK_N)  # fmt: skip
         # the next tile's first steps load during this one's last MMA and epilogue (every stage
         # but the last step's is free)
         this = (expert, row_a, t0, pid_n)
@@ -238,19 +206,19 @@ def _persistent_int8(
                              row_a, expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K,
                              STAGES)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        if OVERLAP:
-            prev = acc
-            p_e, p_ra, p_t0, p_n = this
+        rows = gl.minimum(gl.load(rows_ptr + this[0]), T) if MASKED else M  # (live rows)
+        y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, this[0], this[2], this[3],
+                                        rows, N, stride_ase, stride_asm, stride_wse, stride_wsn,
+                                        acc_layout, BLOCK_M, BLOCK_N)  # fmt: skip
+        if STORE_TMA:
+            tma.store_wait(0)  # the previous tile's store has left o_smem
+            o_smem.store(y)
+            fence_async_shared()
+            _tma_store(out, [this[1], this[3] * BLOCK_N], o_smem)
         else:
-            _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, this[0], this[1],
-                      this[2], this[3], M, N, T, strides, acc_layout, MASKED, STORE_TMA,
-                      BLOCK_M, BLOCK_N)  # fmt: skip
-        done += 1
-    if OVERLAP:
-        if done > 0:
-            _epilogue(prev, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, p_e, p_ra, p_t0, p_n,
-                      M, N, T, strides, acc_layout, MASKED, STORE_TMA, BLOCK_M,
-                      BLOCK_N)  # fmt: skip
+            o_ptrs = out + this[0].to(gl.int64) * stride_oe + \
+                offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on  # fmt: skip
+            gl.store(o_ptrs, y, mask=(offs_m[:, None] < rows) & (offs_n[None, :] < N))
     if STORE_TMA:
         tma.store_wait(0)
     for i in gl.static_range(STAGES):
@@ -268,12 +236,11 @@ def _contiguous_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
     GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
 ):  # fmt: skip
-    strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
-                     strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
-                     OVERLAP, num_warps)  # fmt: skip
+                     0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on, False, 1,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
+                     num_warps)  # fmt: skip
 
 
 @gluon.jit
@@ -288,7 +255,6 @@ def _masked_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
     TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
 ):  # fmt: skip
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if gl.program_id(0) == 0:
@@ -297,10 +263,10 @@ def _masked_int8_kernel(
             n_bad = gl.sum(((c < 0) | (c > T)).to(gl.int32), axis=0)
             gl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
     # (counts clamped to T: a bad count never reads past its expert's slot)
-    strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
     _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
-                     E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
-                     OVERLAP, num_warps)  # fmt: skip
+                     E, T, stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot,
+                     stride_on, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
+                     num_warps)  # fmt: skip
 
 
 @gluon.constexpr_function

@@ -513,12 +513,9 @@ def _cfg(num_warps, num_stages, **kw):
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
-               overlap=False):  # fmt: skip
-    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers;
-    ``overlap``: each tile's epilogue under the next one's first MMA)."""
+def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None):
+    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers)."""
     kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
-    kw = dict(kw, OVERLAP=True) if overlap else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 TMA=True, PERSISTENT=persistent, GLUON=True, **kw)  # fmt: skip
 
@@ -580,9 +577,6 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(8, 6, 128, 256, 64, 1, True),
     _gluon_cfg(4, 4, 64, 128, 128, 2, False),
     _gluon_cfg(4, 4, 64, 256, 128, 1, True),
-    # two warpgroups on a 128x128 tile hold two accumulators: the epilogue under the next MMA
-    _gluon_cfg(8, 4, 128, 128, 128, 1, True, overlap=True),
-    _gluon_cfg(8, 5, 128, 128, 128, 1, False, overlap=True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -602,12 +596,10 @@ _MASKED_CONFIGS = [
     # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
     _gluon_cfg(4, 4, 64, 128, 128, 2),
     _gluon_cfg(4, 4, 64, 256, 128, 1),
-    _gluon_cfg(4, 5, 64, 256, 128, 1),
     _gluon_cfg(4, 4, 128, 128, 128, 1),
     _gluon_cfg(4, 3, 128, 128, 128, 2),
     _gluon_cfg(8, 4, 128, 256, 128, 1),
     _gluon_cfg(8, 6, 128, 256, 64, 1),
-    _gluon_cfg(8, 4, 128, 128, 128, 1, overlap=True),
 ]
 
 
@@ -707,8 +699,7 @@ class _Plan:
 _HOST_KEYS = ("PERSISTENT",)
 # keys that only a TMA launch takes (GLUON: the Gluon kernel instead of the Triton one), dropped
 # with TMA where a call cannot take it
-_GLUON_KEYS = ("GLUON", "STORE_TMA", "OVERLAP")
-_TMA_KEYS = ("TMA", *_GLUON_KEYS, *_HOST_KEYS)
+_TMA_KEYS = ("TMA", "GLUON", "STORE_TMA", *_HOST_KEYS)
 
 
 def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> None:
@@ -752,7 +743,7 @@ def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     if config.get("TMA") and not (plan.tma and _aligned(plan, tensors)):
         return {k: v for k, v in config.items() if k not in _TMA_KEYS}
     if config.get("GLUON") and _launch._INTERPRET:  # (no Gluon there: the Triton kernel's tiles)
-        return {k: v for k, v in config.items() if k not in _GLUON_KEYS}
+        return {k: v for k, v in config.items() if k not in ("GLUON", "STORE_TMA")}
     return config
 
 
