@@ -178,6 +178,7 @@ def cases() -> Dict[str, Callable[[], object]]:
     bf = torch.randn((64, 512), generator=g).to(torch.bfloat16)
     y3 = torch.randn((4, 16, 512), generator=g).to(torch.bfloat16)
     mm = torch.tensor([3, 0, 16, 7], dtype=torch.int32)
+    mm256 = torch.zeros(256, dtype=torch.int32)
     ids = torch.randint(-1, 8, (64, 4), generator=g)
     q8, s8 = reference.quantize(bf, "fp8")
     qi, si = reference.quantize(bf, "int8")
@@ -377,6 +378,17 @@ def cases() -> Dict[str, Callable[[], object]]:
             for t, em in ((16, 0), (16, 200), (64, 32))
             if G.fits(c.all_kwargs(), _code(sch), 0, G._masked_tiling(t, em)[0])
         ],  # fmt: skip
+        # the Gluon int8 masked kernel at 256 experts: its running sum over E_PAD = 256 counts
+        "masked Gluon int8 GEMMs at 256 experts": lambda: [
+            G.masked_triton(
+                *_gemm_operands("int8", (256, 128), 256, 256, 512, counts=mm256),
+                8,
+                config=_launch_options(c),
+                ok=torch.empty((), dtype=torch.bool),
+            )
+            for c in G._MASKED_CONFIGS
+            if c.kwargs.get("GLUON")
+        ],
     }
 
 
