@@ -87,8 +87,8 @@ class ActivationConfig:
     fp8_tile: int = 2048  # outputs per fused fp8 program and row (groups x group size): 8 KiB
     fp8_block_m: int = 1  # rows per fused fp8 program (unmasked)
     fp8_tile_masked: int = 1024  # masked (decode): a row of I = 2048 in two programs
-    # I up to this stays in registers (Mixtral's 14336: 64 elements a thread at 8 warps, 128
-    # registers, unspilled); longer: a second pass
+    # I up to this stays in registers (Mixtral's 14336: 64 elements a thread at 8 warps); longer:
+    # a second pass
     int8_single_pass_max: int = 16384
     int8_chunk: int = 4096
     int8_row_tile: int = 2048  # unmasked int8: shorter rows are batched into one program
