@@ -614,8 +614,11 @@ def main() -> int:
                 print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every kernel that fails
                 failed += 1
+                # (a CompilationError's reason: the innermost of its chain, the excerpt last)
+                while e.__cause__ is not None:
+                    e = e.__cause__
                 msg = str(e).strip().splitlines()
-                print(f"FAIL  {name}: {kname}: {type(e).__name__}: {msg[-1] if msg else ''}")
+                print(f"FAIL  {name}: {kname}: {type(e).__name__}: {' | '.join(msg[-12:])}")
     print(f"compile_kernels: {failed} failure(s)")
     return 1 if failed else 0
 

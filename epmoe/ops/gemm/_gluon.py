@@ -13,6 +13,11 @@ epilogue; int32 sums scaled per token x per channel (float32), out bf16. Two lay
   blocks, from a running sum over the counts every program makes), out `[E, T, N]` from
   registers (rows past the count never written).
 
+Either loop runs as one warpgroup or two (num_warps 8) on each tile, or warp-specialized (WS): one
+TMA warp and two MMA warpgroups that take the tiles in turn, each one's epilogue under the other's
+MMAs (the tuner picks; WS won where K is short, e.g. K = 768, and lost to two resident programs a
+multiprocessor elsewhere: docs/kernels.md).
+
 w int8 `[E * N, K]` through a TMA descriptor. The bytes equal the Triton kernels' (the same integer
 sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton kernel
 (:func:`epmoe.ops.gemm._triton._runnable`).
@@ -51,10 +56,9 @@ def _block_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M:
 
 
 @gluon.jit
-def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, count, row_a, row_w, kb,
-               BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """TMA of K step ``kb``'s a and w tiles into stage ``count`` % STAGES."""
-    s = count % STAGES
+def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb,
+               BLOCK_K: gl.constexpr):  # fmt: skip
+    """TMA of K step ``kb``'s a and w tiles into stage ``s``."""
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
     _tma_load(a_desc, [row_a, kb * BLOCK_K], bar, a_bufs.index(s))
@@ -124,8 +128,8 @@ def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, live, row_a, row_
     if live:
         for kb in gl.static_range(STAGES - 1):
             if kb < k_tiles:
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w, kb,
-                           BLOCK_K, STAGES)  # fmt: skip
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
+                           kb, BLOCK_K)  # fmt: skip
                 loads += 1
     return loads
 
@@ -146,33 +150,65 @@ def _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N, strid
 
 
 @gluon.jit
+def _tiles(rows_ptr, M, N, E, T, MASKED: gl.constexpr, E_PAD: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """(ends, tiles): masked, the running sum of live row blocks (:func:`_block_ends`) and the
+    live tiles; contiguous, every tile (ends unused)."""
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    ends = num_tiles
+    if MASKED:
+        ends = _block_ends(rows_ptr, E, T, E_PAD, BLOCK_M, num_warps)
+        num_tiles = gl.max(ends, axis=0) * gl.cdiv(N, BLOCK_N)
+    return ends, num_tiles
+
+
+@gluon.jit
+def _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, tile_at, M, N, T, strides,
+              acc_layout: gl.constexpr, MASKED: gl.constexpr, STORE_TMA: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """A finished tile's int32 sums, scaled, into out: through o_smem and a TMA store, or from
+    registers (masked: the rows below the expert's count). ``tile_at``: (expert, a's first row,
+    row in the expert's frame, column block); ``strides``: a scales' expert and row, w scales'
+    expert and column, out's expert, row and column."""
+    expert, row_a, t0, pid_n = tile_at
+    stride_ase, stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on = strides
+    rows = gl.minimum(gl.load(rows_ptr + expert), T) if MASKED else M  # (live rows)
+    y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N,
+                                    stride_ase, stride_asm, stride_wse, stride_wsn, acc_layout,
+                                    BLOCK_M, BLOCK_N)  # fmt: skip
+    if STORE_TMA:
+        tma.store_wait(0)  # the previous tile's store has left o_smem
+        o_smem.store(y)
+        fence_async_shared()
+        _tma_store(out, [row_a, pid_n * BLOCK_N], o_smem)
+    else:
+        o_ptrs = out + expert.to(gl.int64) * stride_oe + \
+            offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on  # fmt: skip
+        gl.store(o_ptrs, y, mask=(offs_m[:, None] < rows) & (offs_n[None, :] < N))
+
+
+@gluon.jit
 def _persistent_int8(
-    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, stride_ase,
-    stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on, MASKED: gl.constexpr,
-    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
-    num_warps: gl.constexpr,
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
+    MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """The loop both kernels run over their live tiles (module doc); M: a's rows, E (<= E_PAD)
-    and T: the masked layout's experts and slot rows."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1],
-        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 32],
-    )  # fmt: skip
+    """The loop both kernels run over their live tiles without WS (module doc); M: a's rows, E
+    (<= E_PAD) and T: the masked layout's experts and slot rows; ``strides`` as
+    :func:`_epilogue` takes them."""
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
+    o_smem = out  # (without STORE_TMA: unused)
     if STORE_TMA:
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out.layout)
 
     k_tiles = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    ends = num_tiles  # (contiguous: unused)
-    if MASKED:  # (the live tiles only)
-        ends = _block_ends(rows_ptr, E, T, E_PAD, BLOCK_M, num_warps)
-        num_tiles = gl.max(ends, axis=0) * gl.cdiv(N, BLOCK_N)
+    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, num_warps)
     step = gl.num_programs(0)
     loads = 0  # K steps this program has loaded / consumed: stage = count % STAGES
     used = 0
@@ -193,8 +229,8 @@ def _persistent_int8(
             acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
             used += 1
             if kb + STAGES - 1 < k_tiles:
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads, row_a, row_w,
-                           kb + STAGES - 1, BLOCK_K, STAGES)  # fmt: skip
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
+                           kb + STAGES - 1, BLOCK_K)  # fmt: skip
                 loads += 1
         # the next tile's first steps load during this one's last MMA and epilogue (every stage
         # but the last step's is free)
@@ -206,23 +242,117 @@ def _persistent_int8(
                              row_a, expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K,
                              STAGES)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        rows = gl.minimum(gl.load(rows_ptr + this[0]), T) if MASKED else M  # (live rows)
-        y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, this[0], this[2], this[3],
-                                        rows, N, stride_ase, stride_asm, stride_wse, stride_wsn,
-                                        acc_layout, BLOCK_M, BLOCK_N)  # fmt: skip
-        if STORE_TMA:
-            tma.store_wait(0)  # the previous tile's store has left o_smem
-            o_smem.store(y)
-            fence_async_shared()
-            _tma_store(out, [this[1], this[3] * BLOCK_N], o_smem)
-        else:
-            o_ptrs = out + this[0].to(gl.int64) * stride_oe + \
-                offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on  # fmt: skip
-            gl.store(o_ptrs, y, mask=(offs_m[:, None] < rows) & (offs_n[None, :] < N))
+        _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, this, M, N, T, strides,
+                  acc_layout, MASKED, STORE_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
     if STORE_TMA:
         tma.store_wait(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
+
+
+@gluon.jit
+def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
+             MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    """WS's TMA warp: every K step of the program's live tiles, in order, into the ring of the
+    warpgroup that takes the tile (a stage refilled once the MMA that read it signals
+    ``empty``)."""
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, 1)
+    step = gl.num_programs(0)
+    j = 0
+    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
+                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                GROUP_M)  # fmt: skip
+    while tile < num_tiles:
+        row_w = expert * N + pid_n * BLOCK_N
+        for kb in range(k_tiles):
+            c = j // 2 * k_tiles + kb  # (the count in warpgroup j % 2's ring)
+            s = j % 2 * STAGES + c % STAGES
+            # (a barrier starts with its phase before 0 complete: the first round waits on none)
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
+        j += 1
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
+
+
+@gluon.jit
+def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
+            K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr):  # fmt: skip
+    """WS's warpgroup PART (0 / 1): the MMAs and epilogue of every other live tile of the
+    program, from its own ring of STAGES (a ring per warpgroup: each is filled and drained in
+    order, so a barrier's parity never stands for a fill two rounds back), its epilogue under
+    the other warpgroup's MMAs."""
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, 4)
+    o_buf = o_smem.index(PART) if STORE_TMA else o_smem
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, 4)
+    step = gl.num_programs(0)
+    j = 0
+    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
+                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                GROUP_M)  # fmt: skip
+    while tile < num_tiles:
+        if j % 2 == PART:
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
+            for kb in range(k_tiles):
+                c = j // 2 * k_tiles + kb
+                s = PART * STAGES + c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
+                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
+                # step kb - 1's MMA is done: its stage is free
+                mbarrier.arrive(empty.index(PART * STAGES + (c + STAGES - 1) % STAGES),
+                                pred=kb > 0)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(PART * STAGES + (j // 2 * k_tiles + k_tiles - 1) % STAGES))
+            _epilogue(acc, out, o_buf, a_scale_ptr, w_scale_ptr, rows_ptr,
+                      (expert, row_a, t0, pid_n), M, N, T, strides, acc_layout, MASKED,
+                      STORE_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
+        j += 1
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
+    if STORE_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_int8(
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
+    MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    STORE_TMA: gl.constexpr,
+):  # fmt: skip
+    """:func:`_persistent_int8`'s tiles warp-specialized (num_warps 4: the first MMA warpgroup):
+    two MMA warpgroups take the program's live tiles in turn (232 registers each: a 128x128
+    int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each."""
+    a_bufs = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    o_smem = out  # (without STORE_TMA: unused)
+    if STORE_TMA:  # (one staging tile per MMA warpgroup)
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], out.layout)
+    gl.warp_specialize([
+        (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
+                   N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                   STAGES, STORE_TMA)),
+        (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
+                   N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                   STAGES, STORE_TMA)),
+        (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T, MASKED,
+                    E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [4, 1], [232, 40])  # fmt: skip
 
 
 @gluon.jit
@@ -236,11 +366,17 @@ def _contiguous_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
     GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
+    WS: gl.constexpr = False,
 ):  # fmt: skip
-    _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
-                     0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on, False, 1,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
-                     num_warps)  # fmt: skip
+    strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
+    if WS:
+        _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
+                 strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                 STORE_TMA)  # fmt: skip
+    else:
+        _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
+                         1, strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                         STORE_TMA, num_warps)  # fmt: skip
 
 
 @gluon.jit
@@ -255,6 +391,7 @@ def _masked_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
     TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    WS: gl.constexpr = False,
 ):  # fmt: skip
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if gl.program_id(0) == 0:
@@ -263,10 +400,23 @@ def _masked_int8_kernel(
             n_bad = gl.sum(((c < 0) | (c > T)).to(gl.int32), axis=0)
             gl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
     # (counts clamped to T: a bad count never reads past its expert's slot)
-    _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
-                     E, T, stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot,
-                     stride_on, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
-                     num_warps)  # fmt: skip
+    strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
+    if WS:
+        _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E,
+                 T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
+                 False)  # fmt: skip
+    else:
+        _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
+                         N, K, E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
+                         False, num_warps)  # fmt: skip
+
+
+@gluon.constexpr_function
+def _acc_layout(block_m, block_n, num_warps):
+    """The int32 wgmma accumulator's layout of a `[block_m, block_n]` tile over num_warps."""
+    n = _instr_n(block_m, block_n, num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 32])  # fmt: skip
 
 
 @gluon.constexpr_function

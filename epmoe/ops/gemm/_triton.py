@@ -513,9 +513,12 @@ def _cfg(num_warps, num_stages, **kw):
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None):
-    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers)."""
+def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
+               ws=False):  # fmt: skip
+    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers; ``ws``:
+    warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two)."""
     kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
+    kw = dict(kw, WS=True) if ws else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 TMA=True, PERSISTENT=persistent, GLUON=True, **kw)  # fmt: skip
 
@@ -577,6 +580,12 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(8, 6, 128, 256, 64, 1, True),
     _gluon_cfg(4, 4, 64, 128, 128, 2, False),
     _gluon_cfg(4, 4, 64, 256, 128, 1, True),
+    # warp-specialized: two MMA warpgroups take tiles in turn, one's epilogue under the other's MMA
+    _gluon_cfg(4, 3, 128, 128, 128, 1, False, ws=True),
+    _gluon_cfg(4, 2, 128, 128, 128, 1, True, ws=True),
+    _gluon_cfg(4, 5, 128, 128, 64, 1, True, ws=True),
+    _gluon_cfg(4, 6, 128, 128, 64, 1, False, ws=True),
+    _gluon_cfg(4, 2, 64, 256, 128, 1, True, ws=True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -600,6 +609,9 @@ _MASKED_CONFIGS = [
     _gluon_cfg(4, 3, 128, 128, 128, 2),
     _gluon_cfg(8, 4, 128, 256, 128, 1),
     _gluon_cfg(8, 6, 128, 256, 64, 1),
+    _gluon_cfg(4, 3, 128, 128, 128, 1, ws=True),
+    _gluon_cfg(4, 2, 64, 256, 128, 1, ws=True),
+    _gluon_cfg(4, 4, 64, 128, 128, 1, ws=True),
 ]
 
 
@@ -655,7 +667,10 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     # (PERSISTENT programs a multiprocessor: resident together)
     resident = max(config.get("PERSISTENT", 1), 1)
     staged = bm * config["BLOCK_N"] * 2 if config.get("STORE_TMA") else 0  # (bf16 out tile)
-    return resident * (config.get("num_stages", 1) * tiles + staged) <= _MAX_SHARED
+    ring = config.get("num_stages", 1) * tiles
+    if config.get("WS"):  # (a ring and an out tile per MMA warpgroup)
+        ring, staged = 2 * ring, 2 * staged
+    return resident * (ring + staged) <= _MAX_SHARED
 
 
 @_launch.memo
@@ -699,7 +714,8 @@ class _Plan:
 _HOST_KEYS = ("PERSISTENT",)
 # keys that only a TMA launch takes (GLUON: the Gluon kernel instead of the Triton one), dropped
 # with TMA where a call cannot take it
-_TMA_KEYS = ("TMA", "GLUON", "STORE_TMA", *_HOST_KEYS)
+_GLUON_KEYS = ("GLUON", "STORE_TMA", "WS")
+_TMA_KEYS = ("TMA", *_GLUON_KEYS, *_HOST_KEYS)
 
 
 def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> None:
@@ -743,7 +759,7 @@ def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     if config.get("TMA") and not (plan.tma and _aligned(plan, tensors)):
         return {k: v for k, v in config.items() if k not in _TMA_KEYS}
     if config.get("GLUON") and _launch._INTERPRET:  # (no Gluon there: the Triton kernel's tiles)
-        return {k: v for k, v in config.items() if k not in ("GLUON", "STORE_TMA")}
+        return {k: v for k, v in config.items() if k not in _GLUON_KEYS}
     return config
 
 
