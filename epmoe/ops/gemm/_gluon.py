@@ -255,45 +255,28 @@ def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E,
              MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr):  # fmt: skip
-    """WS's TMA warp: the K steps of both warpgroups' tiles into their rings, a step of one then
-    a step of the other, warpgroup 0 half a tile ahead (so one's epilogue falls in the middle of
-    the other's tile); a stage is refilled once the MMA that read it signals ``empty``."""
+    """WS's TMA warp: every K step of the program's live tiles, in order, into the ring of the
+    warpgroup that takes the tile (a stage refilled once the MMA that read it signals
+    ``empty``)."""
     k_tiles = gl.cdiv(K, BLOCK_K)
     ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, 1)
     step = gl.num_programs(0)
-    # warpgroup 0 takes the program's 1st, 3rd, ... live tile, warpgroup 1 the 2nd, 4th, ...
-    tile0, e0, row0, _t0, n0 = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends, M,
-                                          N, T, MASKED, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-    tile1, e1, row1, _t1, n1 = _live_tile(tile0 + step, num_tiles, step, rows_ptr, ends, M, N, T,
-                                          MASKED, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-    c0 = 0  # K steps loaded into each ring
-    c1 = 0
-    while (tile0 < num_tiles) | (tile1 < num_tiles):
-        if (tile0 < num_tiles) & ((tile1 >= num_tiles) | (c0 <= c1 + k_tiles // 2)):
+    j = 0
+    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
+                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                GROUP_M)  # fmt: skip
+    while tile < num_tiles:
+        row_w = expert * N + pid_n * BLOCK_N
+        for kb in range(k_tiles):
+            c = j // 2 * k_tiles + kb  # (the count in warpgroup j % 2's ring)
+            s = j % 2 * STAGES + c % STAGES
             # (a barrier starts with its phase before 0 complete: the first round waits on none)
-            mbarrier.wait(empty.index(c0 % STAGES), ((c0 // STAGES) & 1) ^ 1)
-            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, c0 % STAGES, row0,
-                       e0 * N + n0 * BLOCK_N, c0 % k_tiles, BLOCK_K)  # fmt: skip
-            c0 += 1
-            if c0 % k_tiles == 0:  # (its next tile: the program's live tile after the next)
-                tile0, e0, row0, _t0, n0 = _live_tile(tile0 + step, num_tiles, step, rows_ptr,
-                                                      ends, M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                      GROUP_M)  # fmt: skip
-                tile0, e0, row0, _t0, n0 = _live_tile(tile0 + step, num_tiles, step, rows_ptr,
-                                                      ends, M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                      GROUP_M)  # fmt: skip
-        else:
-            mbarrier.wait(empty.index(STAGES + c1 % STAGES), ((c1 // STAGES) & 1) ^ 1)
-            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, STAGES + c1 % STAGES, row1,
-                       e1 * N + n1 * BLOCK_N, c1 % k_tiles, BLOCK_K)  # fmt: skip
-            c1 += 1
-            if c1 % k_tiles == 0:
-                tile1, e1, row1, _t1, n1 = _live_tile(tile1 + step, num_tiles, step, rows_ptr,
-                                                      ends, M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                      GROUP_M)  # fmt: skip
-                tile1, e1, row1, _t1, n1 = _live_tile(tile1 + step, num_tiles, step, rows_ptr,
-                                                      ends, M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                      GROUP_M)  # fmt: skip
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
+        j += 1
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
 
 
 @gluon.jit
