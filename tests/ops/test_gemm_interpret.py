@@ -241,6 +241,12 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     # masked: a config's own BLOCK_M (the Gluon kernel's) sets its tiles, not the call's
     assert not _triton.fits(dict(gl, STORE_TMA=False, num_stages=5), 2, 0, 16)
     assert _triton.fits(dict(gl, STORE_TMA=False, BLOCK_M=64, num_stages=5), 2, 0, 16)
+    # WS: a ring of num_stages and an out tile for each of its two MMA warpgroups, 2 x 5 x 32 KiB
+    # + 2 x 32 KiB here
+    ws = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5, GLUON=True, STORE_TMA=True,
+              WS=True)  # fmt: skip
+    assert _triton.fits(ws, 2, 128) and not _triton.fits(dict(ws, num_stages=6), 2, 128)
+    assert _triton.fits(dict(ws, num_stages=6, STORE_TMA=False), 2, 128)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
@@ -369,8 +375,9 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
     assert dead.any() and torch.equal(got[dead], sentinel[dead])
     if scheme == "int8":  # (a Gluon config: the interpreter runs the Triton kernel's tiles)
         gluon = dict(tma, GLUON=True, STORE_TMA=True)
-        got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=gluon)
-        assert torch.equal(got[live], want[live])
+        for g in (gluon, dict(gluon, WS=True)):
+            got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=g)
+            assert torch.equal(got[live], want[live])
 
 
 def test_contiguous_tma_falls_back_where_it_cannot_run():
@@ -385,8 +392,9 @@ def test_contiguous_tma_falls_back_where_it_cannot_run():
     shifted = torch.empty(xp.numel() + 1, dtype=xp.dtype)[1:].view(xp.shape).copy_(xp)
     assert shifted.data_ptr() % 16 != 0
     out = torch.empty(want.numel() + 1, dtype=want.dtype)[1:].view(want.shape)  # (TMA stores out)
-    for tma in (dict(cfg, TMA=True, PERSISTENT=1),
-                dict(cfg, TMA=True, PERSISTENT=2, GLUON=True, STORE_TMA=True)):  # fmt: skip
+    gluon = dict(cfg, TMA=True, GLUON=True, STORE_TMA=True)
+    for tma in (dict(cfg, TMA=True, PERSISTENT=1), dict(gluon, PERSISTENT=2),
+                dict(gluon, PERSISTENT=1, WS=True)):  # fmt: skip
         got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=tma, a_rows=src)
         assert torch.equal(got[live], want[live])
         got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
@@ -440,7 +448,8 @@ def test_masked_tma_is_the_pointer_kernel(scheme):
     assert torch.equal(got[~live], sentinel[~live])
     if scheme == "int8":  # (a Gluon config, its own BLOCK_M and row groups: the Triton kernel)
         gluon = dict(cfg, TMA=True, GLUON=True, PERSISTENT=1, BLOCK_M=64)
-        got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=gluon,
-                                    out=sentinel.clone())  # fmt: skip
-        assert torch.equal(got[live], want[live])
-        assert torch.equal(got[~live], sentinel[~live])
+        for g in (gluon, dict(gluon, WS=True)):
+            got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=g,
+                                        out=sentinel.clone())  # fmt: skip
+            assert torch.equal(got[live], want[live])
+            assert torch.equal(got[~live], sentinel[~live])
