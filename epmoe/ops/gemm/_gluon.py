@@ -122,6 +122,21 @@ def _live_tile(tile, num_tiles, step, rows_ptr, ends, M, N, T, MASKED: gl.conste
 
 
 @gluon.jit
+def _walk(rows_ptr, M, N, K, E, T, MASKED: gl.constexpr, E_PAD: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          GROUP_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """What a loop over the program's live tiles starts from: (K steps a tile, ends and tiles
+    as :func:`_tiles` gives them, the stride between the program's tiles, and :func:`_live_tile`
+    of its first)."""
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, num_warps)
+    step = gl.num_programs(0)
+    first = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends, M, N, T, MASKED, BLOCK_M,
+                       BLOCK_N, GROUP_M)  # fmt: skip
+    return k_tiles, ends, num_tiles, step, first
+
+
+@gluon.jit
 def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, live, row_a, row_w, k_tiles,
                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Loads the first STAGES - 1 K steps of a tile (none unless ``live``); the new count."""
@@ -207,14 +222,11 @@ def _persistent_int8(
     if STORE_TMA:
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out.layout)
 
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, num_warps)
-    step = gl.num_programs(0)
+    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
+                                                  BLOCK_N, BLOCK_K, GROUP_M, num_warps)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = first
     loads = 0  # K steps this program has loaded / consumed: stage = count % STAGES
     used = 0
-    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
-                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                GROUP_M)  # fmt: skip
     loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile < num_tiles, row_a,
                          expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K, STAGES)  # fmt: skip
     while tile < num_tiles:
@@ -258,13 +270,10 @@ def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E,
     """WS's TMA warp: every K step of the program's live tiles, in order, into the ring of the
     warpgroup that takes the tile (a stage refilled once the MMA that read it signals
     ``empty``)."""
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, 1)
-    step = gl.num_programs(0)
+    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
+                                                  BLOCK_N, BLOCK_K, GROUP_M, 1)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = first
     j = 0
-    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
-                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                GROUP_M)  # fmt: skip
     while tile < num_tiles:
         row_w = expert * N + pid_n * BLOCK_N
         for kb in range(k_tiles):
@@ -290,13 +299,10 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
     the other warpgroup's MMAs."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, 4)
     o_buf = o_smem.index(PART) if STORE_TMA else o_smem
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    ends, num_tiles = _tiles(rows_ptr, M, N, E, T, MASKED, E_PAD, BLOCK_M, BLOCK_N, 4)
-    step = gl.num_programs(0)
+    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
+                                                  BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = first
     j = 0
-    tile, expert, row_a, t0, pid_n = _live_tile(gl.program_id(0), num_tiles, step, rows_ptr, ends,
-                                                M, N, T, MASKED, BLOCK_M, BLOCK_N,
-                                                GROUP_M)  # fmt: skip
     while tile < num_tiles:
         if j % 2 == PART:
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
