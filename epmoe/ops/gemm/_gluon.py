@@ -15,8 +15,7 @@ epilogue; int32 sums scaled per token x per channel (float32), out bf16. Two lay
 
 Either loop runs as one warpgroup or two (num_warps 8) on each tile, or warp-specialized (WS): one
 TMA warp and two MMA warpgroups that take the tiles in turn, each one's epilogue under the other's
-MMAs (the tuner picks; WS won where K is short, e.g. K = 768, and lost to two resident programs a
-multiprocessor elsewhere: docs/kernels.md).
+MMAs (the tuner picks per shape).
 
 w int8 `[E * N, K]` through a TMA descriptor. The bytes equal the Triton kernels' (the same integer
 sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton kernel
@@ -349,6 +348,8 @@ def _ws_int8(
     o_smem = out  # (without STORE_TMA: unused)
     if STORE_TMA:  # (one staging tile per MMA warpgroup)
         o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], out.layout)
+    # (each partition walks the live tiles itself: a worker partition takes no tensors, and the
+    # masked layout's running sum is one)
     gl.warp_specialize([
         (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
                    N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
