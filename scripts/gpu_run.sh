@@ -4,7 +4,8 @@
 # (the device's .git may be stale: carry .tree-rev, written here by `git describe --always --dirty > .tree-rev`)
 # steps: tests bench cli_bench sweep deepep_bench layer_bench one_gpu hf_bench demo gemv_sweep host tune (EPMOE_CAP_<step> caps one step's seconds)
 # (tune: scripts/tune_gemm.py, default --paths --resume, merges into epmoe/ops/gemm/tuned/<gpu>.json; the file comes back in $OUT/tuned/, to commit)
-# (host: scripts/host_python.py --device cuda, against the checkout EPMOE_HOST_BASE when set)
+# (host: scripts/host_python.py --device cuda, against the checkout EPMOE_HOST_BASE when set;
+#  one_gpu: bench_one_gpu.py, in the checkout EPMOE_ONE_GPU_BASE too when set)
 # Record the JSON it writes (after fetching $OUT) with scripts/record_results.py --gpu h200 ... (CONTRIBUTING.md).
 # Everything but summary.txt ends up in $OUT/out.tgz (EPMOE_PACK=0: leave the files).
 set -uo pipefail
@@ -50,9 +51,18 @@ for step in "$@"; do
         > "$OUT/layer_bench.log" 2>&1
       echo "layer_bench rc=$?" >> "$OUT/summary.txt" ;;
     one_gpu)
+      # EPMOE_ONE_GPU_BASE=DIR: the same cases in that checkout too, after this tree's (before /
+      # after on one machine; each gets half the time, the base's figures in one_gpu_base.json)
+      [ -n "${EPMOE_ONE_GPU_BASE:-}" ] && t=$((t / 2))
       timeout $((t - 10)) python3 benchmarks/bench_one_gpu.py --out "$OUT/one_gpu.json" \
         --budget-s $((t - 40)) ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/one_gpu.log" 2>&1
-      echo "one_gpu rc=$?" >> "$OUT/summary.txt" ;;
+      echo "one_gpu rc=$?" >> "$OUT/summary.txt"
+      if [ -n "${EPMOE_ONE_GPU_BASE:-}" ]; then
+        (cd "$EPMOE_ONE_GPU_BASE" && PYTHONPATH="$PWD${PYTHONPATH#"$OLDPWD"}" timeout $((t - 10)) \
+          python3 benchmarks/bench_one_gpu.py --out "$OUT/one_gpu_base.json" --budget-s $((t - 40)) \
+          ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/one_gpu_base.log" 2>&1)
+        echo "one_gpu (base $EPMOE_ONE_GPU_BASE) rc=$?" >> "$OUT/summary.txt"
+      fi ;;
     hf_bench)
       timeout $((t - 10)) python3 benchmarks/bench_hf.py --out "$OUT/hf.json" \
         --budget-s $((t - 40)) ${EPMOE_HF_ARGS:-} > "$OUT/hf_bench.log" 2>&1
