@@ -262,6 +262,14 @@ def _persistent_int8(
 
 
 @gluon.jit
+def _ws_slot(ring, j, kb, k_tiles, STAGES: gl.constexpr):
+    """WS: (count in its ring, stage) of K step ``kb`` of the program's ``j``-th live tile, which
+    ring ``ring`` (= j % 2) holds; the TMA warp and the MMA warpgroups both address stages by it."""
+    c = j // 2 * k_tiles + kb
+    return c, ring * STAGES + c % STAGES
+
+
+@gluon.jit
 def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
              MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
@@ -276,8 +284,7 @@ def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E,
     while tile < num_tiles:
         row_w = expert * N + pid_n * BLOCK_N
         for kb in range(k_tiles):
-            c = j // 2 * k_tiles + kb  # (the count in warpgroup j % 2's ring)
-            s = j % 2 * STAGES + c % STAGES
+            c, s = _ws_slot(j % 2, j, kb, k_tiles, STAGES)
             # (a barrier starts with its phase before 0 complete: the first round waits on none)
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
@@ -306,8 +313,7 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
         if j % 2 == PART:
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
             for kb in range(k_tiles):
-                c = j // 2 * k_tiles + kb
-                s = PART * STAGES + c % STAGES
+                c, s = _ws_slot(PART, j, kb, k_tiles, STAGES)
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
