@@ -53,16 +53,14 @@ for step in "$@"; do
     one_gpu)
       # EPMOE_ONE_GPU_BASE=DIR: the same cases in that checkout too, after this tree's (before /
       # after on one machine; each gets half the time, the base's figures in one_gpu_base.json)
-      [ -n "${EPMOE_ONE_GPU_BASE:-}" ] && t=$((t / 2))
-      timeout $((t - 10)) python3 benchmarks/bench_one_gpu.py --out "$OUT/one_gpu.json" \
-        --budget-s $((t - 40)) ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/one_gpu.log" 2>&1
-      echo "one_gpu rc=$?" >> "$OUT/summary.txt"
-      if [ -n "${EPMOE_ONE_GPU_BASE:-}" ]; then
-        (cd "$EPMOE_ONE_GPU_BASE" && PYTHONPATH="$PWD${PYTHONPATH#"$OLDPWD"}" timeout $((t - 10)) \
-          python3 benchmarks/bench_one_gpu.py --out "$OUT/one_gpu_base.json" --budget-s $((t - 40)) \
-          ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/one_gpu_base.log" 2>&1)
-        echo "one_gpu (base $EPMOE_ONE_GPU_BASE) rc=$?" >> "$OUT/summary.txt"
-      fi ;;
+      trees=(.); [ -n "${EPMOE_ONE_GPU_BASE:-}" ] && trees+=("$EPMOE_ONE_GPU_BASE") && t=$((t / 2))
+      for tree in "${trees[@]}"; do
+        name=one_gpu; [ "$tree" = . ] || name=one_gpu_base
+        (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH#"$OLDPWD"}" timeout $((t - 10)) \
+          python3 benchmarks/bench_one_gpu.py --out "$OUT/$name.json" --budget-s $((t - 40)) \
+          ${EPMOE_ONE_GPU_ARGS:-} > "$OUT/$name.log" 2>&1)
+        echo "$name ($tree) rc=$?" >> "$OUT/summary.txt"
+      done ;;
     hf_bench)
       timeout $((t - 10)) python3 benchmarks/bench_hf.py --out "$OUT/hf.json" \
         --budget-s $((t - 40)) ${EPMOE_HF_ARGS:-} > "$OUT/hf_bench.log" 2>&1
