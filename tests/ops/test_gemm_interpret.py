@@ -247,6 +247,10 @@ def test_fits_keeps_row_blocks_inside_an_expert():
               WS=True)  # fmt: skip
     assert _triton.fits(ws, 2, 128) and not _triton.fits(dict(ws, num_stages=6), 2, 128)
     assert _triton.fits(dict(ws, num_stages=6, STORE_TMA=False), 2, 128)
+    # COOP: one ring both warpgroups read and one out tile in two halves, 3 x 48 KiB + 64 KiB
+    coop = dict(ws, BLOCK_N=256, BLOCK_K=128, num_stages=3, COOP=True)
+    assert _triton.fits(coop, 2, 128) and not _triton.fits(dict(coop, num_stages=4), 2, 128)
+    assert _triton.fits(dict(coop, num_stages=4, STORE_TMA=False), 2, 128)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
             assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
@@ -375,7 +379,7 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
     assert dead.any() and torch.equal(got[dead], sentinel[dead])
     if scheme == "int8":  # (a Gluon config: the interpreter runs the Triton kernel's tiles)
         gluon = dict(tma, GLUON=True, STORE_TMA=True)
-        for g in (gluon, dict(gluon, WS=True)):
+        for g in (gluon, dict(gluon, WS=True), dict(gluon, WS=True, COOP=True)):
             got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=g)
             assert torch.equal(got[live], want[live])
 
@@ -394,7 +398,8 @@ def test_contiguous_tma_falls_back_where_it_cannot_run():
     out = torch.empty(want.numel() + 1, dtype=want.dtype)[1:].view(want.shape)  # (TMA stores out)
     gluon = dict(cfg, TMA=True, GLUON=True, STORE_TMA=True)
     for tma in (dict(cfg, TMA=True, PERSISTENT=1), dict(gluon, PERSISTENT=2),
-                dict(gluon, PERSISTENT=1, WS=True)):  # fmt: skip
+                dict(gluon, PERSISTENT=1, WS=True),
+                dict(gluon, PERSISTENT=1, WS=True, COOP=True)):  # fmt: skip
         got = _triton.contiguous_triton(x, w, m_idx, xs, ws, row_block=16, config=tma, a_rows=src)
         assert torch.equal(got[live], want[live])
         got = _triton.contiguous_triton(shifted, w, m_idx, sp, ws, row_block=16, config=tma)
@@ -448,7 +453,7 @@ def test_masked_tma_is_the_pointer_kernel(scheme):
     assert torch.equal(got[~live], sentinel[~live])
     if scheme == "int8":  # (a Gluon config, its own BLOCK_M and row groups: the Triton kernel)
         gluon = dict(cfg, TMA=True, GLUON=True, PERSISTENT=1, BLOCK_M=64)
-        for g in (gluon, dict(gluon, WS=True)):
+        for g in (gluon, dict(gluon, WS=True), dict(gluon, WS=True, COOP=True)):
             got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=g,
                                         out=sentinel.clone())  # fmt: skip
             assert torch.equal(got[live], want[live])

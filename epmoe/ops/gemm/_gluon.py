@@ -262,10 +262,10 @@ def _persistent_int8(
 
 
 @gluon.jit
-def _ws_slot(ring, j, kb, k_tiles, STAGES: gl.constexpr):
+def _ws_slot(ring, j, kb, k_tiles, STAGES: gl.constexpr, RINGS: gl.constexpr):
     """WS: (count in its ring, stage) of K step ``kb`` of the program's ``j``-th live tile, which
-    ring ``ring`` (= j % 2) holds; the TMA warp and the MMA warpgroups both address stages by it."""
-    c = j // 2 * k_tiles + kb
+    ring ``ring`` (= j % RINGS) holds; the TMA warp and the MMA warpgroups address stages by it."""
+    c = j // RINGS * k_tiles + kb
     return c, ring * STAGES + c % STAGES
 
 
@@ -273,10 +273,10 @@ def _ws_slot(ring, j, kb, k_tiles, STAGES: gl.constexpr):
 def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
              MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr):  # fmt: skip
+             STAGES: gl.constexpr, RINGS: gl.constexpr):  # fmt: skip
     """WS's TMA warp: every K step of the program's live tiles, in order, into the ring of the
-    warpgroup that takes the tile (a stage refilled once the MMA that read it signals
-    ``empty``)."""
+    warpgroup that takes the tile (RINGS 1: the one ring both share; a stage refilled once the
+    MMAs that read it signal ``empty``)."""
     k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
                                                   BLOCK_N, BLOCK_K, GROUP_M, 1)  # fmt: skip
     tile, expert, row_a, t0, pid_n = first
@@ -284,7 +284,7 @@ def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E,
     while tile < num_tiles:
         row_w = expert * N + pid_n * BLOCK_N
         for kb in range(k_tiles):
-            c, s = _ws_slot(j % 2, j, kb, k_tiles, STAGES)
+            c, s = _ws_slot(j % RINGS, j, kb, k_tiles, STAGES, RINGS)
             # (a barrier starts with its phase before 0 complete: the first round waits on none)
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
@@ -313,7 +313,7 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
         if j % 2 == PART:
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
             for kb in range(k_tiles):
-                c, s = _ws_slot(PART, j, kb, k_tiles, STAGES)
+                c, s = _ws_slot(PART, j, kb, k_tiles, STAGES, 2)
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
@@ -335,37 +335,90 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
 
 
 @gluon.jit
+def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
+             K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr):  # fmt: skip
+    """COOP's warpgroup PART (0 / 1): rows PART * BLOCK_M / 2 on of every live tile of the
+    program, from the ring both read (each stage freed by both warpgroups' arrivals), then those
+    rows' epilogue."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4)
+    o_buf = o_smem.index(PART) if STORE_TMA else o_smem
+    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
+                                                  BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = first
+    c = 0  # K steps consumed: stage = c % STAGES
+    while tile < num_tiles:
+        acc = gl.zeros((HALF, BLOCK_N), gl.int32, acc_layout)
+        for kb in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a_rows = a_bufs.index(s).slice(PART * HALF, HALF)
+            acc = warpgroup_mma(a_rows, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_rows, w_bufs.index(s)))
+            # step kb - 1's MMA is done: this warpgroup is through with its stage
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kb > 0)
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+        _epilogue(acc, out, o_buf, a_scale_ptr, w_scale_ptr, rows_ptr,
+                  (expert, row_a + PART * HALF, t0 + PART * HALF, pid_n), M, N, T, strides,
+                  acc_layout, MASKED, STORE_TMA, HALF, BLOCK_N)  # fmt: skip
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, T, MASKED, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
+    if STORE_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
 def _ws_int8(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    STORE_TMA: gl.constexpr,
+    STORE_TMA: gl.constexpr, COOP: gl.constexpr,
 ):  # fmt: skip
     """:func:`_persistent_int8`'s tiles warp-specialized (num_warps 4: the first MMA warpgroup):
     two MMA warpgroups take the program's live tiles in turn (232 registers each: a 128x128
-    int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each."""
-    a_bufs = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * STAGES):
+    int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each. COOP:
+    the two take the halves of every tile instead (64x256 each), from one ring."""
+    RINGS: gl.constexpr = 1 if COOP else 2
+    a_bufs = gl.allocate_shared_memory(gl.int8, [RINGS * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int8, [RINGS * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=3 - RINGS)  # (COOP: a stage is both warpgroups')
     o_smem = out  # (without STORE_TMA: unused)
-    if STORE_TMA:  # (one staging tile per MMA warpgroup)
-        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], out.layout)
+    if STORE_TMA:  # (one staging tile per MMA warpgroup: COOP's out descriptor is half a tile)
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // (3 - RINGS), BLOCK_N],
+                                           out.layout)  # fmt: skip
     # (each partition walks the live tiles itself: a worker partition takes no tensors, and the
     # masked layout's running sum is one)
-    gl.warp_specialize([
-        (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
-                   N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                   STAGES, STORE_TMA)),
-        (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
-                   N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                   STAGES, STORE_TMA)),
-        (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T, MASKED,
-                    E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [232, 40])  # fmt: skip
+    if COOP:
+        gl.warp_specialize([
+            (_ws_coop, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
+                        out, M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, STAGES, STORE_TMA)),
+            (_ws_coop, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
+                        out, M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, STAGES, STORE_TMA)),
+            (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
+                        MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
+        ], [4, 1], [232, 40])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
+                       out, M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                       GROUP_M, STAGES, STORE_TMA)),
+            (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
+                       out, M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                       GROUP_M, STAGES, STORE_TMA)),
+            (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
+                        MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
+        ], [4, 1], [232, 40])  # fmt: skip
 
 
 @gluon.jit
@@ -379,13 +432,13 @@ def _contiguous_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
     GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
-    WS: gl.constexpr = False,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False,
 ):  # fmt: skip
     strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     if WS:
         _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
                  strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                 STORE_TMA)  # fmt: skip
+                 STORE_TMA, COOP)  # fmt: skip
     else:
         _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
                          1, strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
@@ -404,7 +457,7 @@ def _masked_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
     TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-    WS: gl.constexpr = False,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False,
 ):  # fmt: skip
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if gl.program_id(0) == 0:
@@ -417,7 +470,7 @@ def _masked_int8_kernel(
     if WS:
         _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E,
                  T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
-                 False)  # fmt: skip
+                 False, COOP)  # fmt: skip
     else:
         _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
                          N, K, E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
@@ -447,10 +500,11 @@ def _layout(shape, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
 
 
-def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool):
+def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool,
+                out_rows: int = 0):  # fmt: skip
     """The kernels' a int8 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w int8 `[E, N, K]`
     (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out: the tensor itself
-    without ``store_tma``)."""
+    without ``store_tma``; its tile ``out_rows`` rows, else block_m: COOP stores half tiles)."""
     k = a.shape[-1]
     a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [block_m, block_k],
                            _layout((block_m, block_k), gl.int8))  # fmt: skip
@@ -458,6 +512,7 @@ def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: 
                            _layout((block_n, block_k), gl.int8))  # fmt: skip
     if not store_tma:
         return a_d, w_d, out
-    o_d = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n],
-                           _layout((block_m, block_n), gl.bfloat16))  # fmt: skip
+    rows = out_rows or block_m
+    o_d = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [rows, block_n],
+                           _layout((rows, block_n), gl.bfloat16))  # fmt: skip
     return a_d, w_d, o_d

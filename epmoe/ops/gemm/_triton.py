@@ -514,11 +514,13 @@ def _cfg(num_warps, num_stages, **kw):
 
 
 def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
-               ws=False):  # fmt: skip
+               ws=False, coop=False):  # fmt: skip
     """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers; ``ws``:
-    warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two)."""
+    warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two; ``coop``:
+    WS with the two on the halves of each tile, one ring of num_stages)."""
     kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
-    kw = dict(kw, WS=True) if ws else kw
+    kw = dict(kw, WS=True) if ws or coop else kw
+    kw = dict(kw, COOP=True) if coop else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 TMA=True, PERSISTENT=persistent, GLUON=True, **kw)  # fmt: skip
 
@@ -586,6 +588,10 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(4, 5, 128, 128, 64, 1, True, ws=True),
     _gluon_cfg(4, 6, 128, 128, 64, 1, False, ws=True),
     _gluon_cfg(4, 2, 64, 256, 128, 1, True, ws=True),
+    # the two MMA warpgroups on the halves of each 128x256 tile, one ring
+    _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True),
+    _gluon_cfg(4, 4, 128, 256, 128, 1, False, coop=True),
+    _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -668,7 +674,7 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     resident = max(config.get("PERSISTENT", 1), 1)
     staged = bm * config["BLOCK_N"] * 2 if config.get("STORE_TMA") else 0  # (bf16 out tile)
     ring = config.get("num_stages", 1) * tiles
-    if config.get("WS"):  # (a ring and an out tile per MMA warpgroup)
+    if config.get("WS") and not config.get("COOP"):  # (a ring and an out tile per MMA warpgroup)
         ring, staged = 2 * ring, 2 * staged
     return resident * (ring + staged) <= _MAX_SHARED
 
@@ -714,7 +720,7 @@ class _Plan:
 _HOST_KEYS = ("PERSISTENT",)
 # keys that only a TMA launch takes (GLUON: the Gluon kernel instead of the Triton one), dropped
 # with TMA where a call cannot take it
-_GLUON_KEYS = ("GLUON", "STORE_TMA", "WS")
+_GLUON_KEYS = ("GLUON", "STORE_TMA", "WS", "COOP")
 _TMA_KEYS = ("TMA", *_GLUON_KEYS, *_HOST_KEYS)
 
 
@@ -782,8 +788,9 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
         if plan.layout != "contiguous":  # (masked: out through pointers)
             return (*_gluon_module().descriptors(a, w, None, bm, meta["BLOCK_N"], bk, False)[:2],
                     *tensors[2:])  # fmt: skip
+        rows = bm // 2 if meta.get("COOP") else bm  # (COOP stores half tiles)
         a_d, w_d, o_d = _gluon_module().descriptors(a, w, tensors[-1], bm, meta["BLOCK_N"], bk,
-                                                    meta["STORE_TMA"])  # fmt: skip
+                                                    meta["STORE_TMA"], rows)  # fmt: skip
         return (a_d, w_d, *tensors[2:-1], o_d)
     a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [bm, bk])
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
