@@ -381,6 +381,23 @@ def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
 
 
 @gluon.jit
+def _ws_part(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
+             K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
+             COOP: gl.constexpr):  # fmt: skip
+    """MMA warpgroup PART of :func:`_ws_int8`: :func:`_ws_coop` if COOP, else :func:`_ws_mma`."""
+    if COOP:
+        _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
+                 N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                 STAGES, STORE_TMA)  # fmt: skip
+    else:
+        _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
+                N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                STAGES, STORE_TMA)  # fmt: skip
+
+
+@gluon.jit
 def _ws_int8(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -405,28 +422,16 @@ def _ws_int8(
                                            out.layout)  # fmt: skip
     # (each partition walks the live tiles itself: a worker partition takes no tensors, and the
     # masked layout's running sum is one)
-    if COOP:
-        gl.warp_specialize([
-            (_ws_coop, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
-                        out, M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, STAGES, STORE_TMA)),
-            (_ws_coop, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
-                        out, M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, STAGES, STORE_TMA)),
-            (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
-                        MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
-        ], [4, 1], [232, 40])  # fmt: skip
-    else:
-        gl.warp_specialize([
-            (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
-                       out, M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                       GROUP_M, STAGES, STORE_TMA)),
-            (_ws_mma, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr,
-                       out, M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                       GROUP_M, STAGES, STORE_TMA)),
-            (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
-                        MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
-        ], [4, 1], [232, 40])  # fmt: skip
+    gl.warp_specialize([
+        (_ws_part, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out,
+                    M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    STAGES, STORE_TMA, COOP)),
+        (_ws_part, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out,
+                    M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    STAGES, STORE_TMA, COOP)),
+        (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T, MASKED,
+                    E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
+    ], [4, 1], [232, 40])  # fmt: skip
 
 
 @gluon.jit
