@@ -206,14 +206,12 @@ def _persistent_int8(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    STORE_TMA: gl.constexpr, RS: gl.constexpr, num_warps: gl.constexpr,
+    STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """The loop both kernels run over their live tiles without WS (module doc); M: a's rows, E
     (<= E_PAD) and T: the masked layout's experts and slot rows; ``strides`` as
-    :func:`_epilogue` takes them. RS: each K step's a rows from registers (loaded once for the
-    warpgroup's MMAs: an int8 wgmma is at most 224 wide, so a 256-wide share is two)."""
+    :func:`_epilogue` takes them."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
     a_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -236,16 +234,10 @@ def _persistent_int8(
         for kb in range(k_tiles):
             s = used % STAGES
             mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-            if RS:  # (ptxas keeps a wgmma's register operand until its wait)
-                acc = warpgroup_mma(a_bufs.index(s).load(a_layout),
-                                    w_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                acc, _ = warpgroup_mma_wait(1, deps=(acc, w_bufs.index(s)))
-            else:
-                acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
             # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
+            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
             used += 1
             if kb + STAGES - 1 < k_tiles:
                 _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
@@ -445,7 +437,7 @@ def _contiguous_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TMA: gl.constexpr,
     GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
-    WS: gl.constexpr = False, COOP: gl.constexpr = False, RS: gl.constexpr = False,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False,
 ):  # fmt: skip
     strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     if WS:
@@ -455,7 +447,7 @@ def _contiguous_int8_kernel(
     else:
         _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
                          1, strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                         STORE_TMA, RS, num_warps)  # fmt: skip
+                         STORE_TMA, num_warps)  # fmt: skip
 
 
 @gluon.jit
@@ -470,7 +462,7 @@ def _masked_int8_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
     TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-    WS: gl.constexpr = False, COOP: gl.constexpr = False, RS: gl.constexpr = False,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False,
 ):  # fmt: skip
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if gl.program_id(0) == 0:
@@ -487,7 +479,7 @@ def _masked_int8_kernel(
     else:
         _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
                          N, K, E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
-                         False, RS, num_warps)  # fmt: skip
+                         False, num_warps)  # fmt: skip
 
 
 @gluon.constexpr_function

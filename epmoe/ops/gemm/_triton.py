@@ -514,15 +514,13 @@ def _cfg(num_warps, num_stages, **kw):
 
 
 def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
-               ws=False, coop=False, rs=False):  # fmt: skip
+               ws=False, coop=False):  # fmt: skip
     """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers; ``ws``:
     warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two; ``coop``:
-    WS with the two on the halves of each tile, one ring of num_stages; ``rs``: a's K step from
-    registers, once for a warpgroup's two 128-wide MMAs)."""
+    WS with the two on the halves of each tile, one ring of num_stages)."""
     kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
     kw = dict(kw, WS=True) if ws or coop else kw
     kw = dict(kw, COOP=True) if coop else kw
-    kw = dict(kw, RS=True) if rs else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 TMA=True, PERSISTENT=persistent, GLUON=True, **kw)  # fmt: skip
 
@@ -584,9 +582,6 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(8, 6, 128, 256, 64, 1, True),
     _gluon_cfg(4, 4, 64, 128, 128, 2, False),
     _gluon_cfg(4, 4, 64, 256, 128, 1, True),
-    _gluon_cfg(8, 4, 128, 256, 128, 1, False, rs=True),
-    _gluon_cfg(8, 4, 128, 256, 64, 1, True, rs=True),
-    _gluon_cfg(4, 4, 64, 256, 128, 1, True, rs=True),
     # warp-specialized: two MMA warpgroups take tiles in turn, one's epilogue under the other's MMA
     _gluon_cfg(4, 3, 128, 128, 128, 1, False, ws=True),
     _gluon_cfg(4, 2, 128, 128, 128, 1, True, ws=True),
@@ -725,7 +720,7 @@ class _Plan:
 _HOST_KEYS = ("PERSISTENT",)
 # keys that only a TMA launch takes (GLUON: the Gluon kernel instead of the Triton one), dropped
 # with TMA where a call cannot take it
-_GLUON_KEYS = ("GLUON", "STORE_TMA", "WS", "COOP", "RS")
+_GLUON_KEYS = ("GLUON", "STORE_TMA", "WS", "COOP")
 _TMA_KEYS = ("TMA", *_GLUON_KEYS, *_HOST_KEYS)
 
 
