@@ -29,7 +29,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
 bf16) on the same operands. The entry keeps the fastest Triton config, the fastest backend and the
-best µs of each; a config that fails to compile or to launch is skipped (its error in the log).
+best µs of each; a config that fails to compile or to launch is skipped (its error in the log),
+and so is one whose output is wrong: after its timing each contiguous / masked candidate runs once
+more into a NaN-filled buffer, and a sample of live rows (CHECK_ROWS of each of CHECK_EXPERTS
+experts) must match dequantized float32 math within CHECK_TOL (relative L2).
 
 Path entries (``--paths``): per shape and scheme, each T of ``--tokens`` above the shape's GEMV
 cutoff (``epmoe.layer.gemv_max_tokens``): the whole one-rank layer (local backend, same weights,
@@ -103,6 +106,9 @@ OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_ge
                   "gate": ("unfused",)}  # fmt: skip
 ITERS = 30  # replays per measurement (median)
 SEED = 0
+# each candidate's output, checked on a sample of live rows against dequantized float32 math (the
+# tests' GEMM_VS_QUANT_AWARE): a fast config that computes something else never wins
+CHECK_TOL, CHECK_EXPERTS, CHECK_ROWS = 1e-2, 8, 4
 W_STD = 0.02  # path layers' bf16 weights: O(1) outputs, as the benchmarks build them
 _FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
           "illegal instruction", "misaligned address")  # fmt: skip
@@ -140,6 +146,10 @@ class OutOfTime(Exception):
 
 class Fatal(Exception):
     """The CUDA context is gone: nothing later can run."""
+
+
+class WrongOutput(Exception):
+    """A config or backend ran but its output is not the GEMM's (:func:`output_check`)."""
 
 
 # ------------------------------------------------------------------------------------ the problems
@@ -440,6 +450,59 @@ def _weights(scheme, E: int, N: int, K: int, gen, device):
     return w, None if s is None else s.uniform_(0.5e-3, 1.5e-3, generator=gen)
 
 
+def _spread(n: int, k: int) -> torch.Tensor:
+    """int64 `[min(n, k)]`: evenly spaced indices into n items, first and last included."""
+    return torch.linspace(0, n - 1, min(n, k)).round().long()
+
+
+def sample_picks(m_indices=None, counts=None) -> List[Tuple[int, object]]:
+    """(expert, index) pairs naming the rows a check reads: up to CHECK_EXPERTS of the live
+    experts, evenly spread, and CHECK_ROWS of each one's live rows. Contiguous (``m_indices``
+    `[M]`): index = the rows (int64 `[n]`) of a `[M, K]` / out `[M, N]`; masked (``counts``
+    `[E]`): index = (expert, its slot rows) of a `[E, T, K]` / out `[E, T, N]`."""
+    picks = []
+    if m_indices is not None:
+        m = m_indices.cpu()
+        live = torch.unique(m[m >= 0])
+        for e in live[_spread(len(live), CHECK_EXPERTS)].tolist():
+            rows = (m == e).nonzero().flatten()
+            picks.append((e, rows[_spread(len(rows), CHECK_ROWS)].to(m_indices.device)))
+        return picks
+    c = counts.cpu()
+    live = (c > 0).nonzero().flatten()
+    for e in live[_spread(len(live), CHECK_EXPERTS)].tolist():
+        picks.append((e, (e, _spread(int(c[e]), CHECK_ROWS).to(counts.device))))
+    return picks
+
+
+Check = Callable[[Callable[[], object]], Optional[str]]  # (fn) -> None, or what is wrong
+
+
+def output_check(a, a_s, w, w_s, picks, out: torch.Tensor) -> Check:
+    """A check of one GEMM call: ``check(fn)`` fills ``out`` (the buffer the Triton calls write)
+    with NaN, calls ``fn`` once and compares the rows ``picks`` names (:func:`sample_picks`) of
+    its result (``out`` when it returns none) with dequantized float32 math; a message where the
+    relative L2 error passes CHECK_TOL (or a row was never written), else None."""
+    want = []
+    for e, idx in picks:
+        af = reference._dequant_rows(a[idx], None if a_s is None else a_s[idx])
+        wf = reference.dequantize_weights(w[e : e + 1], None if w_s is None else w_s[e : e + 1])
+        want.append(af @ wf[0].t())
+    want = torch.cat(want)
+
+    def check(fn: Callable[[], object]) -> Optional[str]:
+        out.fill_(math.nan)
+        got = fn()
+        got = got if isinstance(got, torch.Tensor) else out
+        got = torch.cat([got[idx] for _, idx in picks]).float()
+        err = float((got - want).norm() / want.norm())
+        if err <= CHECK_TOL:  # (False for NaN: rows never written)
+            return None
+        return f"wrong output: rel L2 {err:.3g} on {len(got)} sampled rows (tolerance {CHECK_TOL})"
+
+    return check
+
+
 # ------------------------------------------------------------------------------------- GPU: timing
 class Tuner:
     """Times problems and layers on one CUDA device within a wall-clock deadline."""
@@ -460,10 +523,17 @@ class Tuner:
             raise RuntimeError("CUDA graph capture failed")
         return t.ms * 1e3
 
-    def measure(self, backend: str, fn: Callable[[], object], config=None) -> Measured:
+    def measure(self, backend: str, fn: Callable[[], object], config=None,
+                check: Optional[Check] = None) -> Measured:  # fmt: skip
+        """``fn`` timed (:meth:`time_us`), then its output checked by ``check`` (a wrong one
+        is skipped like a failed launch)."""
         self.check_time()
         try:
-            return Measured(backend, config, self.time_us(fn))
+            us = self.time_us(fn)
+            wrong = None if check is None else check(fn)
+            if wrong:
+                raise WrongOutput(wrong)
+            return Measured(backend, config, us)
         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit / launch
             msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             if any(f in str(e) for f in _FATAL):
@@ -502,31 +572,33 @@ class Tuner:
                 torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
             )
             y = torch.empty((p.rows, p.N), dtype=torch.bfloat16, device=dev)
+            chk = output_check(a, a_s, w, w_s, sample_picks(m_indices=m_idx), y)
             run = part(_triton.contiguous_triton, a, w, m_idx, a_s, w_s, p.block, out=y)
-            out = [self.measure("triton", part(run, config=c), c)
+            out = [self.measure("triton", part(run, config=c), c, chk)
                    for c in candidates(p.layout, p.scheme, p.block)]  # fmt: skip
             if "deep_gemm" in backends:
                 dg = _select._dg_functions()[f"{scheme}_contiguous"]
                 out.append(self.measure("deep_gemm", part(_deep_gemm_contiguous, dg, a, w, m_idx,
-                                                          a_s, w_s)))  # fmt: skip
+                                                          a_s, w_s), check=chk))  # fmt: skip
             if "grouped_mm" in backends:
                 offs = offsets[1:].contiguous()  # (the layer passes permute's expert ends)
                 fn = part(torch._grouped_mm, a, w.transpose(1, 2), offs=offs)
-                out.append(self.measure("grouped_mm", fn))
+                out.append(self.measure("grouped_mm", fn, check=chk))
             return out
         a, a_s = _acts(scheme, (p.E, p.rows), p.K, self.gen, dev)
         counts = torch.bincount(ids.flatten(), minlength=p.E).to(torch.int32)
         y = torch.empty((p.E, p.rows, p.N), dtype=torch.bfloat16, device=dev)
+        chk = output_check(a, a_s, w, w_s, sample_picks(counts=counts), y)
         run = part(_triton.masked_triton, a, w, counts, a_s, w_s, p.m, out=y)
-        out = [self.measure("triton", part(run, config=c), c)
+        out = [self.measure("triton", part(run, config=c), c, chk)
                for c in candidates(p.layout, p.scheme, p.block)]  # fmt: skip
         if "deep_gemm" in backends:
             dg = _select._dg_functions()[f"{scheme}_masked"]
             block = _select.masked_row_block(scheme, dev)
             fn = part(_deep_gemm_masked, dg, a, w, counts, a_s, w_s, p.m, block)
-            out.append(self.measure("deep_gemm", fn))
+            out.append(self.measure("deep_gemm", fn, check=chk))
         if "bmm" in backends:
-            out.append(self.measure("bmm", part(torch.bmm, a, w.transpose(1, 2))))
+            out.append(self.measure("bmm", part(torch.bmm, a, w.transpose(1, 2)), check=chk))
         return out
 
     def gate(self, p: Problem, w, w_s, ids) -> List[Measured]:

@@ -316,10 +316,12 @@ def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, sche
 
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     tuner, _ = cpu_tuner
+    real = _triton.masked_triton
 
     def boom(*args, config=None, **kw):
         if config["BLOCK_N"] == 128:
             raise RuntimeError("out of resource: shared memory")
+        return real(*args, config=config, **kw)
 
     monkeypatch.setattr(_triton, "masked_triton", boom)
     (p,) = [p for p in tg.masked_problems(CONFIGS["tiny-1rank"], "int8", (4,)) if p.K == 128]
@@ -328,6 +330,71 @@ def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     assert 0 < wide and tuner.errors == wide and e["config"]["BLOCK_N"] != 128
     with pytest.raises(tg.OutOfTime):
         list(tg.Tuner(torch.device("cpu"), iters=1, deadline=0.0).gemm_entries([p]))
+
+
+# a config whose output is wrong (RS, 2026-12-06: rows differing from the GEMM's) or that writes
+# nothing is skipped like one that fails to launch, contiguous and masked; a right one passes
+@pytest.mark.interpret
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("fault", ["off", "silent"])
+def test_a_config_with_a_wrong_output_is_skipped(cpu_tuner, monkeypatch, layout, fault):
+    tuner, _ = cpu_tuner
+    name = f"{layout}_triton"
+    real = getattr(_triton, name)
+
+    def faulty(*args, config=None, out=None, **kw):
+        if config["BLOCK_N"] != 128:
+            return real(*args, config=config, out=out, **kw)
+        if fault == "off":  # (one sampled row off by a little more than the tolerance)
+            y = real(*args, config=config, out=out, **kw)
+            return y.mul_(1 + 3 * tg.CHECK_TOL)
+        return out  # (writes nothing)
+
+    monkeypatch.setattr(_triton, name, faulty)
+    cfg = CONFIGS["tiny-1rank"]
+    if layout == "contiguous":
+        (p,) = [p for p in tg.contiguous_problems(cfg, "int8", (16,), (4,)) if p.K == 256]
+    else:
+        (p,) = [p for p in tg.masked_problems(cfg, "int8", (4,)) if p.K == 128]
+    (e,) = tuner.gemm_entries([p])
+    wide = sum(c["BLOCK_N"] == 128 for c in tg.candidates(layout, "int8", p.block))
+    assert 0 < wide and tuner.errors == wide and e["config"]["BLOCK_N"] != 128
+
+
+def test_output_check_reads_the_sampled_rows_of_each_layout():
+    gen = torch.Generator().manual_seed(5)
+    E, N, K = 4, 32, 64
+    w = torch.randint(-127, 128, (E, N, K), dtype=torch.int8, generator=gen)
+    w_s = torch.rand((E, N), generator=gen) * 1e-2 + 1e-3
+    m_idx = torch.tensor([0] * 5 + [-1] * 3 + [2] * 8 + [3] * 1 + [-1] * 7)
+    a = torch.randint(-127, 128, (m_idx.numel(), K), dtype=torch.int8, generator=gen)
+    a_s = torch.rand((m_idx.numel(), 1), generator=gen) * 1e-2 + 1e-3
+    picks = tg.sample_picks(m_indices=m_idx)
+    assert [e for e, _ in picks] == [0, 2, 3]
+    assert [r.tolist() for _, r in picks] == [[0, 1, 3, 4], [8, 10, 13, 15], [16]]
+    want = reference.grouped_gemm_contiguous(a, w, m_idx, a_s, w_s)
+    y = torch.empty_like(want)
+    check = tg.output_check(a, a_s, w, w_s, picks, y)
+    assert check(lambda: y.copy_(want)) is None
+    assert check(lambda: None) is not None  # (y left NaN)
+    bad = want.clone()
+    bad[10] += 1.0
+    assert "wrong output" in check(lambda: bad)
+    bad[10] = want[10]
+    bad[5] = 1e4  # (a padding row: never sampled)
+    assert check(lambda: bad) is None
+    counts = torch.tensor([3, 0, 9, 1], dtype=torch.int32)
+    a3 = torch.randint(-127, 128, (E, 9, K), dtype=torch.int8, generator=gen)
+    s3 = torch.rand((E, 9, 1), generator=gen) * 1e-2 + 1e-3
+    picks = tg.sample_picks(counts=counts)
+    assert [(e, i[0], i[1].tolist()) for e, i in picks] == [(0, 0, [0, 1, 2]), (2, 2, [0, 3, 5, 8]),
+                                                          (3, 3, [0])]  # fmt: skip
+    want3 = reference.grouped_gemm_masked(a3, w, counts, s3, w_s)
+    y3 = torch.empty_like(want3)
+    check = tg.output_check(a3, s3, w, w_s, picks, y3)
+    assert check(lambda: want3) is None
+    want3[2, 3] *= 2
+    assert check(lambda: want3) is not None
 
 
 def test_paths_time_every_variant(cpu_tuner):
