@@ -618,6 +618,8 @@ _MASKED_CONFIGS = [
     _gluon_cfg(4, 3, 128, 128, 128, 1, ws=True),
     _gluon_cfg(4, 2, 64, 256, 128, 1, ws=True),
     _gluon_cfg(4, 4, 64, 128, 128, 1, ws=True),
+    _gluon_cfg(4, 4, 128, 256, 128, 1, coop=True),
+    _gluon_cfg(4, 6, 128, 256, 64, 1, coop=True),
 ]
 
 
