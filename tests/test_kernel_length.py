@@ -29,4 +29,4 @@ def test_no_kernel_over_80_lines():
 def test_the_kernels_are_found():
     names = {n.name for _, n in _jit_functions()}
     assert {"_gemv_gate_up_kernel", "_silu_mul_int8_kernel", "gate_h",
-            "_contiguous_int8_kernel"} <= names  # fmt: skip
+            "_contiguous_gluon_kernel"} <= names  # fmt: skip

@@ -107,12 +107,14 @@ def test_candidates_are_the_fitting_configs():
     for rb in (16, 32, 64, 128):
         got = tg.candidates("contiguous", "bf16", rb)
         assert got and all(rb % c["BLOCK_M"] == 0 for c in got)
-        assert all(set(c) - {"TMA", "PERSISTENT"} == {*CFG} for c in got)
+        assert all(set(c) - {"TMA", "PERSISTENT", *_triton._GLUON_KEYS} == {*CFG} for c in got)
     bf16, int8 = tg.candidates("contiguous", "bf16", 128), tg.candidates("contiguous", "int8", 128)
     assert len(int8) == len(_triton._CONTIGUOUS_CONFIGS)  # (1-byte operands: every tile fits)
     assert bf16 and len(bf16) < len(int8)  # (the 2-byte ones over sm90's shared memory: dropped)
+    assert any(c.get("GLUON") for c in bf16)  # (the Gluon kernels take int8 and bf16)
     fp8 = tg.candidates("contiguous", "fp8", 128)
     assert fp8 and all(c["BLOCK_K"] <= 128 for c in fp8)  # (one scale group per K step)
+    assert not any(c.get("GLUON") for c in fp8)
     assert len(fp8) < len(_triton._CONTIGUOUS_CONFIGS)
     assert len(tg.candidates("masked", "int8", 32)) == len(_triton._MASKED_CONFIGS)
 

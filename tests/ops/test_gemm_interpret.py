@@ -234,10 +234,13 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     decode = dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
     assert _triton.fits(decode, 0, 0, 16) and not _triton.fits(decode, 0, 0, 64)
     assert not _triton.fits(decode, 0) and _triton.fits(decode, 2)
-    # the Gluon kernels: int8's only; a TMA store's staged out tile counts against shared memory
+    # the Gluon kernels: int8's and bf16's (not fp8's); a TMA store's staged out tile counts
+    # against shared memory (bf16 3 x 64 KiB + 32 KiB fits, 4 x 64 KiB does not)
     gl = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=4, GLUON=True, STORE_TMA=True)
     assert not _triton.fits(gl, 2, 128) and _triton.fits(dict(gl, STORE_TMA=False), 2, 128)
-    assert not _triton.fits(dict(gl, BLOCK_N=128, num_stages=3), 0, 128)
+    assert not _triton.fits(dict(gl, BLOCK_N=128, num_stages=3), 1, 128)
+    assert _triton.fits(dict(gl, BLOCK_N=128, num_stages=3), 0, 128)
+    assert not _triton.fits(dict(gl, BLOCK_N=128, num_stages=4), 0, 128)
     # masked: a config's own BLOCK_M (the Gluon kernel's) sets its tiles, not the call's
     assert not _triton.fits(dict(gl, STORE_TMA=False, num_stages=5), 2, 0, 16)
     assert _triton.fits(dict(gl, STORE_TMA=False, BLOCK_M=64, num_stages=5), 2, 0, 16)

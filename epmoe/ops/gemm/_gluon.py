@@ -1,29 +1,32 @@
-"""The int8 grouped GEMMs for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
+"""The int8 and bf16 grouped GEMMs for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
 
 Triton 3.6 makes a wgmma asynchronous only with a float32 accumulator, so each int8 K step of
 :mod:`epmoe.ops.gemm._triton` waits for its own MMA before the next is issued. These kernels are
 the same tiles with the MMA of step k in flight while step k + 1's is issued
 (``warpgroup_mma_wait(1)``) and TMA filling the stages ahead: a persistent loop over the live
 `[BLOCK_M, BLOCK_N]` output tiles, the next tile's first K steps loaded during the current one's
-epilogue; int32 sums scaled per token x per channel (float32), out bf16. Two layouts, one loop:
+epilogue; int32 sums scaled per token x per channel (float32), out bf16. bf16 operands (float32
+sums, out bf16 unscaled) take the same loops for what Triton does not give them: warp
+specialization and the cooperative 128x256 tile. Two layouts, one loop:
 
-- contiguous: a int8 `[M, K]` of expert-contiguous rows (a block's expert is its first row's; -1
+- contiguous: a `[M, K]` of expert-contiguous rows (a block's expert is its first row's; -1
   blocks never load), out `[M, N]` through a TMA store or from registers;
-- masked: a int8 `[E, T, K]` (as `[E * T, K]`), the live tiles only (each expert's count in row
+- masked: a `[E, T, K]` (as `[E * T, K]`), the live tiles only (each expert's count in row
   blocks, from a running sum over the counts every program makes), out `[E, T, N]` from
   registers (rows past the count never written).
 
 Either loop runs as one warpgroup or two (num_warps 8) on each tile, or warp-specialized (WS): one
 TMA warp and two MMA warpgroups that take the tiles in turn, each one's epilogue under the other's
-MMAs (the tuner picks per shape).
+MMAs, or (COOP) share each tile's halves (the tuner picks per shape).
 
-w int8 `[E * N, K]` through a TMA descriptor. The bytes equal the Triton kernels' (the same integer
-sums, the same float ops). GPU only: under the interpreter a Gluon config runs the Triton kernel
-(:func:`epmoe.ops.gemm._triton._runnable`).
+w `[E * N, K]` (a's dtype) through a TMA descriptor. int8's bytes equal the Triton kernels' (the
+same integer sums, the same float ops). GPU only: under the interpreter a Gluon config runs the
+Triton kernel (:func:`epmoe.ops.gemm._triton._runnable`).
 """
 
 import functools
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -152,11 +155,13 @@ def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, live, row_a, row_
 def _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N, stride_ase,
                 stride_asm, stride_wse, stride_wsn, acc_layout: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """bf16 of a tile's int32 sums times its per-token x per-channel scales, with its rows (in
-    the expert's frame of ``rows`` rows) and columns; rows past ``rows`` and columns past N wrap
-    onto valid scales and are never stored."""
+    """bf16 of a tile's int32 sums times its per-token x per-channel scales (bf16 operands: of
+    its float32 sums), with its rows (in the expert's frame of ``rows`` rows) and columns; rows
+    past ``rows`` and columns past N wrap onto valid scales and are never stored."""
     offs_m = t0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+    if not _is_int(acc.dtype):
+        return acc.to(gl.bfloat16), offs_m, offs_n
     e64 = expert.to(gl.int64)
     a_s = gl.load(a_scale_ptr + e64 * stride_ase + (offs_m % rows) * stride_asm)
     w_s = gl.load(w_scale_ptr + e64 * stride_wse + (offs_n % N) * stride_wsn)
@@ -202,7 +207,7 @@ def _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, tile_at, M, 
 
 
 @gluon.jit
-def _persistent_int8(
+def _persistent(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -211,9 +216,9 @@ def _persistent_int8(
     """The loop both kernels run over their live tiles without WS (module doc); M: a's rows, E
     (<= E_PAD) and T: the masked layout's experts and slot rows; ``strides`` as
     :func:`_epilogue` takes them."""
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    a_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps, a_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -230,7 +235,7 @@ def _persistent_int8(
                          expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K, STAGES)  # fmt: skip
     while tile < num_tiles:
         row_w = expert * N + pid_n * BLOCK_N
-        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_desc.dtype), acc_layout)
         for kb in range(k_tiles):
             s = used % STAGES
             mbarrier.wait(ready.index(s), (used // STAGES) & 1)
@@ -303,7 +308,7 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
     program, from its own ring of STAGES (a ring per warpgroup: each is filled and drained in
     order, so a barrier's parity never stands for a fill two rounds back), its epilogue under
     the other warpgroup's MMAs."""
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, 4)
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, 4, a_bufs.dtype)
     o_buf = o_smem.index(PART) if STORE_TMA else o_smem
     k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
                                                   BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
@@ -311,7 +316,7 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
     j = 0
     while tile < num_tiles:
         if j % 2 == PART:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_bufs.dtype), acc_layout)
             for kb in range(k_tiles):
                 c, s = _ws_slot(PART, j, kb, k_tiles, STAGES, 2)
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -343,14 +348,14 @@ def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
     program, from the ring both read (each stage freed by both warpgroups' arrivals), then those
     rows' epilogue."""
     HALF: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4)
+    acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4, a_bufs.dtype)
     o_buf = o_smem.index(PART) if STORE_TMA else o_smem
     k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
                                                   BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
     tile, expert, row_a, t0, pid_n = first
     c = 0  # K steps consumed: stage = c % STAGES
     while tile < num_tiles:
-        acc = gl.zeros((HALF, BLOCK_N), gl.int32, acc_layout)
+        acc = gl.zeros((HALF, BLOCK_N), _acc_dtype(a_bufs.dtype), acc_layout)
         for kb in range(k_tiles):
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -378,7 +383,7 @@ def _ws_part(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
              GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
              COOP: gl.constexpr):  # fmt: skip
-    """MMA warpgroup PART of :func:`_ws_int8`: :func:`_ws_coop` if COOP, else :func:`_ws_mma`."""
+    """MMA warpgroup PART of :func:`_ws`: :func:`_ws_coop` if COOP, else :func:`_ws_mma`."""
     if COOP:
         _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
                  N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -390,19 +395,21 @@ def _ws_part(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
 
 
 @gluon.jit
-def _ws_int8(
+def _ws(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     STORE_TMA: gl.constexpr, COOP: gl.constexpr,
 ):  # fmt: skip
-    """:func:`_persistent_int8`'s tiles warp-specialized (num_warps 4: the first MMA warpgroup):
+    """:func:`_persistent`'s tiles warp-specialized (num_warps 4: the first MMA warpgroup):
     two MMA warpgroups take the program's live tiles in turn (232 registers each: a 128x128
     int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each. COOP:
     the two take the halves of every tile instead (64x256 each), from one ring."""
     RINGS: gl.constexpr = 1 if COOP else 2
-    a_bufs = gl.allocate_shared_memory(gl.int8, [RINGS * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.int8, [RINGS * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [RINGS * STAGES, BLOCK_M, BLOCK_K],
+                                       a_desc.layout)  # fmt: skip
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [RINGS * STAGES, BLOCK_N, BLOCK_K],
+                                       w_desc.layout)  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RINGS * STAGES):
@@ -427,7 +434,7 @@ def _ws_int8(
 
 
 @gluon.jit
-def _contiguous_int8_kernel(
+def _contiguous_gluon_kernel(
     # the Triton contiguous kernel's arguments (a, w: Gluon TMA descriptors; out one with
     # STORE_TMA, else a pointer; a_rows and the a / w strides unused: the descriptors hold them)
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, out,
@@ -441,17 +448,17 @@ def _contiguous_int8_kernel(
 ):  # fmt: skip
     strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     if WS:
-        _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
+        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
                  strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                  STORE_TMA, COOP)  # fmt: skip
     else:
-        _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
+        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
                          1, strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                          STORE_TMA, num_warps)  # fmt: skip
 
 
 @gluon.jit
-def _masked_int8_kernel(
+def _masked_gluon_kernel(
     # the Triton masked kernel's arguments (a `[E * T, K]`, w: Gluon TMA descriptors; out a
     # pointer; the a / w strides unused: the descriptors hold them)
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
@@ -473,31 +480,47 @@ def _masked_int8_kernel(
     # (counts clamped to T: a bad count never reads past its expert's slot)
     strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
     if WS:
-        _ws_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E,
+        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E,
                  T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
                  False, COOP)  # fmt: skip
     else:
-        _persistent_int8(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
+        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
                          N, K, E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
                          False, num_warps)  # fmt: skip
 
 
 @gluon.constexpr_function
-def _acc_layout(block_m, block_n, num_warps):
-    """The int32 wgmma accumulator's layout of a `[block_m, block_n]` tile over num_warps."""
-    n = _instr_n(block_m, block_n, num_warps)
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                     instr_shape=[16, n, 32])  # fmt: skip
+def _is_int(dtype):
+    return dtype == gl.int8 or dtype == gl.int32
 
 
 @gluon.constexpr_function
-def _instr_n(block_m, block_n, num_warps):
-    """The widest int8 wgmma N (a multiple of 16 up to 224) dividing each warp's share of N."""
+def _acc_dtype(dtype):
+    """The wgmma accumulator of operands of ``dtype``: int32 for int8, else float32."""
+    return gl.int32 if _is_int(dtype) else gl.float32
+
+
+@gluon.constexpr_function
+def _acc_layout(block_m, block_n, num_warps, dtype):
+    """The wgmma accumulator's layout of a `[block_m, block_n]` tile over num_warps, operands of
+    ``dtype`` (int8: K 32 an instruction; bf16: 16)."""
+    n = _instr_n(block_m, block_n, num_warps, 224 if _is_int(dtype) else 256)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 32 if _is_int(dtype) else 16])  # fmt: skip
+
+
+@gluon.constexpr_function
+def _instr_n(block_m, block_n, num_warps, widest):
+    """The widest wgmma N (a multiple of 16 up to ``widest``: int8 224, bf16 256) dividing each
+    warp's share of N."""
     per_warp_n = max(block_n // max(1, num_warps // max(1, block_m // 16)), 8)
-    n = 224
+    n = widest
     while n > per_warp_n or block_n % n:
         n -= 16
     return n
+
+
+_GL_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}  # (the operands it takes)
 
 
 @functools.cache  # (per call otherwise: the descriptors are made at every launch)
@@ -507,14 +530,15 @@ def _layout(shape, dtype):
 
 def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool,
                 out_rows: int = 0):  # fmt: skip
-    """The kernels' a int8 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w int8 `[E, N, K]`
-    (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out: the tensor itself
-    without ``store_tma``; its tile ``out_rows`` rows, else block_m: COOP stores half tiles)."""
-    k = a.shape[-1]
+    """The kernels' a int8 or bf16 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w `[E, N, K]` of
+    a's dtype (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out: the
+    tensor itself without ``store_tma``; its tile ``out_rows`` rows, else block_m: COOP stores half
+    tiles)."""
+    k, dtype = a.shape[-1], _GL_DTYPES[a.dtype]
     a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [block_m, block_k],
-                           _layout((block_m, block_k), gl.int8))  # fmt: skip
+                           _layout((block_m, block_k), dtype))  # fmt: skip
     w_d = TensorDescriptor(w, [w.shape[0] * w.shape[1], k], [w.stride(1), 1], [block_n, block_k],
-                           _layout((block_n, block_k), gl.int8))  # fmt: skip
+                           _layout((block_n, block_k), dtype))  # fmt: skip
     if not store_tma:
         return a_d, w_d, out
     rows = out_rows or block_m

@@ -571,8 +571,8 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
     # (int8 only: a 128x128 tile on one warpgroup, persistent)
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
-    # int8 through the Gluon kernel (its wgmma asynchronous; num_stages = its TMA stages), out
-    # staged for a TMA store or (two programs a multiprocessor) stored from registers
+    # int8 / bf16 through the Gluon kernel (int8: its wgmma asynchronous; num_stages = its TMA
+    # stages), out staged for a TMA store or (two programs a multiprocessor) stored from registers
     _gluon_cfg(4, 4, 128, 128, 128, 1, True),
     _gluon_cfg(4, 3, 128, 128, 128, 2, False),
     _gluon_cfg(4, 4, 128, 128, 64, 2, True),
@@ -592,6 +592,11 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True),
     _gluon_cfg(4, 4, 128, 256, 128, 1, False, coop=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True),
+    # (bf16's two-byte operands: the tiles above with fewer stages, within shared memory)
+    _gluon_cfg(8, 3, 128, 256, 64, 1, True),
+    _gluon_cfg(4, 3, 128, 128, 64, 1, False, ws=True),
+    _gluon_cfg(4, 3, 128, 256, 64, 1, True, coop=True),
+    _gluon_cfg(4, 4, 128, 256, 64, 1, False, coop=True),
 ]
 # Decode is a weight stream: narrow N tiles, long K tiles, deep pipelines keep HBM busy.
 _MASKED_CONFIGS = [
@@ -620,6 +625,10 @@ _MASKED_CONFIGS = [
     _gluon_cfg(4, 4, 64, 128, 128, 1, ws=True),
     _gluon_cfg(4, 4, 128, 256, 128, 1, coop=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, coop=True),
+    # (bf16's two-byte operands)
+    _gluon_cfg(4, 4, 64, 256, 64, 1),
+    _gluon_cfg(8, 4, 128, 256, 64, 1),
+    _gluon_cfg(4, 4, 128, 256, 64, 1, coop=True),
 ]
 
 
@@ -658,8 +667,8 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     BLOCK_M the call sets (``block_m``; 0: the largest it may take) unless the config does."""
     bm = config["BLOCK_M"] if row_block else \
         (config.get("BLOCK_M") or block_m or _MASKED_MAX_BLOCK_M)  # fmt: skip
-    if config.get("GLUON") and quant_code != 2:
-        return False  # (the Gluon kernel is int8's)
+    if config.get("GLUON") and quant_code == 1:
+        return False  # (the Gluon kernels take int8 and bf16)
     if quant_code == 1:
         if quant.FP8_GROUP % config["BLOCK_K"]:
             return False  # one scale group per K step
@@ -819,7 +828,7 @@ def _gluon_module():
 
 def _gluon_kernel(layout: str):
     g = _gluon_module()
-    return g._contiguous_int8_kernel if layout == "contiguous" else g._masked_int8_kernel
+    return g._contiguous_gluon_kernel if layout == "contiguous" else g._masked_gluon_kernel
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
