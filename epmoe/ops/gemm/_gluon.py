@@ -414,11 +414,11 @@ def _ws(
     empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=3 - RINGS)  # (COOP: a stage is both warpgroups')
+        mbarrier.init(empty.index(i), count=2 if COOP else 1)  # (COOP: both warpgroups read it)
     o_smem = out  # (without STORE_TMA: unused)
     if STORE_TMA:  # (one staging tile per MMA warpgroup: COOP's out descriptor is half a tile)
-        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // (3 - RINGS), BLOCK_N],
-                                           out.layout)  # fmt: skip
+        OUT_M: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, OUT_M, BLOCK_N], out.layout)
     # (each partition walks the live tiles itself: a worker partition takes no tensors, and the
     # masked layout's running sum is one)
     gl.warp_specialize([
@@ -448,13 +448,12 @@ def _contiguous_gluon_kernel(
 ):  # fmt: skip
     strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     if WS:
-        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
-                 strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                 STORE_TMA, COOP)  # fmt: skip
+        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1, strides,
+            False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA, COOP)  # fmt: skip
     else:
-        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E,
-                         1, strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                         STORE_TMA, num_warps)  # fmt: skip
+        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
+                    strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
+                    num_warps)  # fmt: skip
 
 
 @gluon.jit
@@ -480,13 +479,12 @@ def _masked_gluon_kernel(
     # (counts clamped to T: a bad count never reads past its expert's slot)
     strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
     if WS:
-        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E,
-                 T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
-                 False, COOP)  # fmt: skip
+        _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E, T,
+            strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False, COOP)  # fmt: skip
     else:
-        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T,
-                         N, K, E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES,
-                         False, num_warps)  # fmt: skip
+        _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
+                    E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
+                    num_warps)  # fmt: skip
 
 
 @gluon.constexpr_function

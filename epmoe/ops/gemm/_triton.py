@@ -515,9 +515,9 @@ def _cfg(num_warps, num_stages, **kw):
 
 def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
                ws=False, coop=False):  # fmt: skip
-    """A Gluon int8 config (``store_tma`` None: the masked kernel's, out from registers; ``ws``:
-    warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two; ``coop``:
-    WS with the two on the halves of each tile, one ring of num_stages)."""
+    """A Gluon (int8 / bf16) config (``store_tma`` None: the masked kernel's, out from registers;
+    ``ws``: warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two;
+    ``coop``: WS with the two on the halves of each tile, one ring of num_stages)."""
     kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
     kw = dict(kw, WS=True) if ws or coop else kw
     kw = dict(kw, COOP=True) if coop else kw
