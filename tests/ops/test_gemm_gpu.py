@@ -588,44 +588,52 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
 
 
 # the masked Gluon kernel: the Triton masked kernel's bytes on every live row (int8; bf16: the
-# reference's values, as above), rows past each count (a slot of T = 200: not a multiple of either
-# row tile) never written, its count check set, and a CUDA-graph replay; three multiprocessors,
-# so each program loops over many tiles
+# reference's values, as above), its count check set, and a CUDA-graph replay; three
+# multiprocessors, so each program loops over many tiles. Slots of T = 200 rows (a multiple of
+# neither row tile): rows past each count never written (a TMA-store config stores from
+# registers); T = 256: a TMA-store config writes whole live row blocks, never a dead one
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int8", "bf16"])
-def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme):
+@pytest.mark.parametrize("T", [200, 256])
+def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
     from epmoe.ops.gemm import _triton
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(42)
-    E, T, N, K = 5, 200, 448, 576
+    E, N, K = 5, 448, 576
     a, as_, w, ws = _operands(scheme, (E, T), E, N, K, dev, gen)
     same = torch.equal if scheme == "int8" else lambda y, x: rel_l2(y, x) < GEMM_VS_QUANT_AWARE
-    mm = torch.tensor([200, 0, 1, 129, 64], dtype=torch.int32, device=dev)
-    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
+    mm = torch.tensor([T, 0, 1, 129, 64], dtype=torch.int32, device=dev)
+    rows = torch.arange(T, device=dev)[None, :]
+    live = rows < mm[:, None]
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16, device=dev)
     code = 2 if scheme == "int8" else 0
     gluon = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, 0, 16)]  # fmt: skip
-    assert len(gluon) >= 3
+    assert len(gluon) >= 3 and any(c.get("STORE_TMA") for c in gluon)
     x = _triton.masked_triton(a, w, mm, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
     for cfg in gluon:
         ok = torch.tensor(False, device=dev)
         y = _triton.masked_triton(a, w, mm, as_, ws, 64, config=cfg, out=sentinel.clone(), ok=ok)
-        assert same(y[live], x[live]), cfg
-        assert torch.equal(y[~live], sentinel[~live]) and bool(ok), cfg
+        assert same(y[live], x[live]) and bool(ok), cfg
+        bm = cfg["BLOCK_M"] if cfg.get("STORE_TMA") and T % cfg["BLOCK_M"] == 0 else 1
+        kept = rows >= (mm[:, None] + bm - 1) // bm * bm  # (past the live row blocks)
+        assert torch.equal(y[kept], sentinel[kept]), cfg
+        assert bm == 1 or not torch.equal(y[~live & ~kept], sentinel[~live & ~kept]), cfg
         assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
-    out = sentinel.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _triton.masked_triton(a, w, mm, as_, ws, 64, config=gluon[0], out=out)
-    mm.copy_(torch.tensor([3, 200, 0, 0, 70], dtype=torch.int32))  # (new counts, same graph)
-    graph.replay()
-    live = torch.arange(T, device=dev)[None, :] < mm[:, None]
-    x = _triton.masked_triton(a, w, mm, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
-    assert same(out[live], x[live]) and torch.equal(out[~live], sentinel[~live])
+    for cfg in (gluon[0], next(c for c in gluon if c.get("STORE_TMA"))):
+        out, counts = sentinel.clone(), mm.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _triton.masked_triton(a, w, counts, as_, ws, 64, config=cfg, out=out)
+        counts.copy_(torch.tensor([3, T, 0, 0, 70], dtype=torch.int32))  # (new counts, same graph)
+        graph.replay()
+        now = rows < counts[:, None]
+        x = _triton.masked_triton(a, w, counts, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
+        assert same(out[now], x[now]), cfg
+        assert cfg.get("STORE_TMA") or torch.equal(out[~now], sentinel[~now]), cfg
 
 
 @pytest.mark.gpu

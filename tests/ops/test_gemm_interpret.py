@@ -387,6 +387,46 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
             assert torch.equal(got[live], want[live])
 
 
+def test_masked_tma_store_takes_whole_row_blocks_only(monkeypatch):
+    """A masked Gluon config's TMA store (out as `[E * T, N]`, whole row blocks) stays only where
+    no row block reaches into the next slot: T a multiple of its BLOCK_M and the slots back to
+    back; elsewhere the same tiles store from registers, and an out not on a 16-byte boundary
+    takes the pointer kernel."""
+    from epmoe import _launch
+    from epmoe.ops.gemm import _gluon
+
+    monkeypatch.setattr(_launch, "_INTERPRET", False)  # (what a GPU launch would take)
+    cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=6, TMA=True,
+               PERSISTENT=1, GLUON=True, STORE_TMA=True, WS=True, COOP=True)  # fmt: skip
+
+    def case(E, T, out=None):
+        a, w = torch.zeros((E, T, 256), dtype=torch.int8), torch.zeros((E, 512, 256), dtype=torch.int8)
+        out = torch.empty((E, T, 512), dtype=torch.bfloat16) if out is None else out
+        mm = torch.zeros(E, dtype=torch.int32)
+        plan = _triton._masked_plan(a.dtype, T, 512, 256, E, a.stride(), w.stride(), (0, 0),
+                                    (0, 0), out.stride(), 0, False, 0, 0, a.device)  # fmt: skip
+        return plan, (a, w, a, w, mm, out, mm)
+
+    plan, tensors = case(3, 256)
+    got = _triton._runnable(plan, cfg, tensors)
+    assert got == cfg
+    args = _triton._args(plan, tensors, {**plan.meta, **got})
+    o_d = args[5]
+    assert isinstance(o_d, _gluon.TensorDescriptor) and list(o_d.shape) == [3 * 256, 512]
+    assert list(o_d.block_shape) == [64, 256]  # (COOP: half tiles)
+    for T in (200, 64):  # (a multiple of neither / not of 128 rows)
+        plan, tensors = case(3, T)
+        got = _triton._runnable(plan, cfg, tensors)
+        assert got == {k: v for k, v in cfg.items() if k != "STORE_TMA"}
+        assert _triton._args(plan, tensors, {**plan.meta, **got})[5] is tensors[5]
+    wide = torch.empty((3, 256, 1024), dtype=torch.bfloat16)[:, :, :512]  # (rows 1024 apart)
+    plan, tensors = case(3, 256, wide)
+    assert "STORE_TMA" not in _triton._runnable(plan, cfg, tensors)
+    shifted = torch.empty(3 * 256 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 256, 512)
+    plan, tensors = case(3, 256, shifted)
+    assert "TMA" not in _triton._runnable(plan, cfg, tensors)
+
+
 def test_contiguous_tma_falls_back_where_it_cannot_run():
     """A gather (rows of a through a_rows), or an a or out that does not start on a 16-byte
     boundary, runs the same tiles through pointers (a Gluon config too: the Triton kernel):

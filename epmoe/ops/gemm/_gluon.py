@@ -13,7 +13,8 @@ specialization and the cooperative 128x256 tile. Two layouts, one loop:
   blocks never load), out `[M, N]` through a TMA store or from registers;
 - masked: a `[E, T, K]` (as `[E * T, K]`), the live tiles only (each expert's count in row
   blocks, from a running sum over the counts every program makes), out `[E, T, N]` from
-  registers (rows past the count never written).
+  registers (rows past the count never written) or, T a multiple of BLOCK_M, through a TMA store
+  of whole row blocks (as `[E * T, N]`: rows past the count in a live block written too).
 
 Either loop runs as one warpgroup or two (num_warps 8) on each tile, or warp-specialized (WS): one
 TMA warp and two MMA warpgroups that take the tiles in turn, each one's epilogue under the other's
@@ -458,8 +459,9 @@ def _contiguous_gluon_kernel(
 
 @gluon.jit
 def _masked_gluon_kernel(
-    # the Triton masked kernel's arguments (a `[E * T, K]`, w: Gluon TMA descriptors; out a
-    # pointer; the a / w strides unused: the descriptors hold them)
+    # the Triton masked kernel's arguments (a `[E * T, K]`, w: Gluon TMA descriptors; out one of
+    # `[E * T, N]` with STORE_TMA, else a pointer; the a / w strides unused: the descriptors hold
+    # them)
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, ok_ptr,
     T, N, K, E,
     stride_ae, stride_at, stride_ak, stride_we, stride_wn, stride_wk,
@@ -468,7 +470,7 @@ def _masked_gluon_kernel(
     QUANT: gl.constexpr, SCALE_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, M_SPLIT: gl.constexpr, CHECK: gl.constexpr, E_PAD: gl.constexpr,
     TMA: gl.constexpr, GLUON: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-    WS: gl.constexpr = False, COOP: gl.constexpr = False,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False, STORE_TMA: gl.constexpr = False,
 ):  # fmt: skip
     if CHECK:  # the op's value check, without launches of its own: ok = all counts in [0, T]
         if gl.program_id(0) == 0:
@@ -480,10 +482,11 @@ def _masked_gluon_kernel(
     strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
     if WS:
         _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E, T,
-            strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False, COOP)  # fmt: skip
+            strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA,
+            COOP)  # fmt: skip
     else:
         _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
-                    E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, False,
+                    E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA,
                     num_warps)  # fmt: skip
 
 

@@ -513,12 +513,14 @@ def _cfg(num_warps, num_stages, **kw):
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=None,
-               ws=False, coop=False):  # fmt: skip
-    """A Gluon (int8 / bf16) config (``store_tma`` None: the masked kernel's, out from registers;
-    ``ws``: warp-specialized, num_warps and num_stages per MMA warpgroup, of which there are two;
-    ``coop``: WS with the two on the halves of each tile, one ring of num_stages)."""
-    kw = {} if store_tma is None else dict(GROUP_M=8, STORE_TMA=store_tma)
+def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=False,
+               ws=False, coop=False, masked=False):  # fmt: skip
+    """A Gluon (int8 / bf16) config (``store_tma``: out staged for a TMA store, else from
+    registers; ``ws``: warp-specialized, num_warps and num_stages per MMA warpgroup, of which
+    there are two; ``coop``: WS with the two on the halves of each tile, one ring of num_stages;
+    ``masked``: the masked kernel's, without GROUP_M, STORE_TMA only where set)."""
+    kw = dict(STORE_TMA=True) if masked and store_tma else {}
+    kw = kw if masked else dict(GROUP_M=8, STORE_TMA=store_tma)
     kw = dict(kw, WS=True) if ws or coop else kw
     kw = dict(kw, COOP=True) if coop else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -614,21 +616,28 @@ _MASKED_CONFIGS = [
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
     # int8 through the Gluon kernel (its wgmma asynchronous), persistent over the live row blocks
     # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
-    _gluon_cfg(4, 4, 64, 128, 128, 2),
-    _gluon_cfg(4, 4, 64, 256, 128, 1),
-    _gluon_cfg(4, 4, 128, 128, 128, 1),
-    _gluon_cfg(4, 3, 128, 128, 128, 2),
-    _gluon_cfg(8, 4, 128, 256, 128, 1),
-    _gluon_cfg(8, 6, 128, 256, 64, 1),
-    _gluon_cfg(4, 3, 128, 128, 128, 1, ws=True),
-    _gluon_cfg(4, 2, 64, 256, 128, 1, ws=True),
-    _gluon_cfg(4, 4, 64, 128, 128, 1, ws=True),
-    _gluon_cfg(4, 4, 128, 256, 128, 1, coop=True),
-    _gluon_cfg(4, 6, 128, 256, 64, 1, coop=True),
+    _gluon_cfg(4, 4, 64, 128, 128, 2, masked=True),
+    _gluon_cfg(4, 4, 64, 256, 128, 1, masked=True),
+    _gluon_cfg(4, 4, 128, 128, 128, 1, masked=True),
+    _gluon_cfg(4, 3, 128, 128, 128, 2, masked=True),
+    _gluon_cfg(8, 4, 128, 256, 128, 1, masked=True),
+    _gluon_cfg(8, 6, 128, 256, 64, 1, masked=True),
+    _gluon_cfg(4, 3, 128, 128, 128, 1, ws=True, masked=True),
+    _gluon_cfg(4, 2, 64, 256, 128, 1, ws=True, masked=True),
+    _gluon_cfg(4, 4, 64, 128, 128, 1, ws=True, masked=True),
+    _gluon_cfg(4, 4, 128, 256, 128, 1, coop=True, masked=True),
+    _gluon_cfg(4, 6, 128, 256, 64, 1, coop=True, masked=True),
+    # out through a TMA store of whole row blocks (slots of a multiple of BLOCK_M rows): the
+    # register epilogue's 128 column offsets a thread spill in the WS / COOP builds
+    _gluon_cfg(4, 4, 64, 128, 128, 2, True, masked=True),
+    _gluon_cfg(4, 5, 128, 128, 64, 1, True, ws=True, masked=True),
+    _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True, masked=True),
+    _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True, masked=True),
     # (bf16's two-byte operands)
-    _gluon_cfg(4, 4, 64, 256, 64, 1),
-    _gluon_cfg(8, 4, 128, 256, 64, 1),
-    _gluon_cfg(4, 4, 128, 256, 64, 1, coop=True),
+    _gluon_cfg(4, 4, 64, 256, 64, 1, masked=True),
+    _gluon_cfg(8, 4, 128, 256, 64, 1, masked=True),
+    _gluon_cfg(4, 4, 128, 256, 64, 1, coop=True, masked=True),
+    _gluon_cfg(4, 3, 128, 256, 64, 1, True, coop=True, masked=True),
 ]
 
 
@@ -777,14 +786,25 @@ def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
         return {k: v for k, v in config.items() if k not in _TMA_KEYS}
     if config.get("GLUON") and _launch._INTERPRET:  # (no Gluon there: the Triton kernel's tiles)
         return {k: v for k, v in config.items() if k not in _GLUON_KEYS}
+    if plan.layout == "masked" and config.get("STORE_TMA") and not _slots_stored_whole(
+            tensors[5], config.get("BLOCK_M", plan.row_block)):  # fmt: skip
+        return {k: v for k, v in config.items() if k != "STORE_TMA"}  # (from registers)
     return config
 
 
+def _slots_stored_whole(out: torch.Tensor, block_m: int) -> bool:
+    """The masked out `[E, T, N]` takes a TMA store of whole row blocks: slots back to back, T a
+    multiple of block_m (a block never reaches into the next slot)."""
+    E, T, N = out.shape
+    return T % block_m == 0 and out.stride() == (T * N, N, 1) and (N * 2) % 16 == 0
+
+
 def _aligned(plan: _Plan, tensors: Tuple) -> bool:
-    """a and w (contiguous: and out) start at 16-byte boundaries (TMA's requirement; their
-    strides are the plan's)."""
+    """a, w and out (the gate kernel's: not out) start at 16-byte boundaries (TMA's requirement;
+    their strides are the plan's)."""
     ok = tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
-    return ok and (plan.layout != "contiguous" or tensors[-1].data_ptr() % 16 == 0)
+    out = {"contiguous": -1, "masked": 5}.get(plan.layout)
+    return ok and (out is None or tensors[out].data_ptr() % 16 == 0)
 
 
 def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
@@ -796,10 +816,13 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
     a, w = tensors[0], tensors[1]
     bm, bk, k = meta["BLOCK_M"], meta["BLOCK_K"], a.shape[-1]
     if meta.get("GLUON"):
-        if plan.layout != "contiguous":  # (masked: out through pointers)
-            return (*_gluon_module().descriptors(a, w, None, bm, meta["BLOCK_N"], bk, False)[:2],
-                    *tensors[2:])  # fmt: skip
         rows = bm // 2 if meta.get("COOP") else bm  # (COOP stores half tiles)
+        if plan.layout != "contiguous":  # (masked: out `[E, T, N]` as `[E * T, N]`)
+            out, store = tensors[5], meta.get("STORE_TMA", False)
+            out = out.view(-1, out.shape[-1]) if store else out
+            a_d, w_d, o_d = _gluon_module().descriptors(a, w, out, bm, meta["BLOCK_N"], bk, store,
+                                                        rows)  # fmt: skip
+            return (a_d, w_d, *tensors[2:5], o_d, tensors[6])
         a_d, w_d, o_d = _gluon_module().descriptors(a, w, tensors[-1], bm, meta["BLOCK_N"], bk,
                                                     meta["STORE_TMA"], rows)  # fmt: skip
         return (a_d, w_d, *tensors[2:-1], o_d)
@@ -984,7 +1007,8 @@ def masked_triton(
         ok: bool `[]` the kernel sets to "every count in [0, T]" (the op's value check, no launch
             of its own); None skips the check.
     Returns:
-        bf16 `[E, T, N]`; rows t >= masked_m[e] are left unwritten.
+        bf16 `[E, T, N]`; rows t >= masked_m[e] unspecified: left unwritten, but for those of a
+        live row block stored whole (a Gluon config's TMA store).
     """
     E, T, K = a.shape
     N = w.shape[1]
