@@ -808,8 +808,9 @@ def _aligned(plan: _Plan, tensors: Tuple) -> bool:
     """a, w and out (the gate kernel's: not out) start at 16-byte boundaries (TMA's requirement;
     their strides are the plan's)."""
     ok = tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
-    out = {"contiguous": -1, "masked": 5}.get(plan.layout)
-    return ok and (out is None or tensors[out].data_ptr() % 16 == 0)
+    if not ok or plan.layout == "gate":
+        return ok
+    return tensors[-1 if plan.layout == "contiguous" else 5].data_ptr() % 16 == 0
 
 
 def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
