@@ -610,11 +610,6 @@ _MASKED_CONFIGS = [
     _cfg(8, 3, BLOCK_N=128, BLOCK_K=128),
     _cfg(4, 6, BLOCK_N=64, BLOCK_K=64),
     _cfg(4, 5, BLOCK_N=128, BLOCK_K=64),
-    # deeper pipelines at K tiles of 128 (fp8's widest: one scale group a step), more bytes in
-    # flight per multiprocessor
-    _cfg(4, 6, BLOCK_N=128, BLOCK_K=128),
-    _cfg(4, 8, BLOCK_N=128, BLOCK_K=128),
-    _cfg(4, 8, BLOCK_N=64, BLOCK_K=128),
     # the weight stream through TMA (the tuned table's choice only)
     _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True),
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True),
