@@ -400,7 +400,8 @@ def test_masked_tma_store_takes_whole_row_blocks_only(monkeypatch):
                PERSISTENT=1, GLUON=True, STORE_TMA=True, WS=True, COOP=True)  # fmt: skip
 
     def case(E, T, out=None):
-        a, w = torch.zeros((E, T, 256), dtype=torch.int8), torch.zeros((E, 512, 256), dtype=torch.int8)
+        a = torch.zeros((E, T, 256), dtype=torch.int8)
+        w = torch.zeros((E, 512, 256), dtype=torch.int8)
         out = torch.empty((E, T, 512), dtype=torch.bfloat16) if out is None else out
         mm = torch.zeros(E, dtype=torch.int32)
         plan = _triton._masked_plan(a.dtype, T, 512, 256, E, a.stride(), w.stride(), (0, 0),
