@@ -85,7 +85,7 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     G._masked_kernel = _Recorder(G._masked_kernel, calls)
     G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
     G._contiguous_gate_kernel = _Recorder(G._contiguous_gate_kernel, calls)
-    gluon = {lay: _Recorder(saved[6](lay), calls) for lay in ("contiguous", "masked")}
+    gluon = {lay: _Recorder(saved[6](lay), calls) for lay in ("contiguous", "masked", "gate")}
     G._gluon_kernel = gluon.__getitem__
     try:
         launch()

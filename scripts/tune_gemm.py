@@ -503,6 +503,28 @@ def output_check(a, a_s, w, w_s, picks, out: torch.Tensor) -> Check:
     return check
 
 
+def gate_check(a, w, g, picks) -> Check:
+    """:func:`output_check` of a bf16 GEMM1 + gate call, whose h (its first output) the call
+    allocates: the rows ``picks`` names against the gate ``g`` of GEMM1's bf16-rounded rows in
+    float32 math. A NaN block of h's size is freed just before the call, so the caching allocator
+    hands it to h: rows never written stay NaN."""
+    want = torch.cat([g.reference((a[idx].float() @ w[e].float().t()).to(torch.bfloat16))
+                      for e, idx in picks])  # fmt: skip
+
+    def check(fn: Callable[[], object]) -> Optional[str]:
+        bait = torch.full((a.shape[0], want.shape[1]), math.nan, dtype=torch.bfloat16,
+                          device=a.device)  # fmt: skip
+        del bait
+        h = fn()[0]
+        got = torch.cat([h[idx] for _, idx in picks]).float()
+        err = float((got - want).norm() / want.norm())
+        if err <= CHECK_TOL:  # (False for NaN: rows never written)
+            return None
+        return f"wrong output: rel L2 {err:.3g} on {len(got)} sampled rows (tolerance {CHECK_TOL})"
+
+    return check
+
+
 # ------------------------------------------------------------------------------------- GPU: timing
 class Tuner:
     """Times problems and layers on one CUDA device within a wall-clock deadline."""
@@ -617,7 +639,10 @@ class Tuner:
             )
         layout = scheme.cuda_scale_layout
         run = part(_ops.gate_triton, a, w, m_idx, a_s, w_s, g, bias, layout, p.block)
-        out = [self.measure("triton", part(run, config=c), c)
+        # (bf16 without bias: h checked, as the GEMM candidates' outputs are)
+        chk = None if scheme.quantized or bias is not None else \
+            gate_check(a, w, g, sample_picks(m_indices=m_idx))  # fmt: skip
+        out = [self.measure("triton", part(run, config=c), c, check=chk)
                for c in candidates("gate", p.scheme, p.block)]  # fmt: skip
         kw = dict(m_indices=m_idx, expert_offsets=offsets)
 

@@ -4,6 +4,7 @@ by epmoe.ops.gemm._tuned as written."""
 
 import importlib.util
 import json
+import math
 import pathlib
 import random
 
@@ -397,6 +398,27 @@ def test_output_check_reads_the_sampled_rows_of_each_layout():
     assert check(lambda: want3) is None
     want3[2, 3] *= 2
     assert check(lambda: want3) is not None
+
+
+def test_gate_check_reads_h_of_the_sampled_rows():
+    from epmoe import gate as G
+
+    gen = torch.Generator().manual_seed(6)
+    E, I, K = 3, 16, 32
+    g = G.get("silu")
+    w = torch.randn((E, 2 * I, K), generator=gen).to(torch.bfloat16)
+    m_idx = torch.tensor([0] * 4 + [-1] * 4 + [2] * 6 + [-1] * 2)
+    a = torch.randn((m_idx.numel(), K), generator=gen).to(torch.bfloat16)
+    y = reference.grouped_gemm_contiguous(a, w, m_idx)
+    h = g.reference(y.float()).to(torch.bfloat16)
+    check = tg.gate_check(a, w, g, tg.sample_picks(m_indices=m_idx))
+    assert check(lambda: (h, None)) is None
+    bad = h.clone()
+    bad[10] += 1.0
+    assert "wrong output" in check(lambda: (bad, None))
+    bad[10], bad[5] = h[10], 1e4  # (a padding row: never sampled)
+    assert check(lambda: (bad, None)) is None
+    assert check(lambda: (torch.full_like(h, math.nan), None)) is not None
 
 
 def test_paths_time_every_variant(cpu_tuner):

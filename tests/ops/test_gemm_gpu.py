@@ -716,6 +716,42 @@ def test_triton_masked_tma_configs(scheme):
         assert torch.equal(out[live], eager[live]) and (out[~live] == 0).all(), cfg
 
 
+# the Gluon GEMM1 + gate (bf16, the plain SiLU): the reference's values and the Triton gate
+# kernel's within bf16 rounding (its float32 sums need not share the order), -1 blocks never
+# written; three multiprocessors, so each program loops over many tiles (stages and barrier
+# phases carried across tiles), K = 576 a partial last step
+@pytest.mark.gpu
+def test_gluon_gate_matches_triton(monkeypatch):
+    from epmoe import gate as G
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    g, I = G.get("silu"), 384  # (three column tiles of 128)
+    gen = torch.Generator().manual_seed(43)
+    m_idx = _layout([700, 0, 1, 257, 130], ALIGN, trailing_blocks=3).to(dev)
+    a, _, w, _ = _operands("bf16", (m_idx.numel(),), 5, g.width(I), 576, dev, gen)
+    live = m_idx >= 0
+    want = g.reference(reference.grouped_gemm_contiguous(a, w, m_idx).float())
+    monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
+    gluon = [dict(c.all_kwargs()) for c in _triton._GATE_CONFIGS
+             if c.kwargs.get("GLUON") and _triton.fits_gate(c.all_kwargs(), 0, ALIGN)]  # fmt: skip
+    assert len(gluon) >= 2
+
+    def gate(cfg):
+        h = torch.full((m_idx.numel(), I), 3.0, dtype=torch.bfloat16, device=dev)
+        hs = torch.zeros((m_idx.numel(), I // 128), device=dev)
+        _triton.contiguous_gate_triton(a, w, m_idx, None, None, g, None, h, hs, row_block=ALIGN,
+                                       config=cfg)  # fmt: skip
+        return h
+
+    x = gate(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3))
+    for cfg in gluon:
+        y = gate(cfg)
+        assert rel_l2(y[live].float(), x[live].float()) < 1e-2, cfg
+        assert rel_l2(y[live].float(), want[live]) < GEMM_VS_QUANT_AWARE, cfg
+        assert (y[~live] == 3.0).all(), cfg
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_gemm_gate_tma_configs(scheme):

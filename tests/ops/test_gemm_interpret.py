@@ -387,6 +387,53 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
             assert torch.equal(got[live], want[live])
 
 
+def test_gluon_gate_runs_the_plain_silu_only(monkeypatch):
+    """A Gluon GEMM1 + gate config keeps its Gluon keys only for bf16 and the plain SiLU without
+    bias, h contiguous (its TMA store); any other call takes the Triton kernel's tile; under the
+    interpreter that tile's bytes."""
+    from epmoe import _launch
+    from epmoe import gate as G
+    from epmoe.ops.gemm import _gluon
+
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3,
+               TMA=True, PERSISTENT=1, GLUON=True, STORE_TMA=True, WS=True, COOP=True)  # fmt: skip
+    assert _triton.fits_gate(cfg, 0, 128) and _triton.fits_gate(dict(cfg, num_stages=4), 0, 128)
+    assert not _triton.fits_gate(dict(cfg, num_stages=5), 0, 128)  # (3 x 48 KiB a stage + 32)
+    assert not _triton.fits_gate(cfg, 1, 128) and not _triton.fits_gate(cfg, 2, 128)
+    assert not _triton.fits_gate(dict(cfg, COOP=False), 0, 128)
+    gen = torch.Generator().manual_seed(22)
+    E, I, K = 2, 128, 128
+    m_idx = torch.cat([_contiguous_layout([130, 3], 128), torch.full((128,), -1)]).int()
+    a, _, w, _ = _operands((m_idx.numel(),), E, 2 * I, K, gen, "bf16")
+    triton_keys = {k: v for k, v in cfg.items() if k not in _triton._GLUON_KEYS}
+    tiles = []
+    for c in (cfg, triton_keys):  # (the interpreter: the Triton kernel's tile for both)
+        h = torch.full((m_idx.numel(), I), 3.0, dtype=torch.bfloat16)
+        _triton.contiguous_gate_triton(a, w, m_idx, None, None, G.get("silu"), None, h,
+                                       torch.zeros(m_idx.numel(), 1), row_block=128,
+                                       config=c)  # fmt: skip
+        tiles.append(h)
+    assert torch.equal(tiles[0], tiles[1]) and (tiles[0][-128:] == 3.0).all()  # (a -1 block)
+    monkeypatch.setattr(_launch, "_INTERPRET", False)  # (what a GPU launch would take)
+
+    def runnable(spec="silu", bias=None, h=None):
+        h = torch.empty((m_idx.numel(), I), dtype=torch.bfloat16) if h is None else h
+        plan = _triton._gate_plan(a.dtype, m_idx.numel(), I, K, E, a.stride(), w.stride(), None,
+                                  None, None if bias is None else bias.stride(), h.stride(),
+                                  (0, 0), G.get(spec), 128, False, a.device)  # fmt: skip
+        tensors = (a, w, a, w, m_idx, m_idx, w if bias is None else bias, h, h)
+        return plan, tensors, _triton._runnable(plan, cfg, tensors)
+
+    plan, tensors, got = runnable()
+    assert got == cfg
+    args = _triton._args(plan, tensors, {**plan.meta, **got})
+    assert isinstance(args[7], _gluon.TensorDescriptor) and list(args[7].block_shape) == [64, 128]
+    assert runnable("silu:alpha=1.702")[2] == triton_keys
+    assert runnable(bias=torch.zeros(E, 2 * I))[2] == triton_keys
+    assert runnable(h=torch.empty((m_idx.numel(), 2 * I), dtype=torch.bfloat16)[:, :I])[2] == \
+        triton_keys  # fmt: skip
+
+
 def test_masked_tma_store_takes_whole_row_blocks_only(monkeypatch):
     """A masked Gluon config's TMA store (out as `[E * T, N]`, whole row blocks) stays only where
     no row block reaches into the next slot: T a multiple of its BLOCK_M and the slots back to

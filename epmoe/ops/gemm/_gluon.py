@@ -69,6 +69,30 @@ def _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb,
 
 
 @gluon.jit
+def _load_gate_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, up, kb,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+    """:func:`_load_step` of GEMM1 + gate: a's tile, and the gate rows from ``row_w`` and the up
+    rows from ``row_w + up`` into the two halves of stage ``s``'s w tile."""
+    bar = ready.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+    _tma_load(a_desc, [row_a, kb * BLOCK_K], bar, a_bufs.index(s))
+    _tma_load(w_desc, [row_w, kb * BLOCK_K], bar, w_bufs.index(s).slice(0, BLOCK_N))
+    _tma_load(w_desc, [row_w + up, kb * BLOCK_K], bar, w_bufs.index(s).slice(BLOCK_N, BLOCK_N))
+
+
+@gluon.jit
+def _silu_mul(g, u):
+    """silu(g) * u of float32 g and u as the Triton gate kernels compute it on the GPU
+    (epmoe.gate's FAST path: g times rcp(1 + ex2(-g log2(e))), then times u)."""
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r",
+                                  [g * -1.4426950408889634], dtype=gl.float32, is_pure=True,
+                                  pack=1)  # fmt: skip
+    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
+                                  dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
+    return g * r * u
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -279,21 +303,26 @@ def _ws_slot(ring, j, kb, k_tiles, STAGES: gl.constexpr, RINGS: gl.constexpr):
 def _ws_load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T,
              MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, RINGS: gl.constexpr):  # fmt: skip
+             STAGES: gl.constexpr, RINGS: gl.constexpr, GATE: gl.constexpr):  # fmt: skip
     """WS's TMA warp: every K step of the program's live tiles, in order, into the ring of the
     warpgroup that takes the tile (RINGS 1: the one ring both share; a stage refilled once the
-    MMAs that read it signal ``empty``)."""
+    MMAs that read it signal ``empty``). GATE: w holds 2N rows an expert, N gate rows then N up
+    rows, and a stage takes both halves of the tile's columns."""
     k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
                                                   BLOCK_N, BLOCK_K, GROUP_M, 1)  # fmt: skip
     tile, expert, row_a, t0, pid_n = first
     j = 0
     while tile < num_tiles:
-        row_w = expert * N + pid_n * BLOCK_N
+        row_w = expert * (2 * N if GATE else N) + pid_n * BLOCK_N
         for kb in range(k_tiles):
             c, s = _ws_slot(j % RINGS, j, kb, k_tiles, STAGES, RINGS)
             # (a barrier starts with its phase before 0 complete: the first round waits on none)
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
+            if GATE:
+                _load_gate_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, N, kb,
+                                BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, s, row_a, row_w, kb, BLOCK_K)
         j += 1
         tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
                                                     M, N, T, MASKED, BLOCK_M, BLOCK_N,
@@ -379,13 +408,60 @@ def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
 
 
 @gluon.jit
+def _ws_coop_gate(a_bufs, w_bufs, ready, empty, o_smem, rows_ptr, out, M, N, K, E,
+                  PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """:func:`_ws_coop` of GEMM1 + gate (bf16 operands, the plain SiLU): a gate and an up
+    accumulator from the two halves of each stage's w tile, then h = silu(g) * u of their bf16
+    roundings (the unfused chain's), N columns of h, through a TMA store."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4, a_bufs.dtype)
+    o_buf = o_smem.index(PART)
+    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, 1, False, 1, BLOCK_M,
+                                                  BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
+    tile, expert, row_a, t0, pid_n = first
+    c = 0  # K steps consumed: stage = c % STAGES
+    while tile < num_tiles:
+        acc_g = gl.zeros((HALF, BLOCK_N), gl.float32, acc_layout)
+        acc_u = gl.zeros((HALF, BLOCK_N), gl.float32, acc_layout)
+        for kb in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a_rows = a_bufs.index(s).slice(PART * HALF, HALF)
+            w = w_bufs.index(s)
+            acc_g = warpgroup_mma(a_rows, w.slice(0, BLOCK_N).permute((1, 0)), acc_g,
+                                  is_async=True)  # fmt: skip
+            acc_u = warpgroup_mma(a_rows, w.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
+                                  is_async=True)  # fmt: skip
+            # step kb - 1's two MMAs are done: this warpgroup is through with its stage
+            acc_g, acc_u, _, _ = warpgroup_mma_wait(2, deps=(acc_g, acc_u, a_rows, w))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kb > 0)
+            c += 1
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+        h = _silu_mul(acc_g.to(gl.bfloat16).to(gl.float32), acc_u.to(gl.bfloat16).to(gl.float32))
+        tma.store_wait(0)  # the previous tile's store has left o_buf
+        o_buf.store(h.to(gl.bfloat16))
+        fence_async_shared()
+        _tma_store(out, [row_a + PART * HALF, pid_n * BLOCK_N], o_buf)
+        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
+                                                    M, N, 1, False, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)  # fmt: skip
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _ws_part(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
              K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
              GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
-             COOP: gl.constexpr):  # fmt: skip
-    """MMA warpgroup PART of :func:`_ws`: :func:`_ws_coop` if COOP, else :func:`_ws_mma`."""
-    if COOP:
+             COOP: gl.constexpr, GATE: gl.constexpr):  # fmt: skip
+    """MMA warpgroup PART of :func:`_ws`: :func:`_ws_coop_gate` if GATE, :func:`_ws_coop` if COOP,
+    else :func:`_ws_mma`."""
+    if GATE:
+        _ws_coop_gate(a_bufs, w_bufs, ready, empty, o_smem, rows_ptr, out, M, N, K, E, PART,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)  # fmt: skip
+    elif COOP:
         _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
                  N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                  STAGES, STORE_TMA)  # fmt: skip
@@ -400,16 +476,18 @@ def _ws(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    STORE_TMA: gl.constexpr, COOP: gl.constexpr,
+    STORE_TMA: gl.constexpr, COOP: gl.constexpr, GATE: gl.constexpr,
 ):  # fmt: skip
     """:func:`_persistent`'s tiles warp-specialized (num_warps 4: the first MMA warpgroup):
     two MMA warpgroups take the program's live tiles in turn (232 registers each: a 128x128
     int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each. COOP:
-    the two take the halves of every tile instead (64x256 each), from one ring."""
+    the two take the halves of every tile instead (64x256 each), from one ring. GATE (with COOP):
+    GEMM1 + gate, a w stage of the tile's gate and up rows (:func:`_ws_coop_gate`)."""
     RINGS: gl.constexpr = 1 if COOP else 2
+    W_ROWS: gl.constexpr = 2 * BLOCK_N if GATE else BLOCK_N
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [RINGS * STAGES, BLOCK_M, BLOCK_K],
                                        a_desc.layout)  # fmt: skip
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [RINGS * STAGES, BLOCK_N, BLOCK_K],
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [RINGS * STAGES, W_ROWS, BLOCK_K],
                                        w_desc.layout)  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
@@ -425,12 +503,12 @@ def _ws(
     gl.warp_specialize([
         (_ws_part, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out,
                     M, N, K, E, T, strides, 0, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    STAGES, STORE_TMA, COOP)),
+                    STAGES, STORE_TMA, COOP, GATE)),
         (_ws_part, (a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out,
                     M, N, K, E, T, strides, 1, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    STAGES, STORE_TMA, COOP)),
+                    STAGES, STORE_TMA, COOP, GATE)),
         (_ws_load, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, rows_ptr, M, N, K, E, T, MASKED,
-                    E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS)),
+                    E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, RINGS, GATE)),
     ], [4, 1], [232, 40])  # fmt: skip
 
 
@@ -450,7 +528,8 @@ def _contiguous_gluon_kernel(
     strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
     if WS:
         _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1, strides,
-            False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA, COOP)  # fmt: skip
+            False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA, COOP,
+            False)  # fmt: skip
     else:
         _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1,
                     strides, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA,
@@ -482,12 +561,38 @@ def _masked_gluon_kernel(
     strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
     if WS:
         _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E, T,
-            strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA,
-            COOP)  # fmt: skip
+            strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA, COOP,
+            False)  # fmt: skip
     else:
         _persistent(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K,
                     E, T, strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA,
                     num_warps)  # fmt: skip
+
+
+@gluon.jit
+def _gate_gluon_kernel(
+    # the Triton GEMM1 + gate kernel's arguments (a `[M, K]`, w `[E * 2I, K]`: Gluon TMA
+    # descriptors; h a descriptor of `[M, I]`; the scale, bias and h-scale pointers, a_rows and
+    # the strides unused: bf16, the plain SiLU, no bias, no gather)
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, a_rows_ptr, b_ptr, h_desc, hs_ptr,
+    M, I, K, E,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk, stride_be, stride_bw, stride_hm, stride_hn,
+    stride_hsm, stride_hsg,
+    QUANT: gl.constexpr, SCALE_K: gl.constexpr, HAS_BIAS: gl.constexpr, FAST: gl.constexpr,
+    GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+    CLAMP_AFTER: gl.constexpr, UP_OFFSET: gl.constexpr, GLU: gl.constexpr,
+    GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, TMA: gl.constexpr,
+    GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
+    WS: gl.constexpr = False, COOP: gl.constexpr = False,
+):  # fmt: skip
+    gl.static_assert(QUANT == 0 and not HAS_BIAS and not GATHER and FAST and COOP and STORE_TMA)
+    gl.static_assert(ACT == 0 and ALPHA == 1.0 and LIMIT == 0.0 and UP_OFFSET == 0.0 and GLU)
+    gl.static_assert(GATE_SOFTCAP == 0.0 and UP_SOFTCAP == 0.0)
+    _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, h_desc, M, I, K, E, 1,
+        (0, 0, 0, 0, 0, 0, 0), False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, True,
+        True)  # fmt: skip
 
 
 @gluon.constexpr_function

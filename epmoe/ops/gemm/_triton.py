@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epmoe import _launch, quant
+from epmoe import gate as _gate
 from epmoe._jit import _quant_fp8_groups, round_float
 from epmoe.ops._activation_kernels import _gate_rounded
 from epmoe.ops.gemm import _tuned
@@ -655,6 +656,11 @@ _GATE_CONFIGS = [
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True),
     _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
     _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, TMA=True),
+    # bf16 and the plain SiLU through the Gluon kernel: COOP's two MMA warpgroups on the halves
+    # of a 128-row tile, a gate and an up accumulator each (w stages of 2 x 128 rows), h through a
+    # TMA store
+    _gluon_cfg(4, 3, 128, 128, 64, 1, True, coop=True),
+    _gluon_cfg(4, 4, 128, 128, 64, 1, True, coop=True),
 ]
 
 
@@ -663,6 +669,11 @@ def fits_gate(config: Dict, quant_code: int, row_block: int) -> bool:
     fp8 1, int8 2) at ``row_block``."""
     if row_block % config["BLOCK_M"]:
         return False
+    if config.get("GLUON"):  # (bf16, COOP, h stored through TMA; a stage: a, gate and up tiles)
+        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+        ring = config["num_stages"] * (bm + 2 * bn) * config["BLOCK_K"] * 2
+        return quant_code == 0 and bool(config.get("COOP") and config.get("STORE_TMA")) and \
+            ring + bm * bn * 2 <= _MAX_SHARED  # fmt: skip
     tile = config["BLOCK_M"] * config["BLOCK_N"]
     if quant_code == 1:
         return config["BLOCK_N"] == quant.FP8_GROUP and tile <= _FP8_MAX_TILE // 2 and \
@@ -789,7 +800,20 @@ def _runnable(plan: _Plan, config: Dict, tensors: Tuple) -> Dict:
     if plan.layout == "masked" and config.get("STORE_TMA") and not _slots_stored_whole(
             tensors[5], config.get("BLOCK_M", plan.row_block)):  # fmt: skip
         return {k: v for k, v in config.items() if k != "STORE_TMA"}  # (from registers)
+    if plan.layout == "gate" and config.get("GLUON") and not _gluon_gates(plan, tensors[7]):
+        return {k: v for k, v in config.items() if k not in _GLUON_KEYS}  # (Triton's tile)
     return config
+
+
+_SILU_META = _gate.get("silu").meta()
+
+
+def _gluon_gates(plan: _Plan, h: torch.Tensor) -> bool:
+    """The Gluon GEMM1 + gate runs the call: bf16, the plain SiLU without bias, h `[M, I]`
+    contiguous (its TMA store)."""
+    meta = plan.meta
+    plain = all(meta[k] == v for k, v in _SILU_META.items()) and not meta["HAS_BIAS"]
+    return plain and meta["QUANT"] == 0 and h.is_contiguous() and (h.shape[1] * 2) % 16 == 0
 
 
 def _slots_stored_whole(out: torch.Tensor, block_m: int) -> bool:
@@ -818,6 +842,10 @@ def _args(plan: _Plan, tensors: Tuple, meta: Dict) -> Tuple:
     bm, bk, k = meta["BLOCK_M"], meta["BLOCK_K"], a.shape[-1]
     if meta.get("GLUON"):
         rows = bm // 2 if meta.get("COOP") else bm  # (COOP stores half tiles)
+        if plan.layout == "gate":  # (h `[M, I]` stored through a descriptor)
+            a_d, w_d, o_d = _gluon_module().descriptors(a, w, tensors[7], bm, meta["BLOCK_N"], bk,
+                                                        True, rows)  # fmt: skip
+            return (a_d, w_d, *tensors[2:7], o_d, tensors[8])
         if plan.layout != "contiguous":  # (masked: out `[E, T, N]` as `[E * T, N]`)
             out, store = tensors[5], meta.get("STORE_TMA", False)
             out = out.view(-1, out.shape[-1]) if store else out
@@ -852,7 +880,8 @@ def _gluon_module():
 
 def _gluon_kernel(layout: str):
     g = _gluon_module()
-    return g._contiguous_gluon_kernel if layout == "contiguous" else g._masked_gluon_kernel
+    return dict(contiguous=g._contiguous_gluon_kernel, masked=g._masked_gluon_kernel,
+                gate=g._gate_gluon_kernel)[layout]  # fmt: skip
 
 
 def _prepared(fn, plan: _Plan, tensors: Tuple, config: Dict) -> _launch.Prepared:
