@@ -346,6 +346,14 @@ def test_gathers_follows_the_gather_entries(sm90):
             cached.cache_clear()
         assert _select._backend("fp8", "contiguous", dev, 256, 512, 4, 128, 512) == "deep_gemm"
         assert _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
+        # a Gluon config reads its rows through TMA only: no gather, whatever the entry says
+        gluon = dict(doc["entries"][-1]["config"], TMA=True, GLUON=True)
+        doc["entries"][-1] = dict(doc["entries"][-1], config=gluon)
+        (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
+        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
+            cached.cache_clear()
+        assert _select.fuses_gate("fp8", dev, 128, 512, 4, 128, 512)
+        assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
     finally:
         for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
             cached.cache_clear()

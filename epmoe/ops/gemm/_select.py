@@ -177,8 +177,9 @@ def gathers(scheme, device: torch.device, width: int, k: int, e: int, row_block:
     """Whether an HT call's GEMM1 reads its rows of x through permute's src_rows (permute then
     copies none): where this GPU's tuned table measured that faster than permute's copy ("gather"
     entries) and GEMM1 runs on our Triton kernels (fused with the gate, :func:`fuses_gate`, or
-    the contiguous backend), for GEMM1 of ``width`` outputs (w1's rows), reduction ``k``, ``e``
-    experts, blocks of ``row_block`` rows, ``m`` rows, the layer's ``gate`` spec and ``bias``."""
+    the contiguous backend) on a tile that can gather (not a Gluon config: TMA reads only), for
+    GEMM1 of ``width`` outputs (w1's rows), reduction ``k``, ``e`` experts, blocks of
+    ``row_block`` rows, ``m`` rows, the layer's ``gate`` spec and ``bias``."""
     scheme = quant.get(scheme, OP, "scheme")
     if torch.device(device).type != "cuda":
         return False
@@ -186,8 +187,13 @@ def gathers(scheme, device: torch.device, width: int, k: int, e: int, row_block:
     if best != "gather":
         return False
     inter = _gate.get(gate).inter(width)
-    fused = fuses_gate(scheme, device, inter, k, e, row_block, m, gate, bias)
-    return fused or _backend(scheme, "contiguous", device, width, k, e, row_block, m) == "triton"
+    if fuses_gate(scheme, device, inter, k, e, row_block, m, gate, bias):
+        cfg = _tuned.lookup("gate", scheme, inter, k, e, row_block, m, device, str(gate), bias)
+    elif _backend(scheme, "contiguous", device, width, k, e, row_block, m) == "triton":
+        cfg = _tuned.lookup("contiguous", scheme, width, k, e, row_block, m, device)
+    else:
+        return False
+    return not (cfg or {}).get("GLUON")  # (a Gluon kernel reads its rows through TMA only)
 
 
 def contiguous_row_block(scheme, device: torch.device) -> int:
