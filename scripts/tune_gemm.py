@@ -494,13 +494,18 @@ def output_check(a, a_s, w, w_s, picks, out: torch.Tensor) -> Check:
         out.fill_(math.nan)
         got = fn()
         got = got if isinstance(got, torch.Tensor) else out
-        got = torch.cat([got[idx] for _, idx in picks]).float()
-        err = float((got - want).norm() / want.norm())
-        if err <= CHECK_TOL:  # (False for NaN: rows never written)
-            return None
-        return f"wrong output: rel L2 {err:.3g} on {len(got)} sampled rows (tolerance {CHECK_TOL})"
+        return _wrong(torch.cat([got[idx] for _, idx in picks]).float(), want)
 
     return check
+
+
+def _wrong(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    """What is wrong with sampled rows ``got`` against ``want``: their relative L2 error past
+    CHECK_TOL (or NaN: rows never written), else None."""
+    err = float((got - want).norm() / want.norm())
+    if err <= CHECK_TOL:  # (False for NaN)
+        return None
+    return f"wrong output: rel L2 {err:.3g} on {len(got)} sampled rows (tolerance {CHECK_TOL})"
 
 
 def gate_check(a, w, g, picks) -> Check:
@@ -516,11 +521,7 @@ def gate_check(a, w, g, picks) -> Check:
                           device=a.device)  # fmt: skip
         del bait
         h = fn()[0]
-        got = torch.cat([h[idx] for _, idx in picks]).float()
-        err = float((got - want).norm() / want.norm())
-        if err <= CHECK_TOL:  # (False for NaN: rows never written)
-            return None
-        return f"wrong output: rel L2 {err:.3g} on {len(got)} sampled rows (tolerance {CHECK_TOL})"
+        return _wrong(torch.cat([h[idx] for _, idx in picks]).float(), want)
 
     return check
 
