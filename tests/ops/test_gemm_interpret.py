@@ -432,6 +432,8 @@ def test_gluon_gate_runs_the_plain_silu_only(monkeypatch):
     assert runnable(bias=torch.zeros(E, 2 * I))[2] == triton_keys
     assert runnable(h=torch.empty((m_idx.numel(), 2 * I), dtype=torch.bfloat16)[:, :I])[2] == \
         triton_keys  # fmt: skip
+    shifted = torch.empty(m_idx.numel() * I + 1, dtype=torch.bfloat16)[1:].view(-1, I)
+    assert runnable(h=shifted)[2] == triton_keys
 
 
 def test_masked_tma_store_takes_whole_row_blocks_only(monkeypatch):

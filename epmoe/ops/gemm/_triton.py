@@ -810,10 +810,11 @@ _SILU_META = _gate.get("silu").meta()
 
 def _gluon_gates(plan: _Plan, h: torch.Tensor) -> bool:
     """The Gluon GEMM1 + gate runs the call: bf16, the plain SiLU without bias, h `[M, I]`
-    contiguous (its TMA store)."""
+    contiguous and 16-byte aligned (its TMA store)."""
     meta = plan.meta
     plain = all(meta[k] == v for k, v in _SILU_META.items()) and not meta["HAS_BIAS"]
-    return plain and meta["QUANT"] == 0 and h.is_contiguous() and (h.shape[1] * 2) % 16 == 0
+    stored = h.is_contiguous() and (h.shape[1] * 2) % 16 == 0 and h.data_ptr() % 16 == 0
+    return plain and meta["QUANT"] == 0 and stored
 
 
 def _slots_stored_whole(out: torch.Tensor, block_m: int) -> bool:
