@@ -232,6 +232,17 @@ def _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, tile_at, M, 
 
 
 @gluon.jit
+def _gate_epilogue(acc_g, acc_u, out, o_smem, row, pid_n, BLOCK_N: gl.constexpr):
+    """GEMM1 + gate's epilogue of a tile's gate and up sums: h = silu(g) * u of their bf16
+    roundings (the unfused chain's GEMM1 output) through o_smem and a TMA store at ``row``."""
+    h = _silu_mul(acc_g.to(gl.bfloat16).to(gl.float32), acc_u.to(gl.bfloat16).to(gl.float32))
+    tma.store_wait(0)  # the previous tile's store has left o_smem
+    o_smem.store(h.to(gl.bfloat16))
+    fence_async_shared()
+    _tma_store(out, [row, pid_n * BLOCK_N], o_smem)
+
+
+@gluon.jit
 def _persistent(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N, K, E, T, strides,
     MASKED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -373,10 +384,12 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
 def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
              K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-             GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr):  # fmt: skip
+             GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
+             GATE: gl.constexpr):  # fmt: skip
     """COOP's warpgroup PART (0 / 1): rows PART * BLOCK_M / 2 on of every live tile of the
     program, from the ring both read (each stage freed by both warpgroups' arrivals), then those
-    rows' epilogue."""
+    rows' epilogue. GATE: GEMM1 + gate (bf16 operands, the plain SiLU), a gate and an up
+    accumulator from the two halves of each stage's w tile, then :func:`_gate_epilogue`."""
     HALF: gl.constexpr = BLOCK_M // 2
     acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4, a_bufs.dtype)
     o_buf = o_smem.index(PART) if STORE_TMA else o_smem
@@ -386,20 +399,35 @@ def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
     c = 0  # K steps consumed: stage = c % STAGES
     while tile < num_tiles:
         acc = gl.zeros((HALF, BLOCK_N), _acc_dtype(a_bufs.dtype), acc_layout)
+        acc_u = acc  # (GATE: the up rows' sums; else unused)
         for kb in range(k_tiles):
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
             a_rows = a_bufs.index(s).slice(PART * HALF, HALF)
-            acc = warpgroup_mma(a_rows, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_rows, w_bufs.index(s)))
-            # step kb - 1's MMA is done: this warpgroup is through with its stage
+            if GATE:
+                w = w_bufs.index(s)
+                acc = warpgroup_mma(a_rows, w.slice(0, BLOCK_N).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
+                acc_u = warpgroup_mma(a_rows, w.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
+                                      is_async=True)  # fmt: skip
+                acc, acc_u, _, _ = warpgroup_mma_wait(2, deps=(acc, acc_u, a_rows, w))
+            else:
+                acc = warpgroup_mma(a_rows, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_rows, w_bufs.index(s)))
+            # step kb - 1's MMAs are done: this warpgroup is through with its stage
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kb > 0)
             c += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if GATE:
+            acc, acc_u = warpgroup_mma_wait(0, deps=(acc, acc_u))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-        _epilogue(acc, out, o_buf, a_scale_ptr, w_scale_ptr, rows_ptr,
-                  (expert, row_a + PART * HALF, t0 + PART * HALF, pid_n), M, N, T, strides,
-                  acc_layout, MASKED, STORE_TMA, HALF, BLOCK_N)  # fmt: skip
+        if GATE:
+            _gate_epilogue(acc, acc_u, out, o_buf, row_a + PART * HALF, pid_n, BLOCK_N)
+        else:
+            _epilogue(acc, out, o_buf, a_scale_ptr, w_scale_ptr, rows_ptr,
+                      (expert, row_a + PART * HALF, t0 + PART * HALF, pid_n), M, N, T, strides,
+                      acc_layout, MASKED, STORE_TMA, HALF, BLOCK_N)  # fmt: skip
         tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
                                                     M, N, T, MASKED, BLOCK_M, BLOCK_N,
                                                     GROUP_M)  # fmt: skip
@@ -408,63 +436,17 @@ def _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, row
 
 
 @gluon.jit
-def _ws_coop_gate(a_bufs, w_bufs, ready, empty, o_smem, rows_ptr, out, M, N, K, E,
-                  PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """:func:`_ws_coop` of GEMM1 + gate (bf16 operands, the plain SiLU): a gate and an up
-    accumulator from the two halves of each stage's w tile, then h = silu(g) * u of their bf16
-    roundings (the unfused chain's), N columns of h, through a TMA store."""
-    HALF: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = _acc_layout(HALF, BLOCK_N, 4, a_bufs.dtype)
-    o_buf = o_smem.index(PART)
-    k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, 1, False, 1, BLOCK_M,
-                                                  BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
-    tile, expert, row_a, t0, pid_n = first
-    c = 0  # K steps consumed: stage = c % STAGES
-    while tile < num_tiles:
-        acc_g = gl.zeros((HALF, BLOCK_N), gl.float32, acc_layout)
-        acc_u = gl.zeros((HALF, BLOCK_N), gl.float32, acc_layout)
-        for kb in range(k_tiles):
-            s = c % STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            a_rows = a_bufs.index(s).slice(PART * HALF, HALF)
-            w = w_bufs.index(s)
-            acc_g = warpgroup_mma(a_rows, w.slice(0, BLOCK_N).permute((1, 0)), acc_g,
-                                  is_async=True)  # fmt: skip
-            acc_u = warpgroup_mma(a_rows, w.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
-                                  is_async=True)  # fmt: skip
-            # step kb - 1's two MMAs are done: this warpgroup is through with its stage
-            acc_g, acc_u, _, _ = warpgroup_mma_wait(2, deps=(acc_g, acc_u, a_rows, w))
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kb > 0)
-            c += 1
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-        h = _silu_mul(acc_g.to(gl.bfloat16).to(gl.float32), acc_u.to(gl.bfloat16).to(gl.float32))
-        tma.store_wait(0)  # the previous tile's store has left o_buf
-        o_buf.store(h.to(gl.bfloat16))
-        fence_async_shared()
-        _tma_store(out, [row_a + PART * HALF, pid_n * BLOCK_N], o_buf)
-        tile, expert, row_a, t0, pid_n = _live_tile(tile + step, num_tiles, step, rows_ptr, ends,
-                                                    M, N, 1, False, BLOCK_M, BLOCK_N,
-                                                    GROUP_M)  # fmt: skip
-    tma.store_wait(0)
-
-
-@gluon.jit
 def _ws_part(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M, N,
              K, E, T, strides, PART: gl.constexpr, MASKED: gl.constexpr, E_PAD: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
              GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr,
              COOP: gl.constexpr, GATE: gl.constexpr):  # fmt: skip
-    """MMA warpgroup PART of :func:`_ws`: :func:`_ws_coop_gate` if GATE, :func:`_ws_coop` if COOP,
+    """MMA warpgroup PART of :func:`_ws`: :func:`_ws_coop` if COOP (GATE: GEMM1 + gate's),
     else :func:`_ws_mma`."""
-    if GATE:
-        _ws_coop_gate(a_bufs, w_bufs, ready, empty, o_smem, rows_ptr, out, M, N, K, E, PART,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)  # fmt: skip
-    elif COOP:
+    if COOP:
         _ws_coop(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
                  N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                 STAGES, STORE_TMA)  # fmt: skip
+                 STAGES, STORE_TMA, GATE)  # fmt: skip
     else:
         _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, out, M,
                 N, K, E, T, strides, PART, MASKED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -482,7 +464,7 @@ def _ws(
     two MMA warpgroups take the program's live tiles in turn (232 registers each: a 128x128
     int32 accumulator and the epilogue's), one TMA warp fills a ring of STAGES for each. COOP:
     the two take the halves of every tile instead (64x256 each), from one ring. GATE (with COOP):
-    GEMM1 + gate, a w stage of the tile's gate and up rows (:func:`_ws_coop_gate`)."""
+    GEMM1 + gate, a w stage of the tile's gate and up rows (:func:`_ws_coop`)."""
     RINGS: gl.constexpr = 1 if COOP else 2
     W_ROWS: gl.constexpr = 2 * BLOCK_N if GATE else BLOCK_N
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [RINGS * STAGES, BLOCK_M, BLOCK_K],
