@@ -520,8 +520,10 @@ def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, sto
     registers; ``ws``: warp-specialized, num_warps and num_stages per MMA warpgroup, of which
     there are two; ``coop``: WS with the two on the halves of each tile, one ring of num_stages;
     ``masked``: the masked kernel's, without GROUP_M, STORE_TMA only where set)."""
-    kw = dict(STORE_TMA=True) if masked and store_tma else {}
-    kw = kw if masked else dict(GROUP_M=8, STORE_TMA=store_tma)
+    if masked:
+        kw = dict(STORE_TMA=True) if store_tma else {}
+    else:
+        kw = dict(GROUP_M=8, STORE_TMA=store_tma)
     kw = dict(kw, WS=True) if ws or coop else kw
     kw = dict(kw, COOP=True) if coop else kw
     return _cfg(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
