@@ -32,7 +32,8 @@ bf16) on the same operands. The entry keeps the fastest Triton config, the faste
 best µs of each; a config that fails to compile or to launch is skipped (its error in the log),
 and so is one whose output is wrong: after its timing each contiguous / masked candidate runs once
 more into a NaN-filled buffer, and a sample of live rows (CHECK_ROWS of each of CHECK_EXPERTS
-experts) must match dequantized float32 math within CHECK_TOL (relative L2).
+experts) must match dequantized float32 math within CHECK_TOL (relative L2); bf16 GEMM1 + gate
+candidates without bias likewise, their h against the gate of GEMM1's bf16-rounded rows.
 
 Path entries (``--paths``): per shape and scheme, each T of ``--tokens`` above the shape's GEMV
 cutoff (``epmoe.layer.gemv_max_tokens``): the whole one-rank layer (local backend, same weights,
