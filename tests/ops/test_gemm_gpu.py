@@ -688,7 +688,8 @@ def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_triton_masked_tma_configs(scheme):
-    """Every TMA-fed masked config (the decode weight stream) against the reference, in a graph."""
+    """Every TMA-fed or SWAP masked config (the decode weight stream) against the reference, in a
+    graph, at row tiles of 32 and 16 (SWAP: wgmma's N)."""
     from epmoe.ops.gemm import _triton
 
     dev = torch.device("cuda")
@@ -699,12 +700,12 @@ def test_triton_masked_tma_configs(scheme):
     live = _live(mm, T)
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     code = quant.get(scheme).kernel_code
-    tma = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS  # (Gluon's: its own test)
-           if c.kwargs.get("TMA") and not c.kwargs.get("GLUON") and
-           _triton.fits(c.all_kwargs(), code, 0, 32)]  # fmt: skip
-    assert tma
+    # (Gluon's: their own test)
+    tma = [dict(c.all_kwargs(), BLOCK_M=bm) for c in _triton._MASKED_CONFIGS for bm in (32, 16)
+           if (c.kwargs.get("TMA") or c.kwargs.get("SWAP")) and not c.kwargs.get("GLUON") and
+           _triton.fits(c.all_kwargs(), code, 0, bm)]  # fmt: skip
+    assert any(c.get("SWAP") for c in tma)
     for cfg in tma:
-        cfg = dict(cfg, BLOCK_M=32)
         eager = _triton.masked_triton(a, w, mm, as_, ws, 32, config=cfg)  # (compiles it)
         out = torch.zeros((E, T, 384), dtype=torch.bfloat16, device=dev)
         graph = torch.cuda.CUDAGraph()

@@ -528,6 +528,26 @@ def test_gate_tma_is_the_pointer_kernel(scheme, spec, persistent):
     assert (outs[1][1][dead] == -1.0).all()
 
 
+# SWAP (the weight tile as wgmma's M, a few rows as its N): the plain tile's values (int8: its
+# bytes; bf16 / fp8: float32 sums of the transposed product, within rounding), through pointers and
+# TMA, rows past each count left unwritten
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_masked_swap_is_the_plain_tile(scheme):
+    gen = torch.Generator().manual_seed(22)
+    E, T, N, K = 3, 40, 384, 384
+    masked_m = torch.tensor([0, 17, 40], dtype=torch.int32)
+    a, as_, w, ws = _operands((E, T), E, N, K, gen, scheme)
+    cfg = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, BLOCK_M=16, M_SPLIT=2)
+    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
+    want = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg, out=sentinel.clone())
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    same = torch.equal if scheme == "int8" else lambda x, y: rel_l2(x, y) < 1e-3
+    for swap in (dict(cfg, SWAP=True), dict(cfg, SWAP=True, TMA=True)):
+        got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=swap, out=sentinel.clone())
+        assert same(got[live], want[live]), swap
+        assert torch.equal(got[~live], sentinel[~live]), swap
+
+
 # the masked kernel's weight stream through TMA (a `[E, T, K]` as `[E * T, K]`): the pointer
 # kernel's bytes, rows past each count left unwritten
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])

@@ -33,14 +33,20 @@ def _even_k(args) -> bool:
 
 @triton.jit
 def _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K: tl.constexpr,
-         QUANT: tl.constexpr, SCALE_K: tl.constexpr):  # fmt: skip
+         QUANT: tl.constexpr, SCALE_K: tl.constexpr, SWAP: tl.constexpr = False):  # fmt: skip
     """acc plus a `[BLOCK_M, BLOCK_K]` x b `[BLOCK_K, BLOCK_N]` of K step ``kb`` (fp8: times that
-    step's scale group, BLOCK_K dividing SCALE_K; int8: an int32 sum)."""
+    step's scale group, BLOCK_K dividing SCALE_K; int8: an int32 sum); SWAP: acc `[BLOCK_N,
+    BLOCK_M]` plus bᵀ x aᵀ (a few rows as wgmma's N, the weight tile as its M of 64 or more)."""
+    if SWAP:
+        a, b = tl.trans(b), tl.trans(a)
     if QUANT == 1:
         g = kb * BLOCK_K // SCALE_K
         a_s = tl.load(as_ptrs + g * stride_ask)
         w_s = tl.load(ws_ptrs + g * stride_wsk)
-        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+        if SWAP:
+            acc += tl.dot(a, b) * (w_s[:, None] * a_s[None, :])
+        else:
+            acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
     elif QUANT == 2:
         acc = tl.dot(a, b, acc=acc, out_dtype=tl.int32)
     else:
@@ -61,12 +67,13 @@ def _acc0(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
 def _dot_k(
     a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """`[BLOCK_M, BLOCK_N]` sum over K of a `[BLOCK_M, BLOCK_K]` x w `[BLOCK_K, BLOCK_N]` tiles from
     ``a_ptrs`` / ``w_ptrs`` (the K tail masked to 0 unless EVEN_K): float32 (QUANT 0 bf16; 1 fp8,
-    each step times its SCALE_K-group scales at ``as_ptrs`` / ``ws_ptrs``) or int32 (2, int8)."""
-    acc = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    each step times its SCALE_K-group scales at ``as_ptrs`` / ``ws_ptrs``) or int32 (2, int8);
+    SWAP: summed transposed (:func:`_mma`), transposed back at the end."""
+    acc = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -75,24 +82,26 @@ def _dot_k(
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K)
+        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
+                   SWAP)  # fmt: skip
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    return acc
+    return tl.trans(acc) if SWAP else acc
 
 
 @triton.jit
 def _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, stride_ask, stride_wsk,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               QUANT: tl.constexpr, SCALE_K: tl.constexpr):  # fmt: skip
+               QUANT: tl.constexpr, SCALE_K: tl.constexpr, SWAP: tl.constexpr = False):  # fmt: skip
     """:func:`_dot_k` of a's rows from ``row_a`` and w's (`[E * N, K]`) from ``row_w``, their
     tiles brought by TMA (rows and K past the tensors read as zeros)."""
-    acc = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([row_a, kb * BLOCK_K])
         b = w_desc.load([row_w, kb * BLOCK_K]).T
-        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K)
-    return acc
+        acc = _mma(acc, a, b, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
+                   SWAP)  # fmt: skip
+    return tl.trans(acc) if SWAP else acc
 
 
 @triton.jit
@@ -131,17 +140,17 @@ def _tile(
     a_row_ptr, w_ptr, a_scale_row_ptr, w_scale_ptr, rows, cols, offs_k, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """float32 `[BLOCK_M, BLOCK_N]` output tile of ``rows`` (of a_row_ptr) x ``cols`` (of one
-    expert's w at w_ptr / w_scale_ptr), its scales applied."""
+    expert's w at w_ptr / w_scale_ptr), its scales applied (SWAP: :func:`_mma`'s)."""
     a_ptrs = a_row_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     as_ptrs = a_scale_row_ptr + rows * stride_asm
     ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
     ws_ptrs = w_scale_ptr + ws_cols * stride_wsn
     acc = _dot_k(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, stride_ak, stride_wk, stride_ask,
-                 stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+                 stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, SWAP)  # fmt: skip
     return _scaled(acc, as_ptrs, ws_ptrs, QUANT)
 
 
@@ -149,7 +158,7 @@ def _tile(
 def _tile_tma(
     a_desc, w_desc, a_scale_row_ptr, w_scale_ptr, row_a, row_w, rows, cols, K, stride_asm,
     stride_ask, stride_wsn, stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_tile` with a's rows from ``row_a`` and w's from ``row_w`` of their descriptors
     (``rows`` / ``cols``: the rows and columns whose scales apply)."""
@@ -157,7 +166,7 @@ def _tile_tma(
     ws_cols = cols // SCALE_K if QUANT == 1 else cols  # (fp8: 128-row weight blocks)
     ws_ptrs = w_scale_ptr + ws_cols * stride_wsn
     acc = _dot_k_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, stride_ask, stride_wsk,
-                     BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K)  # fmt: skip
+                     BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K, SWAP)  # fmt: skip
     return _scaled(acc, as_ptrs, ws_ptrs, QUANT)
 
 
@@ -458,6 +467,7 @@ def _masked_kernel(
     QUANT: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
     # (the M_SPLIT programs of one weight tile are adjacent in launch order: they stream the same
     # weights at the same time, the later ones from L2)
@@ -487,13 +497,13 @@ def _masked_kernel(
                           w_scale_ptr + e64 * stride_wse, expert * T + m0,
                           expert * N + pid_n * BLOCK_N, rows, cols, K, stride_ast, stride_ask,
                           stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
-                          SCALE_K)  # fmt: skip
+                          SCALE_K, SWAP)  # fmt: skip
         else:
             y = _tile(a_ptr + e64 * stride_ae, w_ptr + e64 * stride_we,
                       a_scale_ptr + e64 * stride_ase, w_scale_ptr + e64 * stride_wse, rows, cols,
                       tl.arange(0, BLOCK_K), K, stride_at, stride_ak, stride_wn, stride_wk,
                       stride_ast, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K,
-                      EVEN_K, QUANT, SCALE_K)  # fmt: skip
+                      EVEN_K, QUANT, SCALE_K, SWAP)  # fmt: skip
         o_ptrs = (
             out_ptr
             + e64 * stride_oe
@@ -617,6 +627,14 @@ _MASKED_CONFIGS = [
     _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True),
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True),
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
+    # a few rows a slot as wgmma's N, the weight tile as its M (SWAP): below 64 rows tl.dot takes
+    # mma.sync instead, through float16 for fp8
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, SWAP=True),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, SWAP=True),
+    _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, SWAP=True),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True, SWAP=True),
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
+    _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True, SWAP=True),
     # int8 through the Gluon kernel (its wgmma asynchronous), persistent over the live row blocks
     # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
     _gluon_cfg(4, 4, 64, 128, 128, 2, masked=True),
