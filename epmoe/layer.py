@@ -237,9 +237,9 @@ class EPMoE(nn.Module):
             "silu": silu(gate) * up).
         bias: whether the experts have biases (b1 `[Et, width]`, b2 `[Et, H]` in load_weights).
         mode: "ht" (prefill, contiguous layout), "ll" (decode, masked layout) or "auto" (one rank:
-            GEMVs up to ``gemv_max_tokens`` tokens (see :func:`gemv_max_tokens`); LL up to
-            ``ll_max_tokens`` tokens,
-            HT above; chosen from the shape, so a graph captured at one size stays valid).
+            GEMVs up to ``gemv_max_tokens`` tokens (see :func:`gemv_max_tokens`) unless this
+            GPU's measured paths found LL faster; LL up to ``ll_max_tokens`` tokens, HT above;
+            chosen from the shape, so a graph captured at one size stays valid).
         group: torch.distributed process group, or None for one rank.
         backend: "auto", "local", "torch" or "deepep".
         alignment: permute row alignment (HT), default 128 (deep_gemm's row block); on CUDA any
@@ -325,9 +325,9 @@ class EPMoE(nn.Module):
         # call size -> (path, alignment, LL expected_m), filled per call: what a call of that size
         # runs, from the shape only
         self._plans: Dict[int, Tuple[str, int, int]] = {}
-        self.gemv_max_tokens = 0
+        self._gemv_max_tokens, self._gemv_set = 0, False
         if mode == "auto" and self.local:
-            self.gemv_max_tokens = gemv_max_tokens(self.scheme, num_experts, top_k)
+            self._gemv_max_tokens = gemv_max_tokens(self.scheme, num_experts, top_k)
         # "auto" on one rank above the GEMV cutoff: the path and alignment measured fastest on this
         # GPU for each call size (the tuned table, scripts/tune_gemm.py); [] -> the rules above
         # (a given alignment is kept: then the sizes measured fastest on HT follow the rules)
@@ -540,7 +540,7 @@ class EPMoE(nn.Module):
         if num_tokens > self.ll_max_tokens:
             return False
         measured = self._measured_path(num_tokens)
-        return measured is None or measured["path"] == "ll"
+        return measured is None or measured["path"] != "ht"  # (a "gemv" entry, GEMVs not taken)
 
     def _measured_path(self, num_tokens) -> Optional[Dict]:
         """The tuned path entry of a call size (the smallest measured size >= it), or None: none
@@ -550,13 +550,14 @@ class EPMoE(nn.Module):
 
     @property
     def gemv_max_tokens(self) -> int:
-        """ "auto" on one rank: GEMVs up to this many tokens (0 with several ranks or another mode;
-        settable, e.g. to compare paths)."""
+        """ "auto" on one rank: GEMVs up to this many tokens (0 with several ranks or another mode)
+        where this GPU's measured paths do not say the masked GEMMs win; settable, e.g. to compare
+        paths: a set value is followed as it is, measured paths or not."""
         return self._gemv_max_tokens
 
     @gemv_max_tokens.setter
     def gemv_max_tokens(self, value: int) -> None:
-        self._gemv_max_tokens = int(value)
+        self._gemv_max_tokens, self._gemv_set = int(value), True
         self._plans.clear()
 
     def plan(self, num_tokens) -> Tuple[str, int]:
@@ -571,8 +572,15 @@ class EPMoE(nn.Module):
 
     def uses_gemv(self, num_tokens) -> bool:
         """Whether a call of ``num_tokens`` tokens runs the per-choice GEMVs: mode "auto" on one
-        rank (local backend) with at most ``gemv_max_tokens`` tokens (from the shape)."""
-        return self.gemv_max_tokens > 0 and num_tokens <= self.gemv_max_tokens
+        rank (local backend) with at most ``gemv_max_tokens`` tokens (from the shape), unless a
+        measured path that timed the GEMVs at a size <= the call's found the masked GEMMs faster
+        (their weight reads grow with the experts a call touches, the GEMVs' with its choices)."""
+        if not (self.gemv_max_tokens > 0 and num_tokens <= self.gemv_max_tokens):
+            return False
+        return self._gemv_set or not any(
+            p["path"] != "gemv" and "gemv" in p.get("us", ()) and p["t"] <= num_tokens
+            for p in self._measured
+        )
 
     def path(self, num_tokens) -> str:
         """The path a call of ``num_tokens`` tokens takes: "gemv", "ll" or "ht"."""

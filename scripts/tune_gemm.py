@@ -35,13 +35,14 @@ more into a NaN-filled buffer, and a sample of live rows (CHECK_ROWS of each of 
 experts) must match dequantized float32 math within CHECK_TOL (relative L2); bf16 GEMM1 + gate
 candidates without bias likewise, their h against the gate of GEMM1's bf16-rounded rows.
 
-Path entries (``--paths``): per shape and scheme, each T of ``--tokens`` above the shape's GEMV
-cutoff (``epmoe.layer.gemv_max_tokens``): the whole one-rank layer (local backend, same weights,
-the same routing for every variant, ``warmup([T])`` first) as mode "ll" (max_tokens_per_rank = T;
-T up to LL_MAX_TOKENS) and as mode "ht" at each alignment of PATH_ALIGNMENTS (above LL_MAX_TOKENS:
-HT_ALIGNMENTS, the entry then picks HT's alignment only), reading the GEMM entries of this run
-(and of the file) as the layer does; the fastest becomes the path entry (HT over LL only by more
-than PATH_MARGIN).
+Path entries (``--paths``): per shape and scheme, each T of ``--tokens``: the whole one-rank
+layer (local backend, same weights, the same routing for every variant, ``warmup([T])`` first) as
+mode "ll" (max_tokens_per_rank = T; T up to LL_MAX_TOKENS) and, up to the shape's GEMV cutoff
+(``epmoe.layer.gemv_max_tokens``), as "auto" on the GEMVs, above it as mode "ht" at each alignment
+of PATH_ALIGNMENTS (above LL_MAX_TOKENS: HT_ALIGNMENTS, the entry then picks HT's alignment only),
+reading the GEMM entries of this run (and of the file) as the layer does; the fastest becomes the
+path entry (over the rule's path, the GEMVs up to the cutoff and else LL, only by more than
+PATH_MARGIN).
 
 Timing: ``benchmarks/_timing.time_cuda``, the project's timer: one call captured in a CUDA graph,
 replayed ``--iters`` times, each replay after an L2 flush and between two CUDA events; the median.
@@ -278,36 +279,39 @@ def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> 
                 **layer, config=config, backend=backend, us=us)  # fmt: skip
 
 
-def path_tokens(cfg, scheme: str, tokens: Iterable[int]) -> List[int]:
-    """The T of ``tokens`` a path entry is measured at: above the one-rank layer's GEMV cutoff
-    (those calls take the GEMVs)."""
-    cutoff = gemv_max_tokens(quant.get(scheme), cfg.local_experts, cfg.top_k)
-    return [t for t in sorted(set(tokens)) if cutoff < t]
+def gemv_cutoff(cfg, scheme: str) -> int:
+    """The most tokens the one-rank "auto" layer of ``cfg`` sends to the GEMVs by its rule."""
+    return gemv_max_tokens(quant.get(scheme), cfg.local_experts, cfg.top_k)
 
 
-def path_variants(t: int) -> List[Tuple[str, int]]:
-    """(path, alignment) of each layer variant timed at T = ``t``: LL (up to LL_MAX_TOKENS, above
-    it "auto" takes HT) and HT at each alignment."""
+def path_variants(t: int, gemv: int = 0) -> List[Tuple[str, int]]:
+    """(path, alignment) of each layer variant timed at T = ``t``: up to the GEMV cutoff ``gemv``
+    the GEMVs and LL; above it LL (up to LL_MAX_TOKENS, above it "auto" takes HT) and HT at each
+    alignment."""
+    if t <= gemv:
+        return [("gemv", 0), ("ll", 0)]
     if t > LL_MAX_TOKENS:
         return [("ht", a) for a in HT_ALIGNMENTS]
     return [("ll", 0)] + [("ht", a) for a in PATH_ALIGNMENTS]
 
 
 def variant_name(path: str, alignment: int) -> str:
-    """Key of a path variant in a path entry's "us": "ll" or "ht@<alignment>"."""
-    return "ll" if path == "ll" else f"ht@{alignment}"
+    """Key of a path variant in a path entry's "us": "gemv", "ll" or "ht@<alignment>"."""
+    return f"ht@{alignment}" if path == "ht" else path
 
 
 def path_entry(cfg, scheme: str, t: int, us: Dict[str, Optional[float]]) -> Optional[Dict]:
-    """The path entry of T = ``t`` from the µs of each variant ("ll", "ht@128", ...; None: did not
-    run): the fastest, but "ll" unless beaten by more than PATH_MARGIN; None when none ran."""
+    """The path entry of T = ``t`` from the µs of each variant ("gemv", "ll", "ht@128", ...; None:
+    did not run): the fastest, but the rule's path ("gemv" where timed, else "ll") unless beaten
+    by more than PATH_MARGIN; None when none ran."""
     ran = {v: u for v, u in us.items() if u is not None and math.isfinite(u) and u > 0}
     if not ran:
         return None
     best = min(sorted(ran), key=lambda v: ran[v])
-    if "ll" in ran and ran[best] > ran["ll"] * (1 - PATH_MARGIN):
-        best = "ll"
-    path, alignment = ("ll", 0) if best == "ll" else ("ht", int(best.split("@")[1]))
+    rule = "gemv" if "gemv" in us else "ll"
+    if rule in ran and ran[best] > ran[rule] * (1 - PATH_MARGIN):
+        best = rule
+    path, alignment = (best, 0) if best in ("gemv", "ll") else ("ht", int(best.split("@")[1]))
     return dict(layer_sizes(cfg, scheme), t=t, path=path, alignment=alignment,
                 us={v: round(u, 2) for v, u in ran.items()})  # fmt: skip
 
@@ -768,6 +772,7 @@ class Tuner:
             return x
 
         ht: Dict[int, epmoe.EPMoE] = {}  # alignment -> the HT layer, sized for the largest T
+        cutoff = gemv_cutoff(cfg, scheme)
         for t in tokens:
             self.check_time()
             ids = routing(t, E, cfg.top_k, dev)
@@ -775,8 +780,11 @@ class Tuner:
             x = torch.randn((t, H), generator=gx, device=dev, dtype=torch.bfloat16)
             tw = torch.softmax(torch.randn((t, cfg.top_k), generator=gx, device=dev), dim=1)
             us: Dict[str, Optional[float]] = {}
-            for path, a in variants(t):
-                if path == "ll":
+            for path, a in variants(t, cutoff):
+                if path == "gemv":  # (a set cutoff: the GEMVs whatever the table's paths say)
+                    m = layer(mode="auto", max_tokens_per_rank=t)
+                    m.gemv_max_tokens = t
+                elif path == "ll":
                     m = layer(mode="ll", max_tokens_per_rank=t)
                 else:
                     if a not in ht:
@@ -911,7 +919,7 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
                     save()
             if not (a.paths or a.paths_only):
                 continue
-            ts = path_tokens(cfg, scheme, a.tokens)
+            ts = sorted(set(a.tokens))
             if a.resume:
                 _, ts = pending(old, (), cfg, scheme, ts)
             if ts:

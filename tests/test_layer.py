@@ -186,6 +186,30 @@ def test_auto_follows_this_gpus_measured_paths(monkeypatch):
     assert given.plan(1) == ("ll", 64)
 
 
+def test_auto_gemvs_give_way_where_measured_slower(monkeypatch):
+    """Up to the GEMV cutoff a call keeps the GEMVs unless a measured path that timed them found
+    the masked GEMMs faster at a size <= the call's (then LL, or the next measured path); entries
+    that did not time the GEMVs leave them; a set cutoff is followed as it is."""
+    from epmoe import layer as layer_mod
+
+    sizes = dict(scheme="bf16", E=64, H=64, I=64, K=2, alignment=0)
+    measured = [
+        dict(sizes, t=2, path="gemv", us={"gemv": 10.0, "ll": 12.0}),
+        dict(sizes, t=5, path="ll", us={"gemv": 14.0, "ll": 12.0}),
+        dict(sizes, t=8, path="ll", us={"gemv": 19.0, "ll": 13.0}),
+        dict(sizes, t=16, path="ht", alignment=32, us={"ll": 20.0, "ht@32": 15.0}),
+    ]
+    monkeypatch.setattr(layer_mod._tuned, "paths", lambda *args: measured)
+    layer = epmoe.EPMoE(64, 64, 64, 2, mode="auto", backend="local", device="cpu")
+    assert layer.gemv_max_tokens == 8
+    assert [layer.path(T) for T in range(1, 10)] == ["gemv"] * 4 + ["ll"] * 4 + ["ht"]
+    layer.gemv_max_tokens = 8  # (set: followed, measured paths or not)
+    assert [layer.path(T) for T in (5, 8, 9)] == ["gemv", "gemv", "ht"]
+    measured[1:3] = [dict(m, us={"ll": 12.0}) for m in measured[1:3]]  # (GEMVs not timed)
+    layer = epmoe.EPMoE(64, 64, 64, 2, mode="auto", backend="local", device="cpu")
+    assert [layer.path(T) for T in (5, 8, 9)] == ["gemv", "gemv", "ht"]
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
 def test_ht_fused_gate_where_measured(quant, monkeypatch):
     """Where this GPU's table measured GEMM1 and the gate faster as one kernel, HT runs

@@ -162,10 +162,18 @@ def test_the_log_ranks_every_measurement_that_ran():
 
 def test_path_entries():
     cfg = CONFIGS["qwen3-30b-a3b"]
-    # the GEMV cutoff of qwen3 (E 128, top-8) lies between 8 and 32; above the LL sizes HT only
-    assert tg.path_tokens(cfg, "fp8", (2048, 8, 32, 512, 128, 32)) == [32, 128, 512, 2048]
+    # up to the GEMV cutoff (qwen3 fp8: 8) the GEMVs against LL; above the LL sizes HT only
+    assert tg.gemv_cutoff(cfg, "fp8") == 8 and tg.gemv_cutoff(cfg, "int8") == 4
+    assert tg.path_variants(8, 8) == [("gemv", 0), ("ll", 0)]
     assert tg.path_variants(512) == [("ll", 0)] + [("ht", a) for a in tg.PATH_ALIGNMENTS]
+    assert tg.path_variants(9, 8) == tg.path_variants(512)
     assert tg.path_variants(513) == [("ht", a) for a in tg.HT_ALIGNMENTS]
+    p = tg.path_entry(cfg, "fp8", 8, {"gemv": 100.0, "ll": 98.0})  # (within PATH_MARGIN)
+    assert (p["path"], p["alignment"]) == ("gemv", 0)
+    p = tg.path_entry(cfg, "fp8", 8, {"gemv": 100.0, "ll": 90.0})
+    assert (p["path"], p["alignment"], p["us"]) == ("ll", 0, {"gemv": 100.0, "ll": 90.0})
+    p = tg.path_entry(cfg, "fp8", 8, {"gemv": None, "ll": 90.0})  # (the GEMVs timed: no margin)
+    assert p["path"] == "ll"
     p = tg.path_entry(cfg, "fp8", 4096, {"ht@128": 500.0, "ht@64": 480.0})
     assert (p["path"], p["alignment"], p["t"]) == ("ht", 64, 4096)
     p = tg.path_entry(cfg, "fp8", 32, {"ll": 90.0, "ht@128": 120.0, "ht@16": 84.0, "ht@32": None})
@@ -424,14 +432,18 @@ def test_gate_check_reads_h_of_the_sampled_rows():
 def test_paths_time_every_variant(cpu_tuner):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # (biases, a gate of its own, sizes no multiple of 128)
-    (p,) = tuner.paths(cfg, "bf16", [8], lambda t: [("ll", 0), ("ht", 128), ("ht", 16)])
+    (p,) = tuner.paths(cfg, "bf16", [8], lambda t, g: [("ll", 0), ("ht", 128), ("ht", 16)])
     assert len(calls) == 3 and (p["path"], p["alignment"], p["t"]) == ("ll", 0, 8)
     assert list(p["us"]) == ["ll", "ht@128", "ht@16"]
     # above the LL sizes: HT's alignments only, on the HT layers made once
     p, q = tuner.paths(
-        cfg, "bf16", [8, 16], lambda t: [("ht", 16)] if t > 8 else [("ht", 16), ("ll", 0)]
+        cfg, "bf16", [8, 16], lambda t, g: [("ht", 16)] if t > 8 else [("ht", 16), ("ll", 0)]
     )
     assert len(calls) == 6 and list(p["us"]) == ["ht@16", "ll"] and list(q["us"]) == ["ht@16"]
+    # up to the GEMV cutoff (the tuner's to the variants): the GEMVs timed against LL
+    (p,) = tuner.paths(cfg, "bf16", [1], tg.path_variants)
+    assert tg.gemv_cutoff(cfg, "bf16") >= 1 and list(p["us"]) == ["gemv", "ll"]
+    assert len(calls) == 8 and p["path"] in ("gemv", "ll")
     assert (q["path"], q["alignment"], q["t"]) == ("ht", 16, 16)
     assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
 

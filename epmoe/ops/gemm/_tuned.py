@@ -28,14 +28,14 @@ through permute's src_rows, permute copying none ("gather"), beat permute's copy
 the largest): a function of static sizes only, so captured graphs stay valid. No file, or no entry
 for the problem: the caller autotunes over its candidate configs instead.
 
-Each path is one call size of a one-rank ``mode="auto"`` layer above its GEMV cutoff and what
-measured fastest there (CUDA-graph replay of the whole layer)::
+Each path is one call size of a one-rank ``mode="auto"`` layer and what measured fastest there
+(CUDA-graph replay of the whole layer; up to the layer's GEMV cutoff the GEMVs against LL)::
 
     {"scheme": "fp8", "E": 128, "H": 2048, "I": 768, "K": 8,   # the layer's sizes (top-K: K)
      "gate": "silu", "bias": false,  # its gate spec and biases (missing: "silu", false)
      "t": 32,                       # tokens per call
-     "path": "ll" | "ht",           # masked layout, or contiguous with this permute alignment
-     "alignment": 16,               # (ht only; 0 for ll)
+     "path": "gemv" | "ll" | "ht",  # GEMVs, masked layout, or contiguous at this alignment
+     "alignment": 16,               # (ht only; else 0)
      "us": {"ll": 90.1, "ht@128": 120.3, "ht@16": 84.0}}
 
 :func:`path` returns the entry with the smallest ``t`` >= the call's tokens (else the largest).
