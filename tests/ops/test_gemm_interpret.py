@@ -528,30 +528,13 @@ def test_gate_tma_is_the_pointer_kernel(scheme, spec, persistent):
     assert (outs[1][1][dead] == -1.0).all()
 
 
-# SWAP (the weight tile as wgmma's M, a few rows as its N): the plain tile's values (int8: its
-# bytes; bf16 / fp8: float32 sums of the transposed product, within rounding), through pointers and
-# TMA, rows past each count left unwritten
+# the masked kernel's variants against its pointer tile, rows past each count left unwritten:
+# the weight stream through TMA (a `[E, T, K]` as `[E * T, K]`: its bytes); SWAP (the weight tile
+# as wgmma's M, a few rows as its N) and the Gluon configs (int8 / bf16: their own BLOCK_M and row
+# groups): int8 bytes, bf16 / fp8 float32 sums in another order (the simulator's matmul blocks
+# them) within rounding
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_masked_swap_is_the_plain_tile(scheme):
-    gen = torch.Generator().manual_seed(22)
-    E, T, N, K = 3, 40, 384, 384
-    masked_m = torch.tensor([0, 17, 40], dtype=torch.int32)
-    a, as_, w, ws = _operands((E, T), E, N, K, gen, scheme)
-    cfg = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, BLOCK_M=16, M_SPLIT=2)
-    sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
-    want = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg, out=sentinel.clone())
-    live = torch.arange(T)[None, :] < masked_m[:, None]
-    same = torch.equal if scheme == "int8" else lambda x, y: rel_l2(x, y) < 1e-3
-    for swap in (dict(cfg, SWAP=True), dict(cfg, SWAP=True, TMA=True)):
-        got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=swap, out=sentinel.clone())
-        assert same(got[live], want[live]), swap
-        assert torch.equal(got[~live], sentinel[~live]), swap
-
-
-# the masked kernel's weight stream through TMA (a `[E, T, K]` as `[E * T, K]`): the pointer
-# kernel's bytes, rows past each count left unwritten
-@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_masked_tma_is_the_pointer_kernel(scheme):
+def test_masked_variants_are_the_pointer_kernel(scheme):
     gen = torch.Generator().manual_seed(21)
     E, T, N, K = 3, 40, 384, 256
     masked_m = torch.tensor([0, 17, 40], dtype=torch.int32)
@@ -559,17 +542,16 @@ def test_masked_tma_is_the_pointer_kernel(scheme):
     cfg = dict(BLOCK_N=256, BLOCK_K=128, num_warps=4, BLOCK_M=16, M_SPLIT=2)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16)
     want = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg, out=sentinel.clone())
-    got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=dict(cfg, TMA=True),
-                                out=sentinel.clone())  # fmt: skip
     live = torch.arange(T)[None, :] < masked_m[:, None]
-    assert torch.equal(got[live], want[live])
-    assert torch.equal(got[~live], sentinel[~live])
-    if scheme != "fp8":  # (a Gluon config, its own BLOCK_M and row groups: the Triton kernel)
-        # (bf16: other row tiles, other float32 sums: the simulator's matmul blocks them)
-        same = torch.equal if scheme == "int8" else lambda x, y: rel_l2(x, y) < 1e-3
+    same = torch.equal if scheme == "int8" else lambda x, y: rel_l2(x, y) < 1e-3
+    swap = dict(cfg, BLOCK_N=128, SWAP=True)
+    variants = [(dict(cfg, TMA=True), torch.equal), (swap, same), (dict(swap, TMA=True), same)]
+    if scheme != "fp8":
         gluon = dict(cfg, TMA=True, GLUON=True, PERSISTENT=1, BLOCK_M=64)
-        for g in (gluon, dict(gluon, WS=True), dict(gluon, WS=True, COOP=True)):
-            got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=g,
-                                        out=sentinel.clone())  # fmt: skip
-            assert same(got[live], want[live])
-            assert torch.equal(got[~live], sentinel[~live])
+        split = dict(gluon, WS=True)
+        variants += [(g, same) for g in (gluon, split, dict(split, COOP=True))]
+    for variant, equal in variants:
+        got = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=variant,
+                                    out=sentinel.clone())  # fmt: skip
+        assert equal(got[live], want[live]), variant
+        assert torch.equal(got[~live], sentinel[~live]), variant
