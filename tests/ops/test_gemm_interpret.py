@@ -380,6 +380,13 @@ def test_contiguous_tma_is_the_pointer_kernel(scheme, persistent):
     dead = (m_idx.view(-1, 16)[:, :1] < 0).expand(-1, 16).reshape(-1)  # (whole -1 blocks)
     assert torch.equal(got[live], want[live])
     assert dead.any() and torch.equal(got[dead], sentinel[dead])
+    # SWAP (the weight tile as wgmma's M, the block's rows as its N): int8 bytes, bf16 / fp8
+    # float32 sums in another order within rounding
+    same = torch.equal if scheme == "int8" else lambda x, y: rel_l2(x, y) < 1e-3
+    for swap in (dict(cfg, BLOCK_N=128, SWAP=True), dict(tma, BLOCK_N=128, SWAP=True)):
+        got = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=16, config=swap,
+                                        out=sentinel.clone())  # fmt: skip
+        assert same(got[live], want[live]) and torch.equal(got[dead], sentinel[dead]), swap
     if scheme != "fp8":  # (a Gluon config, int8 or bf16: the interpreter runs the Triton tiles)
         gluon = dict(tma, GLUON=True, STORE_TMA=True)
         for g in (gluon, dict(gluon, WS=True), dict(gluon, WS=True, COOP=True)):

@@ -185,10 +185,10 @@ def _contiguous_tile(
     stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
     QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """The contiguous kernel's ``tile``, read and written through pointers (rows of a through
-    a_rows with GATHER) or TMA descriptors; a -1 block writes nothing."""
+    a_rows with GATHER) or TMA descriptors; a -1 block writes nothing (SWAP: :func:`_mma`'s)."""
     pid_m, pid_n = _block_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the block's expert is its first row's: alignment % BLOCK_M == 0 puts every block in one expert
     expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)  # (int32: descriptor rows are)
@@ -202,8 +202,8 @@ def _contiguous_tile(
     if TMA:
         y = _tile_tma(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr + e64 * stride_wse, pid_m * BLOCK_M,
                       expert * N + pid_n * BLOCK_N, offs_m % M, cols, K, stride_asm, stride_ask,
-                      stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT,
-                      SCALE_K)  # fmt: skip
+                      stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K,
+                      SWAP)  # fmt: skip
         # (the store clips the tile at M and N; an async store frees the registers sooner)
         out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_float(y, tl.bfloat16))
     else:
@@ -211,7 +211,7 @@ def _contiguous_tile(
         y = _tile(a_ptr, w_ptr + e64 * stride_we, a_scale_ptr, w_scale_ptr + e64 * stride_wse,
                   rows, cols, tl.arange(0, BLOCK_K), K, stride_am, stride_ak, stride_wn,
                   stride_wk, stride_asm, stride_ask, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N,
-                  BLOCK_K, EVEN_K, QUANT, SCALE_K)  # fmt: skip
+                  BLOCK_K, EVEN_K, QUANT, SCALE_K, SWAP)  # fmt: skip
         _store_tile(out_ptr, y, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
@@ -232,7 +232,7 @@ def _contiguous_kernel(
     # meta
     QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, TMA: tl.constexpr = False,
+    EVEN_K: tl.constexpr, TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     # TMA: programs loop over the tiles (persistent when fewer than the tiles); else one tile each
     if TMA:
@@ -242,13 +242,13 @@ def _contiguous_kernel(
                              a_rows_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_we,
                              stride_wn, stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn,
                              stride_wsk, stride_om, stride_on, QUANT, SCALE_K, GATHER, BLOCK_M,
-                             BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, True)  # fmt: skip
+                             BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, True, SWAP)  # fmt: skip
     else:
         _contiguous_tile(tl.program_id(0), a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, m_indices_ptr,
                          a_rows_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_we, stride_wn,
                          stride_wk, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
                          stride_om, stride_on, QUANT, SCALE_K, GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
-                         GROUP_M, EVEN_K, False)  # fmt: skip
+                         GROUP_M, EVEN_K, False, SWAP)  # fmt: skip
 
 
 @triton.jit
@@ -584,6 +584,11 @@ _CONTIGUOUS_CONFIGS = [
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True),
     _cfg(8, 5, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, TMA=True, PERSISTENT=1),
+    # 16- and 32-row blocks as wgmma's N (SWAP, as the masked kernel's): tl.dot takes mma.sync
+    # below 64 rows, fp8 through float16
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, SWAP=True),
+    _cfg(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, SWAP=True),
+    _cfg(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=True, SWAP=True),
     # (int8 only: a 128x128 tile on one warpgroup, persistent)
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True, PERSISTENT=1),
     # int8 / bf16 through the Gluon kernel (int8: its wgmma asynchronous; num_stages = its TMA
