@@ -441,12 +441,12 @@ def test_paths_time_every_variant(cpu_tuner):
         cfg, "bf16", [8, 16], lambda t, g: [("ht", 16)] if t > 8 else [("ht", 16), ("ll", 0)]
     )
     assert len(calls) == 6 and list(p["us"]) == ["ht@16", "ll"] and list(q["us"]) == ["ht@16"]
+    assert (q["path"], q["alignment"], q["t"]) == ("ht", 16, 16)
+    assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
     # up to the GEMV cutoff (the tuner's to the variants): the GEMVs timed against LL
     (p,) = tuner.paths(cfg, "bf16", [1], tg.path_variants)
     assert tg.gemv_cutoff(cfg, "bf16") >= 1 and list(p["us"]) == ["gemv", "ll"]
     assert len(calls) == 8 and p["path"] in ("gemv", "ll")
-    assert (q["path"], q["alignment"], q["t"]) == ("ht", 16, 16)
-    assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
 
 
 def test_resume_skips_what_the_file_has():
