@@ -41,9 +41,7 @@ RAW = {
 # ------------------------------------------------------------------------------ launch heuristics
 TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
 INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
-# compares (K_PAD x BLOCK_N ids, in registers) per step of a program's slot count: each step is
-# a dependent L2 read (the last tokens' programs of T = 512 / top-8 take 4, were 8)
-SLOT_COMPARES = 8192
+BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -211,9 +209,8 @@ def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, 
         (T, H, C, E, expert_lo, NG, G, chunks, width, *x_strides, *id_strides, *s_strides),
         dict(
             K=K, K_PAD=k_pad, QUANT=qs.kernel_code, R=R, W=W, SINGLE=chunks == 1,
-            BLOCK_N=max(SLOT_COMPARES // k_pad, k_pad), NUM_BINS=_launch.pow2(E + 1),
-            ASSERT=in_kernel, PAD=width is not None, num_warps=_warps(R * W),
-            **_checks.assert_build(in_kernel),
+            BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
+            PAD=width is not None, num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
 

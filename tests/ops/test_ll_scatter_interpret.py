@@ -26,7 +26,7 @@ def blocks(request, monkeypatch):
     """Default tiling, and tiny blocks: the slot count loops over several id blocks, rows span
     several chunks (fp8: 2 groups a program; int8: the two-read path for the token's scale)."""
     if request.param == "small_blocks":
-        monkeypatch.setattr(KS, "SLOT_COMPARES", 16)
+        monkeypatch.setattr(KS, "BLOCK_N", 8)
         monkeypatch.setattr(KS, "TILE", 256)
         monkeypatch.setattr(KS, "INT8_SINGLE_MAX", 128)
         monkeypatch.setattr(KG, "GATHER_BYTES", 128)  # (test_roundtrip's gather)
