@@ -132,11 +132,12 @@ def _bound(y, masked_m, expert_offsets) -> Tuple[torch.Tensor, int]:
     return y, _NO_BOUND  # placeholder pointer, never read
 
 
-def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig) -> int:
-    """Row-block slots (grid axis 0). With m_indices, or with expert_offsets, a fixed number of
-    programs loops over the row blocks (prefetching the next block's m_indices); programs past
-    the bound (the unused tail) then never start."""
-    slots = num_slots(E, T, kind == _MASKED, block_m)
+def _slots(E, T, kind: int, block_m: int, has_rows: bool, cfg: ActivationConfig,
+           chunks: int = 1) -> int:  # fmt: skip
+    """Row-block slots (grid axis 0) of rows in ``chunks`` column programs. With m_indices, or
+    with expert_offsets, a fixed number of programs loops over the row blocks (prefetching the
+    next block's m_indices); programs past the bound (the unused tail) then never start."""
+    slots = num_slots(E, T, kind == _MASKED, block_m, chunks)
     # (imin: the rows may be an unbacked size, exact-size HT under torch.compile, and min()
     # would guard on it)
     if kind == _OFFSETS:
@@ -168,13 +169,14 @@ def _silu_launch(shape, y_strides, kind, has_rows, spec, b_strides, cfg, qcfg):
     she, sht = (T * inter if len(shape) == 3 else 0), inter
     block = min(_launch.pow2(max(inter, 1)), cfg.silu_tile)
     block_m = 1 if kind == _MASKED else cfg.silu_block_m
-    slots = _slots(E, T, kind, block_m, has_rows, cfg)
+    chunks = _launch.cdiv(inter, block)
+    slots = _slots(E, T, kind, block_m, has_rows, cfg, chunks)
     # no `if` on sizes: T may be unbacked (exact-size HT under torch.compile); an empty grid
     # launches nothing
     b_tail, b_meta = _bias_args(b_strides)
     return _launch.Prepared(
         _silu_mul_kernel,
-        (slots, E, _launch.cdiv(inter, block)),
+        (slots, E, chunks),
         (T, inter, slots, sye, syt, syh, she, sht, *b_tail),
         dict(
             BLOCK=block, BLOCK_M=block_m, HAS_MASK=kind != _NO_BOUND, HAS_ROWS=has_rows,
@@ -223,10 +225,11 @@ def _silu_quant_launch(scheme, group_size, shape, y_strides, s_strides, kind, ha
     if quant.get(scheme, OPQ, "scheme").act_group is not None:  # grouped scales: fp8's kernel
         groups = inter // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
-        slots = _slots(E, T, kind, block_m, has_rows, cfg)
+        chunks = _launch.cdiv(groups, gpp)
+        slots = _slots(E, T, kind, block_m, has_rows, cfg, chunks)
         return _launch.Prepared(
             _silu_mul_fp8_kernel,
-            (slots, E, _launch.cdiv(groups, gpp)),
+            (slots, E, chunks),
             (T, inter, groups, slots, sye, syt, syh, sqe, sqt, sse, sst, ssg, *b_tail),
             dict(
                 GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,

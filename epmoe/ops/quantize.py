@@ -214,19 +214,21 @@ def _warps(elements: int) -> int:
     return CONFIG.max_warps if elements > 4096 else 4
 
 
-def num_slots(e: int, t: int, masked: bool, block_m: int = 1) -> int:
+def num_slots(e: int, t: int, masked: bool, block_m: int = 1, chunks: int = 1) -> int:
     """Row-block slots per expert (grid axis 0); a program handles row blocks slot, slot + slots,
     ... of ``block_m`` rows each.
 
     Unmasked: one block per program. Masked: enough programs to fill the GPU when few rows are
-    live, a fixed number so the grid does not depend on masked_m.
+    live, a fixed number so the grid does not depend on masked_m; ``chunks`` column programs a
+    row (grid axis 2) count toward that number (Mixtral's 8 experts x 14 chunks of I = 14336 at
+    256 slots launched 28672 programs, nearly all past the counts).
     """
     blocks = _launch.cdiv(t, block_m)
     if not masked:
         return blocks
     # (imin: t may be an unbacked size under torch.compile, and min() would guard on it)
     cfg = CONFIG
-    return _launch.imin(blocks, max(cfg.min_slots, cfg.masked_programs // max(e, 1)))
+    return _launch.imin(blocks, max(cfg.min_slots, cfg.masked_programs // max(e * chunks, 1)))
 
 
 def fp8_tiling(groups: int, group_size: int, masked: bool, cfg) -> Tuple[int, int, int]:
@@ -289,10 +291,11 @@ def _quant_launch(scheme, group_size, shape, x_strides, q_strides, s_strides, ma
     if quant.get(scheme, OP, "scheme").act_group is not None:  # scales per channel group
         groups = wd // group_size
         block_g, gpp, block_m = fp8_tiling(groups, group_size, masked, cfg)
-        slots = num_slots(E, T, masked, block_m)
+        chunks = _launch.cdiv(groups, gpp)
+        slots = num_slots(E, T, masked, block_m, chunks)
         return _launch.Prepared(
             _quant_fp8_kernel,
-            (slots, E, _launch.cdiv(groups, gpp)),
+            (slots, E, chunks),
             (T, H, groups, slots, sxe, sxt, sxh, sqe, sqt, sse, sst, ssg),
             dict(
                 GROUP=group_size, BLOCK_G=block_g, GROUPS_PER_PROG=gpp, BLOCK_M=block_m,

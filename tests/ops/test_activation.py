@@ -228,6 +228,28 @@ def test_bias_3d_and_width_rules():
     assert q.shape == (2, 128) and s.shape == (2, 1)
 
 
+@pytest.mark.parametrize("E, inter", [(8, 14336), (128, 768)])
+def test_masked_grid_counts_column_programs(E, inter):
+    """Masked (decode) grids: row slots x experts x column programs stay near masked_programs
+    whatever the row width (Mixtral's I = 14336 in 14 / 7 column programs launched 28672 / 14336
+    programs at 256 slots, nearly all past the counts); Qwen3's (one column program) keep 16."""
+    Q = importlib.import_module("epmoe.ops.quantize")
+    T, shape = 512, (E, 512, 2 * inter)
+    strides = (T * 2 * inter, 2 * inter, 1)
+    s_strides = (T * inter // 128, inter // 128, 1)
+    bf16 = A._silu_launch(shape, strides, A._MASKED, False, "silu", None, A.CONFIG, Q.CONFIG)
+    fp8 = A._silu_quant_launch("fp8", 128, shape, strides, s_strides, A._MASKED, False, "silu",
+                               None, A.CONFIG, Q.CONFIG)  # fmt: skip
+    x_strides = (T * inter, inter, 1)
+    qz = Q._quant_launch("fp8", 128, (E, T, inter), x_strides, x_strides, s_strides, True, Q.CONFIG)
+    for launch in (bf16, fp8, qz):
+        slots, experts, chunks = launch.grid
+        assert experts == E and slots * experts * chunks <= 2 * Q.CONFIG.masked_programs
+        assert slots >= Q.CONFIG.min_slots
+    if E == 128:  # (one column program: as before)
+        assert bf16.grid == fp8.grid == (16, 128, 1)
+
+
 def test_fast_path_takes_plain_tensors_only():
     """The public functions' one-pass fast path (the contract's ``direct``): y and expert_offsets
     must be plain tensors without grad, as _eager.direct asks of every tensor; a Parameter or a
