@@ -47,10 +47,12 @@ from epmoe.ops import gemv as _gemv
 from epmoe.ops.gemm import (
     _tuned,
     fuses_gate,
+    fuses_masked_gate,
     gathers,
     grouped_gemm_contiguous,
     grouped_gemm_gate,
     grouped_gemm_masked,
+    grouped_gemm_masked_gate,
     masked_row_block,
     smallest_row_block,
 )
@@ -108,6 +110,7 @@ class _Stages(NamedTuple):
     grouped_gemm_contiguous: Callable
     grouped_gemm_masked: Callable
     grouped_gemm_gate: Callable
+    grouped_gemm_masked_gate: Callable
     silu_and_mul: Callable
     silu_and_mul_quant: Callable
     unpermute: Callable
@@ -124,9 +127,9 @@ class _Stages(NamedTuple):
 # checks its inputs, .chained is its op with the chain's arguments, .launch its CUDA launch
 STAGE_TABLE = _Stages(
     quantize, _dispatch.ht_dispatch, permute, grouped_gemm_contiguous, grouped_gemm_masked,
-    grouped_gemm_gate, _act.silu_and_mul, _act.silu_and_mul_quant, unpermute, _combine.ht_combine,
-    _dispatch.ll_dispatch, _combine.ll_combine, ll_scatter, ll_gather, _gemv.gemv_gate_up,
-    _gemv.gemv_down,
+    grouped_gemm_gate, grouped_gemm_masked_gate, _act.silu_and_mul, _act.silu_and_mul_quant,
+    unpermute, _combine.ht_combine, _dispatch.ll_dispatch, _combine.ll_combine, ll_scatter,
+    ll_gather, _gemv.gemv_gate_up, _gemv.gemv_down,
 )  # fmt: skip
 # the table's three views: record_stages(replace=...) hooks stand between stages: each checks
 _PUBLIC = STAGE_TABLE
@@ -338,11 +341,12 @@ class EPMoE(nn.Module):
                 self._gate_spec, self.bias,
             )  # fmt: skip
         self._alignment_given = alignment_given
-        # HT may run GEMM1 and the gate as one kernel: only where this GPU's table has measured it
-        self._may_fuse = _tuned.has(
-            "gate", self.scheme, self.inter_padded, self.hidden_padded, self.num_local_experts,
+        # HT / LL may run GEMM1 and the gate as one kernel: only where this GPU's table has
+        # measured it
+        self._may_fuse, self._may_fuse_ll = (_tuned.has(
+            layout, self.scheme, self.inter_padded, self.hidden_padded, self.num_local_experts,
             device, self._gate_spec, self.bias,
-        )  # fmt: skip
+        ) for layout in ("gate", "masked_gate"))  # fmt: skip
         # HT's GEMM1 may read its rows of x itself (permute copying none): where measured faster
         self._may_gather = _tuned.has(
             "gather", self.scheme, self.gate.width(self.inter_padded), self.hidden_padded,
@@ -724,28 +728,21 @@ class EPMoE(nn.Module):
             (True, (self.w1, self.w1_scale), (self.gate.width(I), H)),
             (False, (self.w2, self.w2_scale), (H, I)),
         ):
+            # (GEMM1 as the forward pass runs it: fused with the gate where measured faster)
+            gate = dict(gate=self._gate_spec, bias=self.b1) if gemm1 else {}
             for alignment, sizes in ht.items():
                 cap = self.max_tokens_per_rank if self.worst_case and not self.local else None
                 rows = [self.world_size * (cap or t) for t in sizes]
                 m = [reference.permuted_rows(r, self.top_k, E, alignment) for r in rows]
-                # (GEMM1 as the forward pass runs it: fused with the gate where measured faster)
-                gate = dict(gate=self._gate_spec, bias=self.b1) if gemm1 else {}
                 gemm.warmup(
                     self.quant, E, n, k, self.device, contiguous_m=m, w=w, w_scales=s,
                     alignment=alignment, **gate,
                 )  # fmt: skip
             for em in ll:  # (LL sizes by their expected rows per expert)
                 gemm.warmup(
-                    self.quant,
-                    E,
-                    n,
-                    k,
-                    self.device,
-                    masked_t=self.ll_capacity,
-                    expected_m=em,
-                    w=w,
-                    w_scales=s,
-                )
+                    self.quant, E, n, k, self.device, masked_t=self.ll_capacity, expected_m=em,
+                    w=w, w_scales=s, **gate,
+                )  # fmt: skip
 
     def expected_m(self, num_tokens: Optional[int] = None) -> int:
         """Static hint of rows per local expert in an LL call of ``num_tokens`` tokens per rank
@@ -806,8 +803,20 @@ class EPMoE(nn.Module):
         # (the counts come from a dispatch that clamps them to the capacity)
         kw = dict(masked_m=masked_m, expected_m=expected_m, trusted=True)
         mm, b = st.grouped_gemm_masked, self._buffers
-        y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
-        y = self._emit("gemm1", y)
-        h, hs = self._emit("act", self._act(st, y, masked_m))
+        E, T = a.shape[:2]
+        if self._may_fuse_ll and fuses_masked_gate(
+            self.scheme, self.device, self.inter_padded, self.hidden_padded, E, T, expected_m,
+            self._gate_spec, self.bias,
+        ):  # fmt: skip
+            # (this GPU measured GEMM1 and the gate faster as one kernel at this size)
+            h, hs = st.grouped_gemm_masked_gate(
+                a, b["w1"], masked_m, s, b["w1_scale"], self._gate_spec, b["b1"],
+                self._scale_layout, expected_m, True,
+            )  # fmt: skip
+            h, hs = self._emit("act", (h, hs if self.scheme.quantized else None))
+        else:
+            y = mm(a, b["w1"], a_scales=s, w_scales=b["w1_scale"], **kw)
+            y = self._emit("gemm1", y)
+            h, hs = self._emit("act", self._act(st, y, masked_m))
         y = mm(h, b["w2"], a_scales=hs, w_scales=b["w2_scale"], **kw)
         return self._emit("gemm2", y)

@@ -78,13 +78,15 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     """The kernel launches ``launch()`` makes, with their arguments (nothing runs)."""
     calls: List[Launch] = []
     saved = (_launch.kernel, _checks.check_values, _checks.check_codes, G._masked_kernel,
-             G._contiguous_kernel, G._contiguous_gate_kernel, G._gluon_kernel)  # fmt: skip
+             G._contiguous_kernel, G._contiguous_gate_kernel, G._gluon_kernel,
+             G._masked_gate_kernel)  # fmt: skip
     _launch.kernel = lambda fn: _Recorder(fn, calls)  # every stage launches through it
     _checks.check_values = _checks.check_codes = lambda *a, **k: None
     # the GEMM kernels are launched directly (with an explicit config: no autotuner)
     G._masked_kernel = _Recorder(G._masked_kernel, calls)
     G._contiguous_kernel = _Recorder(G._contiguous_kernel, calls)
     G._contiguous_gate_kernel = _Recorder(G._contiguous_gate_kernel, calls)
+    G._masked_gate_kernel = _Recorder(G._masked_gate_kernel, calls)
     gluon = {lay: _Recorder(saved[6](lay), calls) for lay in ("contiguous", "masked", "gate")}
     G._gluon_kernel = gluon.__getitem__
     try:
@@ -92,7 +94,7 @@ def record(launch: Callable[[], object]) -> List[Launch]:
     finally:
         _launch.kernel, _checks.check_values, _checks.check_codes = saved[:3]
         G._masked_kernel, G._contiguous_kernel, G._contiguous_gate_kernel = saved[3:6]
-        G._gluon_kernel = saved[6]
+        G._gluon_kernel, G._masked_gate_kernel = saved[6:8]
     return calls
 
 
@@ -364,6 +366,22 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ("silu", False, True),
             )
             for args, kw in [_contiguous_operands(sch, gate.get(spec).width(256), gathered)]
+        ],  # fmt: skip
+        "masked GEMM1 + gate (every scheme and candidate config; gpt-oss's gate, biases)": lambda: [
+            G.masked_gate_triton(
+                *_gemm_operands(sch, (4, t), 4, gate.get(spec).width(256), 512, counts=mm),
+                gate.get(spec),
+                torch.zeros((4, gate.get(spec).width(256))) if bias else None,
+                torch.empty((4, t, 256), dtype=torch.float8_e4m3fn if sch == "fp8" else bf.dtype),
+                torch.empty((4, t, 2)) if sch == "fp8" else torch.empty((4, t, 0)),
+                em,
+                config=_launch_options(c),
+            )
+            for sch in ("bf16", "fp8", "int8")
+            for c in G._MASKED_GATE_CONFIGS
+            for t, em in ((16, 0), (64, 32))
+            if G.fits_masked_gate(c.all_kwargs(), _code(sch), G._masked_tiling(t, em)[0])
+            for spec, bias in (("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True))
         ],  # fmt: skip
         # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [

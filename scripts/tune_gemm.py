@@ -20,6 +20,9 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   (``grouped_gemm_gate``; int8: its bf16 h, then the quantize stage on h's rows) against
   "unfused", GEMM1 on the backend the layer picks then the activation stage; N = I (h's
   channels). The layer fuses where "triton" won.
+- masked_gate (``--layouts masked_gate``, after the others, reading their entries as the layer
+  does), as masked GEMM1: the same on the masked layout (``grouped_gemm_masked_gate``) against
+  masked GEMM1 on the table's backend then the activation stage.
 - gather (``--layouts gather``, after the others, reading their entries as the layer does), per
   row block and T where GEMM1 runs on our Triton kernels: the HT path's permute and GEMM1 (fused
   with the gate where the table says so) on x of T tokens: "copy" (permute copies the rows) against
@@ -119,7 +122,7 @@ _FATAL = ("illegal memory access", "device-side assert", "unspecified launch fai
 class Problem(NamedTuple):
     """One GEMM problem to tune: the entry's key (the first seven fields) and how to build it."""
 
-    layout: str  # "contiguous" | "masked" | "gate" | "gather"
+    layout: str  # "contiguous" | "masked" | "gate" | "gather" | "masked_gate"
     scheme: str
     N: int
     K: int
@@ -129,7 +132,8 @@ class Problem(NamedTuple):
     tokens: int  # T of the routing
     rows: int  # rows of a: contiguous M_sum, masked the slot capacity C
     top_k: int
-    gate: str = "silu"  # "gate" / "gather" problems: the layer's gate and whether it has biases
+    # "gate" / "gather" / "masked_gate" problems: the layer's gate and whether it has biases
+    gate: str = "silu"
     bias: bool = False
 
 
@@ -195,6 +199,24 @@ def masked_problems(cfg, scheme: str, tokens: Iterable[int],
                 yield p
 
 
+def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
+                         max_tokens: int = LL_MAX_TOKENS) -> Iterator[Problem]:  # fmt: skip
+    """Masked GEMM1 and the gate as one kernel, per T as GEMM1's masked problems: N = I (h's
+    channels), K = H, the config's gate and biases."""
+    (width, k), _ = gemm_sizes(cfg, scheme)
+    spec = _gate.get(cfg.gate).spec
+    n, E, K, seen = _gate.get(spec).inter(width), cfg.local_experts, cfg.top_k, set()
+    for t in tokens:
+        if t > max_tokens:
+            continue
+        c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
+        block_m, _ = _triton._masked_tiling(c, em)
+        p = Problem("masked_gate", scheme, n, k, E, block_m, em, t, c, K, spec, bool(cfg.bias))
+        if p[:7] not in seen:
+            seen.add(p[:7])
+            yield p
+
+
 def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
                   tokens: Iterable[int]) -> Iterator[Problem]:  # fmt: skip
     """GEMM1 and the gate as one kernel (int8: then the quantize stage on h's rows), per row
@@ -239,6 +261,9 @@ def candidates(layout: str, scheme: str, block: int) -> List[Dict]:
     if layout == "gate":
         return [config_dict(c) for c in _triton._GATE_CONFIGS
                 if _triton.fits_gate(c.all_kwargs(), code, block)]  # fmt: skip
+    if layout == "masked_gate":
+        return [config_dict(c) for c in _triton._MASKED_GATE_CONFIGS
+                if _triton.fits_masked_gate(c.all_kwargs(), code, block)]  # fmt: skip
     configs = _triton._CONTIGUOUS_CONFIGS if layout == "contiguous" else _triton._MASKED_CONFIGS
     row_block, block_m = (block, 0) if layout == "contiguous" else (0, block)
     return [config_dict(c) for c in configs
@@ -274,7 +299,7 @@ def ranking(measured: Iterable[Measured]) -> List[str]:
 
 def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
     """The table entry of problem ``p`` (``_tuned`` module docstring)."""
-    layer = dict(gate=p.gate, bias=p.bias) if p.layout in ("gate", "gather") else {}
+    layer = dict(gate=p.gate, bias=p.bias) if p.layout in _tuned._LAYER_KEYED else {}
     return dict(layout=p.layout, scheme=p.scheme, N=p.N, K=p.K, E=p.E, block=p.block, m=p.m,
                 **layer, config=config, backend=backend, us=us)  # fmt: skip
 
@@ -522,7 +547,7 @@ def gate_check(a, w, g, picks) -> Check:
                       for e, idx in picks])  # fmt: skip
 
     def check(fn: Callable[[], object]) -> Optional[str]:
-        bait = torch.full((a.shape[0], want.shape[1]), math.nan, dtype=torch.bfloat16,
+        bait = torch.full((*a.shape[:-1], want.shape[1]), math.nan, dtype=torch.bfloat16,
                           device=a.device)  # fmt: skip
         del bait
         h = fn()[0]
@@ -576,9 +601,10 @@ class Tuner:
         """The backends that run ``p`` on this device (``_select._runs``), Triton first ("gate":
         our fused kernel, and "unfused": GEMM1 then the activation stage, as the layer runs
         them)."""
-        scheme, row_block = quant.get(p.scheme), p.block if p.layout != "masked" else 0
-        if p.layout == "gate":
-            ok = _select._runs("triton", scheme, "contiguous", self.device, p.N, p.K, row_block)
+        scheme, row_block = quant.get(p.scheme), p.block if "masked" not in p.layout else 0
+        if p.layout in ("gate", "masked_gate"):
+            kind = "contiguous" if p.layout == "gate" else "masked"
+            ok = _select._runs("triton", scheme, kind, self.device, p.N, p.K, row_block)
             return ["triton", "unfused"] if ok else []
         names = ("triton", *OTHER_BACKENDS[p.layout])
         return [
@@ -592,7 +618,7 @@ class Tuner:
         if "triton" not in backends:
             return []
         ids = routing(p.tokens, p.E, p.top_k, dev)
-        if p.layout == "gate":
+        if p.layout in ("gate", "masked_gate"):
             return self.gate(p, w, w_s, ids)
         if p.layout == "contiguous":
             a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
@@ -630,34 +656,44 @@ class Tuner:
         return out
 
     def gate(self, p: Problem, w, w_s, ids) -> List[Measured]:
-        """Every fitting config of the fused GEMM1 + gate kernel, and the unfused pair (the GEMM1
-        backend the layer picks, then the activation stage), on one set of operands."""
+        """Every fitting config of the fused GEMM1 + gate kernel of ``p``'s layout ("gate":
+        contiguous, "masked_gate": masked), and the unfused pair (GEMM1 on the backend the layer
+        picks, then the activation stage), on one set of operands."""
         scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
-        g = _gate.get(p.gate)
-        a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
-        _, _, m_idx, _, offsets, _ = reference.permute(
-            torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
-        )
+        g, layout = _gate.get(p.gate), scheme.cuda_scale_layout
+        if p.layout == "gate":
+            a, a_s = _acts(scheme, (p.rows,), p.K, self.gen, dev)
+            _, _, m_idx, _, offsets, _ = reference.permute(
+                torch.zeros((p.tokens, 1), device=dev), ids, p.E, p.block
+            )
+            fused, picks = part(_ops.gate_triton, a, w, m_idx), sample_picks(m_indices=m_idx)
+            gemm1 = part(gemm.grouped_gemm_contiguous, a, w, m_idx, a_s, w_s, offsets, True,
+                         p.block)  # fmt: skip
+            rows, meta = dict(m_indices=m_idx, expert_offsets=offsets), p.block
+        else:
+            a, a_s = _acts(scheme, (p.E, p.rows), p.K, self.gen, dev)
+            counts = torch.bincount(ids.flatten(), minlength=p.E).to(torch.int32)
+            fused, picks = part(_ops.masked_gate_op_triton, a, w, counts), \
+                sample_picks(counts=counts)  # fmt: skip
+            gemm1 = part(gemm.grouped_gemm_masked, a, w, counts, a_s, w_s, p.m, True)
+            rows, meta = dict(masked_m=counts), p.m
         bias = None
         if p.bias:
             bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
                 -0.1, 0.1, generator=self.gen
             )
-        layout = scheme.cuda_scale_layout
-        run = part(_ops.gate_triton, a, w, m_idx, a_s, w_s, g, bias, layout, p.block)
+        run = part(fused, a_s, w_s, g, bias, layout, meta)
         # (bf16 without bias: h checked, as the GEMM candidates' outputs are)
-        chk = None if scheme.quantized or bias is not None else \
-            gate_check(a, w, g, sample_picks(m_indices=m_idx))  # fmt: skip
+        chk = None if scheme.quantized or bias is not None else gate_check(a, w, g, picks)
         out = [self.measure("triton", part(run, config=c), c, check=chk)
-               for c in candidates("gate", p.scheme, p.block)]  # fmt: skip
-        kw = dict(m_indices=m_idx, expert_offsets=offsets)
+               for c in candidates(p.layout, p.scheme, p.block)]  # fmt: skip
 
         def unfused():
-            y = gemm.grouped_gemm_contiguous(a, w, m_idx, a_s, w_s, offsets, True, p.block)
+            y = gemm1()
             if not scheme.quantized:
-                return activation.silu_and_mul(y, gate=g.spec, bias=bias, **kw)
+                return activation.silu_and_mul(y, gate=g.spec, bias=bias, **rows)
             return activation.silu_and_mul_quant(y, p.scheme, scale_layout=layout, gate=g.spec,
-                                                 bias=bias, **kw)  # fmt: skip
+                                                 bias=bias, **rows)  # fmt: skip
 
         out.append(self.measure("unfused", unfused))
         return out
@@ -707,7 +743,8 @@ class Tuner:
     def weights(self, p: Problem, cache: Dict[Tuple, Tuple]) -> Tuple:
         """(w, w_scales) of ``p``'s GEMM, made once per scheme and shape (``cache`` holds the
         last one: the previous shape's are freed first)."""
-        rows = _gate.get(p.gate).width(p.N) if p.layout == "gate" else p.N  # (w1's rows)
+        gated = p.layout in ("gate", "masked_gate")
+        rows = _gate.get(p.gate).width(p.N) if gated else p.N  # (w1's rows)
         key = (p.scheme, p.E, rows, p.K)
         if key not in cache:
             cache.clear()
@@ -908,15 +945,22 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
                 for e in tuner.gemm_entries(problems):
                     entries.append(e)
                 save()
-                gathered = []
-                if "gather" in a.layouts:  # (after the GEMMs: GEMM1's backend is read from them)
-                    gathered = list(gather_problems(cfg, scheme, a.row_blocks, a.tokens))
+                # after the GEMMs, reading their entries as the layer does: gathering (GEMM1's
+                # backend), masked GEMM1 + gate (the unfused pair's masked GEMM1)
+                later = (
+                    ("gather", gather_problems(cfg, scheme, a.row_blocks, a.tokens),
+                     tuner.gather_entries),
+                    ("masked_gate", masked_gate_problems(cfg, scheme, a.tokens),
+                     tuner.gemm_entries),
+                )  # fmt: skip
+                for layout, found, measure in later:
+                    todo = list(found) if layout in a.layouts else []
                     if a.resume:
-                        gathered, _ = pending(old, gathered)
-                if gathered:
-                    with reading_table(merge(old, entries, paths, header(name)), name):
-                        entries.extend(tuner.gather_entries(gathered))
-                    save()
+                        todo, _ = pending(old, todo)
+                    if todo:
+                        with reading_table(merge(old, entries, paths, header(name)), name):
+                            entries.extend(measure(todo))
+                        save()
             if not (a.paths or a.paths_only):
                 continue
             ts = sorted(set(a.tokens))

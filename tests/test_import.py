@@ -10,7 +10,8 @@ from epmoe import ops, reference
 assert "deep_ep" not in sys.modules and "deep_gemm" not in sys.modules, "GPU backend imported"
 assert not torch.cuda.is_initialized(), "CUDA initialized on import"
 names = ["quantize", "permute", "unpermute", "silu_and_mul", "silu_and_mul_quant",
-         "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_gate", "ht_dispatch",
+         "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_gate",
+         "grouped_gemm_masked_gate", "ht_dispatch",
          "ht_dispatch_exact",
          "ht_combine", "ll_dispatch", "ll_combine", "gemv_gate_up", "gemv_down"]
 missing = [n for n in names if not hasattr(torch.ops.epmoe, n)]

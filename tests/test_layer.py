@@ -244,7 +244,59 @@ def test_ht_fused_gate_where_measured(quant, monkeypatch):
     assert torch.equal(out, want) and "gemm1" not in rec and "act" in rec
     Hp, Ip = fused.hidden_padded, fused.inter_padded
     assert asked == [(quant, Ip, Hp, 8, 16, rec["permute"].m_indices.shape[0], gate, True)]
-    assert has == [(gate, True)] * 2  # (the "gate" and "gather" entries)
+    assert has == [(gate, True)] * 3  # (the "gate", "masked_gate" and "gather" entries)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("gate", ["silu:alpha=1.702,limit=7.0,up_offset=1.0", "silu"])
+def test_ll_fused_gate_where_measured(quant, gate, monkeypatch):
+    """Where this GPU's table measured masked GEMM1 and the gate faster as one kernel, LL runs
+    grouped_gemm_masked_gate: the same bytes as masked GEMM1 then the activation (its CPU kernel
+    is their references), with the gate, the biases, the padded sizes and the slots the layer
+    passes."""
+    from epmoe import layer as layer_mod
+
+    asked = []
+
+    def fuses(scheme, device, inter, k, e, t, expected_m, gate, bias):
+        asked.append((str(scheme), inter, k, e, t, expected_m, gate, bias))
+        return True
+
+    bias = gate != "silu"  # (the plain SiLU without biases: what `epmoe demo` checks)
+    shape = dict(num_experts=8, hidden_size=200, intermediate_size=72, top_k=2)
+    kw = dict(quant=quant, mode="ll", max_tokens_per_rank=32, gate=gate, bias=bias,
+              backend="local", device="cpu")  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    w1, w2 = torch.randn(8, 144, 200, generator=g) / 14, torch.randn(8, 200, 72, generator=g) / 9
+    b1, b2 = (torch.randn(8, 144, generator=g), torch.randn(8, 200, generator=g)) if bias else \
+        (None, None)  # fmt: skip
+    x, ids, w = tokens(24, seed=4, **shape)
+    plain = epmoe.EPMoE(**shape, **kw)
+    plain.load_weights(w1, w2, b1=b1, b2=b2)
+    with plain.record_stages() as want_rec:
+        want = plain(x, ids, w)
+    monkeypatch.setattr(layer_mod, "fuses_masked_gate", fuses)
+    has = []  # (a table with "masked_gate" entries of this layer's gate and biases)
+    monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: has.append(args[0]) or True)
+    fused = epmoe.EPMoE(**shape, **kw)
+    fused.load_weights(w1, w2, b1=b1, b2=b2)
+    with fused.record_stages() as rec:
+        out = fused(x, ids, w)
+    assert "gemm1" in want_rec and "gemm1" not in rec and "act" in rec
+    assert torch.equal(out, want)
+    Hp, Ip = fused.hidden_padded, fused.inter_padded
+    a, sc, masked_m, _ = rec["ll_scatter"]
+    assert asked == [(quant, Ip, Hp, 8, a.shape[1], fused.expected_m(24), gate, bias)]
+    assert "masked_gate" in has
+    if bias:
+        return
+    # `epmoe demo`'s stage checks take a fused record (act against GEMM1's reference)
+    from epmoe.cli import _demo_checks as D
+
+    chk = D.Checks("ll", quant, None)
+    live = torch.arange(a.shape[1])[None, :] < masked_m[:, None]
+    D.check_experts_ll(chk, fused, rec, a, sc if quant != "bf16" else None, masked_m, live)
+    assert len(chk.rows) >= 2 and all(r.ok for r in chk.rows), chk.rows
 
 
 @pytest.mark.parametrize(

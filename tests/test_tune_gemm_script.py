@@ -104,6 +104,25 @@ def test_masked_problems():
     assert by_t[8].block == 16 and by_t[512].block == 64  # (32 rows per expert reach ~46)
 
 
+def test_masked_gate_problems():
+    """Masked GEMM1 + gate: GEMM1's masked problems with N = h's channels, K = H, the config's gate
+    and biases; fp8 candidates of one scale group a tile, none past the accumulators' limit."""
+    cfg = CONFIGS["gpt-oss-20b"]  # E 32, top-4
+    ps = list(tg.masked_gate_problems(cfg, "fp8", (8, 100, 512, 2048)))
+    assert [p.tokens for p in ps] == [8, 100, 512]  # (2048: past the LL sizes)
+    assert all((p.N, p.K, p.E, p.layout) == (2944, 2944, 32, "masked_gate") for p in ps)
+    assert all(p.gate == cfg.gate and p.bias for p in ps)
+    for p in ps:
+        assert p.block == _triton._masked_tiling(p.rows, p.m)[0] and p.m == -(-p.tokens * 4 // 32)
+    e = tg.gemm_entry(ps[0], "unfused", {}, {"unfused": 2.0})
+    assert _tuned.problem(e) == ("masked_gate", "fp8", 2944, 2944, 32, 16, cfg.gate, True)
+    assert "masked_gate" in tg.parse_args([]).layouts
+    assert tg.candidates("masked_gate", "fp8", 16)
+    assert all(c["BLOCK_N"] == 128 for c in tg.candidates("masked_gate", "fp8", 32))
+    assert not tg.candidates("masked_gate", "fp8", 64)  # (two 64x128 float32 sums spill)
+    assert tg.candidates("masked_gate", "bf16", 64) and tg.candidates("masked_gate", "int8", 64)
+
+
 def test_candidates_are_the_fitting_configs():
     for rb in (16, 32, 64, 128):
         got = tg.candidates("contiguous", "bf16", rb)
@@ -326,6 +345,20 @@ def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, sche
     assert e["config"] == tg.candidates("gate", scheme, 16)[0] and e["layout"] == "gate"
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, scheme):
+    tuner, calls = cpu_tuner
+    cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
+    (p,) = tg.masked_gate_problems(cfg, scheme, (4,))
+    (e,) = tuner.gemm_entries([p])
+    n = len(tg.candidates("masked_gate", scheme, p.block))
+    assert n and len(calls) == n + 1 and tuner.errors == 0  # (every config, then the pair)
+    assert set(e["us"]) == {"triton", "unfused"} and e["backend"] == "triton"
+    assert e["config"] == tg.candidates("masked_gate", scheme, p.block)[0]
+    assert (e["layout"], e["gate"], e["bias"]) == ("masked_gate", cfg.gate, True)
+
+
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     tuner, _ = cpu_tuner
     real = _triton.masked_triton
@@ -409,6 +442,28 @@ def test_output_check_reads_the_sampled_rows_of_each_layout():
     assert check(lambda: want3) is not None
 
 
+def test_gate_check_reads_h_of_the_masked_layout():
+    """The bf16 gate check of the masked layout: sampled slot rows (expert, rows) of h `[E, T, I]`;
+    rows past the counts are never sampled."""
+    from epmoe import gate as G
+
+    gen = torch.Generator().manual_seed(7)
+    E, T, I, K = 3, 8, 16, 32
+    g = G.get("silu")
+    w = torch.randn((E, 2 * I, K), generator=gen).to(torch.bfloat16)
+    a = torch.randn((E, T, K), generator=gen).to(torch.bfloat16)
+    counts = torch.tensor([5, 0, 8], dtype=torch.int32)
+    h = g.reference(reference.grouped_gemm_masked(a, w, torch.full((E,), T)).float())
+    h = h.to(torch.bfloat16)
+    check = tg.gate_check(a, w, g, tg.sample_picks(counts=counts))
+    assert check(lambda: (h, None)) is None
+    bad = h.clone()
+    bad[0, 6], bad[1] = 1e4, 1e4  # (past the counts: never sampled)
+    assert check(lambda: (bad, None)) is None
+    bad[2, 7] += 1.0
+    assert "wrong output" in check(lambda: (bad, None))
+
+
 def test_gate_check_reads_h_of_the_sampled_rows():
     from epmoe import gate as G
 
@@ -475,7 +530,7 @@ def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
     assert json.loads(out.read_text()) == doc and old in doc["entries"]
     assert {(e["layout"], e["N"], e["K"]) for e in doc["entries"] if e != old} == {
         (layout, 256, k) for layout in ("contiguous", "masked") for k in (256, 128)
-    } | {("gather", 256, 256), ("gate", 128, 256)}  # (GEMM1 gathering; GEMM1 + gate)
+    } | {("gather", 256, 256), ("gate", 128, 256), ("masked_gate", 128, 256)}  # (GEMM1 fused)
     (g,) = [e for e in doc["entries"] if e["layout"] == "gather"]
     assert set(g["us"]) == {"copy", "gather"} and g["backend"] == "copy"  # (the first timed)
     (p,) = doc["paths"]

@@ -141,6 +141,59 @@ def test_gemm_gate_opcheck_and_bad_input(seed):
             ops.grouped_gemm_gate(*args, **kw)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("spec", GATE_SPECS)
+def test_gemm_masked_gate_is_the_unfused_pair(scheme, spec, seed):
+    """grouped_gemm_masked_gate == masked GEMM1 then the activation stage, bit for bit on the live
+    rows (the CPU references of both), with a bias; both scale layouts."""
+    from epmoe import gate as G
+
+    g = G.get(spec)
+    E, T, I, Kd = 3, 12, 128, 256
+    a, as_, w, ws, _, _ = _operands(scheme, (E, T), E, g.width(I), Kd)
+    masked_m = torch.tensor([0, 5, 12], dtype=torch.int32)
+    bias = torch.randn(E, g.width(I))
+    y = ops.grouped_gemm(a, w, masked_m=masked_m, a_scales=as_, w_scales=ws)
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    for layout in ("row", "deepgemm"):
+        h, s = ops.grouped_gemm_masked_gate(a, w, masked_m, as_, ws, spec, bias, layout)
+        if scheme == "bf16":
+            want = ops.silu_and_mul(y, masked_m=masked_m, gate=spec, bias=bias)
+            assert s.shape == (E, T, 0) and torch.equal(h[live], want[live])
+            continue
+        q, qs = ops.silu_and_mul_quant(y, scheme, masked_m=masked_m, scale_layout=layout,
+                                       gate=spec, bias=bias)  # fmt: skip
+        assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8))
+        assert torch.equal(s[live], qs[live]) and s.stride() == qs.stride()
+
+
+def test_gemm_masked_gate_opcheck_and_bad_input(seed):
+    a, as_, w, ws, _, _ = _operands("fp8", (2, 8), 2, 256, 128)
+    masked_m = torch.tensor([3, 8], dtype=torch.int32)
+    b = torch.randn(2, 256)
+    op = torch.ops.epmoe.grouped_gemm_masked_gate.default
+    opcheck(op, (a, w, masked_m, as_, ws, "silu", b))
+    ab, _, wb, _, _, _ = _operands("bf16", (2, 8), 2, 64, 32)
+    opcheck(op, (ab, wb, masked_m), dict(gate="relu2:glu=0"))
+    ai, asi, wi, wsi, _, _ = _operands("int8", (2, 8), 2, 256, 128)
+    opcheck(op, (ai, wi, masked_m, asi, wsi, "silu", b), dict(scale_layout="deepgemm"))
+    name = "grouped_gemm_masked_gate"
+    cases = [
+        ((ai, wi, masked_m, asi), {}, f"{name}: a_scales/w_scales expected tensors"),
+        ((a, w, masked_m, as_, ws), dict(gate="swish"), f"{name}: gate expected a gate"),
+        ((a, w[:, :128], masked_m, as_, ws[:, :1]), {}, f"{name}: I expected a multiple"),
+        ((a, w, masked_m, as_, ws), dict(bias=b[:, :5]), f"{name}: bias expected shape"),
+        ((ab, wb[:, :63], masked_m), {}, f"{name}: w.shape\\[1\\] expected a multiple"),
+        ((a, w, masked_m[:1], as_, ws), {}, f"{name}: masked_m expected shape"),
+        ((a[:1], w, masked_m, as_[:1], ws), {}, f"{name}: a expected shape"),
+        ((a, w, torch.tensor([3, 9], dtype=torch.int32), as_, ws), {},
+         f"{name}: masked_m expected counts in \\[0, 8\\]"),
+    ]  # fmt: skip
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.grouped_gemm_masked_gate(*args, **kw)
+
+
 @pytest.mark.parametrize("which", ["masked", "contiguous"])
 def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
     """After the autotuner's first call per launch plan, the Triton GEMMs launch the tuned

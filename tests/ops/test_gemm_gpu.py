@@ -717,6 +717,54 @@ def test_triton_masked_tma_configs(scheme):
         assert torch.equal(out[live], eager[live]) and (out[~live] == 0).all(), cfg
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_masked_gate_configs_are_the_unfused_pair(scheme):
+    """Every masked GEMM1 + gate candidate that fits (pointers, TMA, SWAP) at row tiles of 16 /
+    32 / 64: the masked GEMM1 of the same tile then the activation, byte for byte on the live
+    rows, in a graph; gpt-oss's gate with biases; rows past the counts never written."""
+    from epmoe import gate as G
+    from epmoe.ops import activation
+    from epmoe.ops.gemm import _triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(43)
+    spec = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
+    g, E, T, I = G.get(spec), 4, 128, 256
+    a, as_, w, ws = _operands(scheme, (E, T), E, g.width(I), 640, dev, gen)
+    b = torch.randn((E, g.width(I)), generator=gen).to(dev)
+    mm = torch.tensor([0, 5, 77, 128], dtype=torch.int32, device=dev)
+    live = _live(mm, T)
+    code = quant.get(scheme).kernel_code
+    fits = _triton.fits_masked_gate
+    cfgs = [dict(c.all_kwargs(), BLOCK_M=bm) for c in _triton._MASKED_GATE_CONFIGS
+            for bm in (64, 32, 16) if fits(c.all_kwargs(), code, bm)]  # fmt: skip
+    assert any(c.get("SWAP") for c in cfgs) and any(c.get("TMA") for c in cfgs)
+    h_dtype = torch.bfloat16 if scheme != "fp8" else a.dtype
+    for cfg in cfgs:
+        y = _triton.masked_triton(a, w, mm, as_, ws, 32, config=cfg)
+        if scheme == "fp8":
+            want, want_s = activation.silu_and_mul_quant(y, "fp8", masked_m=mm, gate=spec, bias=b)
+        else:
+            want = activation.silu_and_mul(y, mm, gate=spec, bias=b)
+        h = torch.full((E, T, I), 3.0, device=dev).to(h_dtype)
+        hs = torch.full((E, T, I // 128), -1.0, device=dev)
+        _triton.masked_gate_triton(a, w, mm, as_, ws, g, b, h, hs, 32, config=cfg)  # (compiles)
+        h.fill_(3.0)
+        hs.fill_(-1.0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _triton.masked_gate_triton(a, w, mm, as_, ws, g, b, h, hs, 32, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        if scheme == "fp8":
+            assert torch.equal(h[live].view(torch.uint8), want[live].view(torch.uint8)), cfg
+            assert torch.equal(hs[live], want_s[live]), cfg
+        else:
+            assert torch.equal(h[live], want[live]), cfg
+        assert (h[~live].float() == 3.0).all() and (hs[~live] == -1.0).all(), cfg
+
+
 # the Gluon GEMM1 + gate (bf16, the plain SiLU): the reference's values and the Triton gate
 # kernel's within bf16 rounding (its float32 sums need not share the order), -1 blocks never
 # written; three multiprocessors, so each program loops over many tiles (stages and barrier

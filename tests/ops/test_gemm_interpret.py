@@ -562,3 +562,39 @@ def test_masked_variants_are_the_pointer_kernel(scheme):
                                     out=sentinel.clone())  # fmt: skip
         assert equal(got[live], want[live]), variant
         assert torch.equal(got[~live], sentinel[~live]), variant
+
+
+# masked GEMM1 + gate: the masked GEMM1 of the same tile, then the activation stage, byte for byte
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize(
+    "spec,with_bias", [("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True)]
+)
+def test_masked_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias):
+    from epmoe import gate as G
+    from epmoe.ops import activation
+
+    g = G.get(spec)
+    gen = torch.Generator().manual_seed(22)
+    E, T, I, K = 3, 40, 256, 256
+    masked_m = torch.tensor([0, 17, 40], dtype=torch.int32)
+    a, as_, w, ws = _operands((E, T), E, g.width(I), K, gen, scheme)
+    w = w * 4 if scheme == "bf16" else w  # (gates past the clamp limit too)
+    bias = torch.randn(E, g.width(I), generator=gen) if with_bias else None
+    live = torch.arange(T)[None, :] < masked_m[:, None]
+    base = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, BLOCK_M=16, M_SPLIT=2)
+    swap = dict(base, BLOCK_K=128, SWAP=True)
+    for cfg in (base, swap, dict(base, TMA=True), dict(swap, TMA=True, BLOCK_M=32, M_SPLIT=1)):
+        y = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg)
+        # (int8: the kernel writes h in bf16; the op quantizes its rows after)
+        h = torch.full((E, T, I), 3.0).to(torch.bfloat16 if scheme == "int8" else a.dtype)
+        hs = torch.full((E, T, I // 128), -1.0)
+        _triton.masked_gate_triton(a, w, masked_m, as_, ws, g, bias, h, hs, 8, config=cfg)
+        if scheme == "fp8":
+            q, s = activation._silu_and_mul_quant_triton(y, "fp8", masked_m=masked_m, gate=spec,
+                                                         bias=bias)  # fmt: skip
+            assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8)), cfg
+            assert torch.equal(hs[live], s[live]), cfg
+        else:
+            want = activation._silu_and_mul_triton(y, masked_m=masked_m, gate=spec, bias=bias)
+            assert torch.equal(h[live], want[live]), cfg
+        assert (h[~live].float() == 3.0).all() and (hs[~live] == -1.0).all(), cfg

@@ -11,6 +11,8 @@ Contract:
   kernel (our Triton kernel; elsewhere the two stages): h `[M_sum, I]` and its fp8 / int8 scales,
   the bytes of the unfused pair on the same backend (int8: the kernel's bf16 h, then each row
   quantized: a row's scale needs all of it).
+- masked gate (:func:`grouped_gemm_masked_gate`): the same on the masked layout, one kernel where
+  this GPU's tuned table measured it faster than the two stages: h `[E, T, I]` and its scales.
 - masked: a `[E, T, Kd]`, w `[E, N, Kd]`, masked_m int32 `[E]` -> bf16 `[E, T, N]`; rows
   t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the typical
   rows per expert (0 = T); it picks tile shapes, never results.
@@ -57,11 +59,13 @@ from epmoe.ops.gemm._ops import (
     grouped_gemm_contiguous,
     grouped_gemm_gate,
     grouped_gemm_masked,
+    grouped_gemm_masked_gate,
 )
 from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
     fuses_gate,
+    fuses_masked_gate,
     gathers,
     masked_row_block,
     scheme_of,
@@ -73,11 +77,13 @@ __all__ = [
     "contiguous_row_block",
     "empty_fp8_act_scales",
     "fuses_gate",
+    "fuses_masked_gate",
     "gathers",
     "grouped_gemm",
     "grouped_gemm_contiguous",
     "grouped_gemm_gate",
     "grouped_gemm_masked",
+    "grouped_gemm_masked_gate",
     "masked_row_block",
     "prepare_weights",
     "scheme_of",

@@ -18,11 +18,25 @@ from epmoe.ops.gemm._select import (
     _dg_functions,
     _runs,
     contiguous_row_block,
+    fuses_masked_gate,
     masked_row_block,
     scheme_of,
 )
-from epmoe.ops.gemm._triton import contiguous_gate_triton, contiguous_triton, masked_triton
-from epmoe.ops.gemm._validate import CONTIGUOUS, GATE, MASKED, OP_GATE, _check_counts
+from epmoe.ops.gemm._triton import (
+    contiguous_gate_triton,
+    contiguous_triton,
+    masked_gate_triton,
+    masked_triton,
+)
+from epmoe.ops.gemm._validate import (
+    CONTIGUOUS,
+    GATE,
+    MASKED,
+    MASKED_GATE,
+    OP_GATE,
+    OP_MASKED_GATE,
+    _check_counts,
+)
 
 
 # ---------------------------------------------------------------------------------- CUDA backends
@@ -274,8 +288,19 @@ def _gate_outputs(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bi
 
 
 def _no_scales(h):
-    """bf16 h's scales: float32 `[M_sum, 0]` (the op returns a tensor either way)."""
-    return h.new_empty((h.shape[0], 0), dtype=torch.float32)
+    """bf16 h's scales: float32 `[M_sum, 0]` / `[E, T, 0]` (the op returns a tensor either way)."""
+    return h.new_empty((*h.shape[:-1], 0), dtype=torch.float32)
+
+
+def _unfused_act(y, scheme, g, bias, scale_layout, **rows):
+    """The activation stage on GEMM1's y, as the GEMM1 + gate ops return it (``rows``: the
+    activation's m_indices or masked_m)."""
+    from epmoe.ops import activation  # (the unfused pair: no fused kernel for the call)
+
+    if scheme is quant.BF16:
+        return activation.silu_and_mul(y, gate=g.spec, bias=bias, **rows), _no_scales(y)
+    return activation.silu_and_mul_quant(y, scheme.name, scale_layout=scale_layout, gate=g.spec,
+                                         bias=bias, **rows)  # fmt: skip
 
 
 def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
@@ -319,16 +344,10 @@ def _gate_cuda(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=
     if _runs("triton", scheme, "contiguous", a.device, w.shape[1], a.shape[1], block):
         return gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, scale_layout, block,
                            a_rows)  # fmt: skip
-    from epmoe.ops import activation  # (the unfused pair: no fused kernel on this GPU)
-
+    # (the unfused pair: no fused kernel on this GPU)
     y = _contiguous_cuda(a, w, m_indices, a_scales, w_scales, trusted=True, alignment=block,
                          a_rows=a_rows)  # fmt: skip
-    if a.dtype == torch.bfloat16:
-        h = activation.silu_and_mul(y, m_indices=m_indices, gate=g.spec, bias=bias)
-        return h, _no_scales(y)
-    return activation.silu_and_mul_quant(y, scheme.name, m_indices=m_indices,
-                                         scale_layout=scale_layout, gate=g.spec,
-                                         bias=bias)  # fmt: skip
+    return _unfused_act(y, scheme, g, bias, scale_layout, m_indices=m_indices)
 
 
 @stage(
@@ -376,4 +395,110 @@ def grouped_gemm_gate(
         (h bf16/fp8/int8 `[M_sum, I]`, float32 `[M_sum, I/128]` (fp8), `[M_sum, 1]` (int8) or
         `[M_sum, 0]` (bf16)); rows with m_indices == -1 unspecified. CUDA-graph safe after
         warmup.
+    """
+
+
+# ------------------------------------------------------- masked GEMM1 and the gate, fused (LL)
+def _masked_gate_outputs(a, w, masked_m, a_scales=None, w_scales=None, gate="silu", bias=None,
+                         scale_layout="row", expected_m=0, trusted=False):  # fmt: skip
+    """(h `[E, T, I]` in a's dtype, float32 scales `[E, T, I/128]` (fp8), `[E, T, 1]` (int8) or
+    `[E, T, 0]`)."""
+    g = _gate.get(gate, OP_MASKED_GATE, "gate")
+    lead = tuple(a.shape[:2])
+    h = a.new_empty((*lead, g.inter(w.shape[1])))
+    groups = quant.of_dtype(a.dtype).act_scale_cols(h.shape[-1])
+    if not groups:
+        return h, _no_scales(h)
+    return h, alloc_scales(lead, groups, scale_layout, a.device)
+
+
+def _masked_gate_reference(a, w, masked_m, a_scales=None, w_scales=None, gate="silu", bias=None,
+                           scale_layout="row", expected_m=0, trusted=False):  # fmt: skip
+    _check_counts(masked_m, a.shape[1], OP_MASKED_GATE)  # (always: trusted is CUDA's)
+    y = reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
+    if a.dtype == torch.bfloat16:
+        return reference.silu_and_mul(y, gate, bias), _no_scales(y)
+    q, s = reference.silu_and_mul_quant(y, quant.of_dtype(a.dtype), quant.FP8_GROUP, gate, bias)
+    return q, as_layout(s, scale_layout)
+
+
+def masked_gate_op_triton(a, w, masked_m, a_scales, w_scales, g, bias, scale_layout,
+                          expected_m=0, config=None):  # fmt: skip
+    """Our masked GEMM1 + gate kernel (``g`` a Gate; ``config``: explicit meta-parameters, the
+    tuner's) and the op's outputs: int8 operands give the kernel's bf16 h, then each live row
+    quantized (a row's scale needs all of it), the unfused pair's bytes."""
+    if a.dtype != torch.int8:
+        h, s = _masked_gate_outputs(a, w, masked_m, a_scales, w_scales, g.spec, None,
+                                    scale_layout)  # fmt: skip
+        masked_gate_triton(a, w, masked_m, a_scales, w_scales, g, bias, h, s, expected_m, config)
+        return h, s
+    from epmoe.ops.quantize import quantize  # (the quantize stage, on h's live rows)
+
+    h = a.new_empty((*a.shape[:2], g.inter(w.shape[1])), dtype=torch.bfloat16)
+    masked_gate_triton(a, w, masked_m, a_scales, w_scales, g, bias, h,
+                       h.new_empty((0,), dtype=torch.float32), expected_m, config)  # fmt: skip
+    return quantize(h, "int8", masked_m=masked_m, scale_layout=scale_layout)
+
+
+def _masked_gate_cuda(a, w, masked_m, a_scales=None, w_scales=None, gate="silu", bias=None,
+                      scale_layout="row", expected_m=0, trusted=False):  # fmt: skip
+    """grouped_gemm_masked_gate on CUDA: our fused kernel where this GPU's table measured it
+    faster, else masked GEMM1 and the activation stage (the same bytes: the kernel rounds GEMM1's
+    output to bf16 before the gate, on GEMM1's tile)."""
+    E, T, K = a.shape
+    if not trusted:
+        _check_counts(masked_m, T, OP_MASKED_GATE)
+    g = _gate.get(gate, OP_MASKED_GATE, "gate")
+    inter, scheme = g.inter(w.shape[1]), quant.of_dtype(a.dtype)
+    if fuses_masked_gate(scheme, a.device, inter, K, E, T, expected_m, g.spec, bias is not None):
+        return masked_gate_op_triton(a, w, masked_m, a_scales, w_scales, g, bias, scale_layout,
+                                     expected_m)  # fmt: skip
+    y = _masked_cuda(a, w, masked_m, a_scales, w_scales, expected_m, trusted=True)
+    return _unfused_act(y, scheme, g, bias, scale_layout, masked_m=masked_m)
+
+
+@stage(
+    contract=MASKED_GATE,
+    fake=_masked_gate_outputs,
+    reference=_masked_gate_reference,
+    cuda=_masked_gate_cuda,
+    triton=False,
+    chain=dict(trusted=True),  # the layer's counts come from a dispatch that clamps them
+)
+def grouped_gemm_masked_gate(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor] = None,
+    w_scales: Optional[torch.Tensor] = None,
+    gate: str = "silu",
+    bias: Optional[torch.Tensor] = None,
+    scale_layout: str = "row",
+    expected_m: int = 0,
+    trusted: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 and the activation stage on the masked (LL) layout: h[e, t] = the gate of
+    (a[e, t] @ w[e].T rounded to bf16, plus bias[e] in float32), rounded to bf16, then quantized
+    (fp8: per 128 channels; int8: per row), for t < masked_m[e]: the bytes of
+    :func:`grouped_gemm_masked` then :func:`epmoe.ops.silu_and_mul` / ``silu_and_mul_quant``.
+    One kernel where this GPU's tuned table measured it faster (our Triton kernel: no y round trip
+    through memory, no activation launch; int8: the kernel writes h in bf16 and the quantize
+    stage makes each row's codes and scale), else the two stages.
+
+    Args:
+        a: bf16/fp8/int8 `[E, T, Kd]`.
+        w: same dtype `[E, W, Kd]`: W = 2I, the gate rows then the up rows (I without a gate
+            half), as returned by :func:`prepare_weights`.
+        masked_m: int32 `[E]` live rows per expert (on the device; rows past it are never read).
+        a_scales, w_scales: float32 scales for fp8 / int8 (see the package docstring).
+        gate: the gate's spec (:func:`epmoe.gate.parse`). bias: optional float `[E, W]`.
+        scale_layout: fp8 / int8 output scales "row" or "deepgemm" (what GEMM2 reads without a
+            copy).
+        expected_m: static hint of rows per expert (0: T); picks tiles and the kernel, never
+            results.
+        trusted: masked_m comes from a dispatch that clamps the counts to T: no value check on
+            CUDA. The CPU reference always checks.
+    Returns:
+        (h bf16/fp8/int8 `[E, T, I]`, float32 `[E, T, I/128]` (fp8), `[E, T, 1]` (int8) or
+        `[E, T, 0]` (bf16)); rows t >= masked_m[e] unspecified. CUDA-graph safe after warmup.
     """

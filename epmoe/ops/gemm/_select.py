@@ -172,6 +172,23 @@ def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_blo
 
 
 @_launch.memo  # (as fuses_gate)
+def fuses_masked_gate(scheme, device: torch.device, inter: int, k: int, e: int, t: int,
+                      expected_m: int, gate="silu", bias: bool = False) -> bool:  # fmt: skip
+    """Whether masked GEMM1 and the gate of an LL call run as one kernel
+    (:func:`grouped_gemm_masked_gate`): where this GPU's tuned table measured the fused kernel
+    faster than masked GEMM1 then the activation stage ("masked_gate" entries), for h of
+    ``inter`` channels, GEMM1's reduction ``k``, ``e`` experts, slots of ``t`` rows,
+    ``expected_m`` rows per expert (0: t), the layer's ``gate`` (spec) and ``bias``."""
+    scheme = quant.get(scheme, OP, "scheme")
+    if torch.device(device).type != "cuda":
+        return False
+    block = _masked_tiling(t, expected_m)[0]
+    best = _tuned.backend("masked_gate", scheme, inter, k, e, block, expected_m or t, device,
+                          str(gate), bias)  # fmt: skip
+    return best == "triton" and _runs("triton", scheme, "masked", device, inter, k, 0)
+
+
+@_launch.memo  # (as fuses_gate)
 def gathers(scheme, device: torch.device, width: int, k: int, e: int, row_block: int, m: int,
             gate="silu", bias: bool = False) -> bool:  # fmt: skip
     """Whether an HT call's GEMM1 reads its rows of x through permute's src_rows (permute then

@@ -254,28 +254,42 @@ def _contiguous_kernel(
 @triton.jit
 def _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb, stride_ask, stride_wsk,
                   BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
-                  GLU: tl.constexpr):  # fmt: skip
+                  GLU: tl.constexpr, SWAP: tl.constexpr = False):  # fmt: skip
     """:func:`_mma` of one a tile with the gate (``bg``) and up (``bu``) w tiles (the up scales
     ``UP_S`` elements past the gate's; fp8: a's step scale loaded once for both); without GLU
-    only the up sum."""
+    only the up sum; SWAP: both sums transposed, as :func:`_mma`'s."""
     if QUANT == 1:
         g = kb * BLOCK_K // SCALE_K
-        a_s = tl.load(as_ptrs + g * stride_ask)[:, None]
-        acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
-        if GLU:
-            acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
+        if SWAP:
+            a_s = tl.load(as_ptrs + g * stride_ask)[None, :]
+            at = tl.trans(a)
+            acc_u += tl.dot(tl.trans(bu), at) * (tl.load(ws_ptrs + UP_S + g * stride_wsk)[:, None]
+                                                 * a_s)  # fmt: skip
+            if GLU:
+                acc_g += tl.dot(tl.trans(bg), at) * (tl.load(ws_ptrs + g * stride_wsk)[:, None]
+                                                     * a_s)  # fmt: skip
+        else:
+            a_s = tl.load(as_ptrs + g * stride_ask)[:, None]
+            acc_u += tl.dot(a, bu) * (a_s * tl.load(ws_ptrs + UP_S + g * stride_wsk)[None, :])
+            if GLU:
+                acc_g += tl.dot(a, bg) * (a_s * tl.load(ws_ptrs + g * stride_wsk)[None, :])
     else:
         acc_u = _mma(acc_u, a, bu, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K, QUANT,
-                     SCALE_K)  # fmt: skip
+                     SCALE_K, SWAP)  # fmt: skip
         if GLU:
             acc_g = _mma(acc_g, a, bg, as_ptrs, ws_ptrs, kb, stride_ask, stride_wsk, BLOCK_K,
-                         QUANT, SCALE_K)  # fmt: skip
+                         QUANT, SCALE_K, SWAP)  # fmt: skip
     return acc_g, acc_u
 
 
 @triton.jit
-def _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT: tl.constexpr, GLU: tl.constexpr):
-    """float32 (gate, up) of the K sums: int8's per-token x per-channel scales applied."""
+def _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT: tl.constexpr, GLU: tl.constexpr,
+                    SWAP: tl.constexpr = False):  # fmt: skip
+    """float32 (gate, up) of the K sums (SWAP: transposed back first): int8's per-token x
+    per-channel scales applied."""
+    if SWAP:
+        acc_u = tl.trans(acc_u)
+        acc_g = tl.trans(acc_g) if GLU else acc_g
     u = _scaled(acc_u, as_ptrs, ws_ptrs + UP_S, QUANT)
     g = _scaled(acc_g, as_ptrs, ws_ptrs, QUANT) if GLU else u
     return g, u
@@ -286,13 +300,15 @@ def _dot_gate_up(
     a_ptrs, w_ptrs, as_ptrs, ws_ptrs, offs_k, K, UP, UP_S, stride_ak, stride_wk, stride_ask,
     stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr, GLU: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_dot_k` of the gate rows at ``w_ptrs`` and the up rows ``UP`` elements (their
     scales ``UP_S``) further, one load of each a tile for both: float32 (gate, up), their scales
     applied (int8: int32 sums, then per-token x per-channel scales as :func:`_tile`); without GLU
-    the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused)."""
-    acc_g = _acc0(BLOCK_M, BLOCK_N, QUANT)
-    acc_u = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    the up rows are at ``w_ptrs`` and the gate's sum stays 0 (unused). SWAP: summed transposed
+    (:func:`_mma`)."""
+    acc_g = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc_u = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -304,30 +320,30 @@ def _dot_gate_up(
             bu = tl.load(w_ptrs + UP, mask=offs_k[:, None] < k_left, other=0)
             bg = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0) if GLU else None
         acc_g, acc_u = _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb,
-                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
-                                     GLU)  # fmt: skip
+                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K, GLU,
+                                     SWAP)  # fmt: skip
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU)
+    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU, SWAP)
 
 
 @triton.jit
 def _dot_gate_up_tma(a_desc, w_desc, as_ptrs, ws_ptrs, row_a, row_w, K, UP_ROWS, UP_S,
                      stride_ask, stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SCALE_K: tl.constexpr,
-                     GLU: tl.constexpr):  # fmt: skip
+                     GLU: tl.constexpr, SWAP: tl.constexpr = False):  # fmt: skip
     """:func:`_dot_gate_up` of a's rows from ``row_a`` and w's (`[E * W, K]`) gate rows from
     ``row_w``, up rows ``UP_ROWS`` further, their tiles brought by TMA."""
-    acc_g = _acc0(BLOCK_M, BLOCK_N, QUANT)
-    acc_u = _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc_g = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
+    acc_u = _acc0(BLOCK_N, BLOCK_M, QUANT) if SWAP else _acc0(BLOCK_M, BLOCK_N, QUANT)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([row_a, kb * BLOCK_K])
         bu = w_desc.load([row_w + UP_ROWS, kb * BLOCK_K]).T
         bg = w_desc.load([row_w, kb * BLOCK_K]).T if GLU else None
         acc_g, acc_u = _gate_up_step(acc_g, acc_u, a, bg, bu, as_ptrs, ws_ptrs, UP_S, kb,
-                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K,
-                                     GLU)  # fmt: skip
-    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU)
+                                     stride_ask, stride_wsk, BLOCK_K, QUANT, SCALE_K, GLU,
+                                     SWAP)  # fmt: skip
+    return _gate_up_scaled(acc_g, acc_u, as_ptrs, ws_ptrs, UP_S, QUANT, GLU, SWAP)
 
 
 @triton.jit
@@ -514,6 +530,72 @@ def _masked_kernel(
         tl.store(o_ptrs, round_float(y, tl.bfloat16), mask=o_mask)
 
 
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _masked_gate_kernel(
+    # tensors (bf16: the scale pointers are unused; no bias: b_ptr unused; TMA: a_ptr and w_ptr
+    # are tensor descriptors of a `[E * T, K]` and w `[E * W, K]`)
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, masked_m_ptr, b_ptr, h_ptr, hs_ptr,
+    # sizes: I the gate's outputs (w's rows: the I gate rows, then the I up rows with GLU)
+    T, I, K, E,
+    # strides
+    stride_ae, stride_at, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_ase, stride_ast, stride_ask,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_be, stride_bw,
+    stride_he, stride_ht, stride_hn,
+    stride_hse, stride_hst, stride_hsg,
+    # meta
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    # the gate (epmoe.gate.Gate.meta)
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
+):  # fmt: skip
+    # The masked kernel's grid and row loop (pid_s, column tile, expert), each tile's gate and up
+    # sums then the GEMM1 + gate kernel's epilogue (_gate_store) on the slot's live rows.
+    pid_s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.program_id(2)
+    count = tl.minimum(tl.load(masked_m_ptr + expert), T)
+    e64 = expert.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    up = I if GLU else 0  # (the up rows' offset in w and in the bias)
+    per = SCALE_K if QUANT == 1 else 1  # (fp8: 128-row weight blocks; int8: a scale per row)
+    wc = cols % I
+    ws_e = w_scale_ptr + e64 * stride_wse + (wc // per) * stride_wsn
+    as_e = a_scale_ptr + e64 * stride_ase
+    for m0 in range(pid_s * BLOCK_M, count, M_SPLIT * BLOCK_M):
+        offs_t = m0 + tl.arange(0, BLOCK_M)
+        # rows >= count are never read through pointers (clamped onto the last live row), never
+        # stored
+        rows = tl.minimum(offs_t, count - 1).to(tl.int64)
+        if TMA:
+            acc_g, acc_u = _dot_gate_up_tma(
+                a_ptr, w_ptr, as_e + rows * stride_ast, ws_e, expert * T + m0,
+                expert * (up + I) + pid_n * BLOCK_N, K, up, (up // per) * stride_wsn, stride_ask,
+                stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, QUANT, SCALE_K, GLU, SWAP,
+            )  # fmt: skip
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_e = a_ptr + e64 * stride_ae
+            a_ptrs = a_e + rows[:, None] * stride_at + offs_k[None, :] * stride_ak
+            w_e = w_ptr + e64 * stride_we + wc[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc_g, acc_u = _dot_gate_up(
+                a_ptrs, w_e, as_e + rows * stride_ast, ws_e, offs_k, K, up * stride_wn,
+                (up // per) * stride_wsn, stride_ak, stride_wk, stride_ask, stride_wsk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, QUANT, SCALE_K, GLU, SWAP,
+            )  # fmt: skip
+        _gate_store(acc_g, acc_u, e64, offs_t, cols, pid_n, count, I, b_ptr,
+                    h_ptr + e64 * stride_he, hs_ptr + e64 * stride_hse, stride_be, stride_bw,
+                    stride_ht, stride_hn, stride_hst, stride_hsg, up, QUANT, HAS_BIAS, FAST, ACT,
+                    ALPHA, LIMIT, CLAMP_AFTER, UP_OFFSET, GLU, GATE_SOFTCAP,
+                    UP_SOFTCAP)  # fmt: skip
+
+
 _FP8_MAX_TILE = 64 * 128  # fp8 output tile elements that compile without spills on sm90
 # shared memory a block may take on sm90; a GEMM kernel's pipeline holds num_stages (a, w) tile
 # pairs (what Triton 3.6 asks for, checked by scripts/compile_kernels.py)
@@ -689,6 +771,36 @@ _GATE_CONFIGS = [
 ]
 
 
+# masked GEMM1 + gate: the call's BLOCK_M; fp8 wants tiles of one activation scale group (BLOCK_N =
+# 128); SWAP below 64 rows (fp8's mma.sync would go through float16)
+_MASKED_GATE_CONFIGS = [
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, SWAP=True),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, SWAP=True),
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=64),
+    _cfg(8, 4, BLOCK_N=128, BLOCK_K=128),
+    _cfg(4, 3, BLOCK_N=64, BLOCK_K=128),
+    _cfg(8, 4, BLOCK_N=128, BLOCK_K=64),
+    # fed by TMA (the tuned table's choice only)
+    _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
+    _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True, SWAP=True),
+    _cfg(8, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
+]
+
+
+def fits_masked_gate(config: Dict, quant_code: int, block_m: int) -> bool:
+    """Whether ``config`` runs masked GEMM1 + gate for the scheme of kernel code ``quant_code`` at
+    the call's ``block_m``: the two accumulators at most 32 (fp8) / 64 float32 a thread (sm90
+    builds with more spill: ``compile_kernels.py --only "masked GEMM1 + gate" --resources``),
+    fp8 tiles of one scale group, the stages within shared memory."""
+    bn, bk, warps = config["BLOCK_N"], config["BLOCK_K"], config.get("num_warps", 4)
+    per_thread = 2 * block_m * bn // (32 * warps)
+    if quant_code == 1 and (bn != quant.FP8_GROUP or quant.FP8_GROUP % bk or per_thread > 32):
+        return False
+    width = 2 if quant_code == 0 else 1
+    ring = config.get("num_stages", 1) * (block_m + 2 * bn) * bk * width
+    return per_thread <= 64 and ring <= _MAX_SHARED
+
+
 def fits_gate(config: Dict, quant_code: int, row_block: int) -> bool:
     """Whether ``config`` runs GEMM1 + gate for the scheme of kernel code ``quant_code`` (bf16 0,
     fp8 1, int8 2) at ``row_block``."""
@@ -738,14 +850,17 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
 @_launch.memo
 def _tuner(layout: str, quant_code: int, row_block: int):
     """Triton's autotuner over the candidate configs of ``layout`` ("contiguous", "gate",
-    "masked") that fit (:func:`fits`, :func:`fits_gate`) ``row_block`` (masked: the call's
-    BLOCK_M). Its keys are static dims only (never token counts): it tunes once per weight shape,
-    in warmup()."""
+    "masked", "masked_gate") that fit (:func:`fits`, :func:`fits_gate`,
+    :func:`fits_masked_gate`) ``row_block`` (masked: the call's BLOCK_M). Its keys are static
+    dims only (never token counts): it tunes once per weight shape, in warmup()."""
     test = fits
     if layout == "contiguous":
         fn, configs, key = _contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]
     elif layout == "gate":
         fn, configs, key, test = _contiguous_gate_kernel, _GATE_CONFIGS, ["I", "K", "E"], fits_gate
+    elif layout == "masked_gate":
+        fn, configs, key = _masked_gate_kernel, _MASKED_GATE_CONFIGS, ["I", "K", "E", "BLOCK_M"]
+        test = fits_masked_gate
     else:
         fn, configs, key = _masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]
         test = lambda config, code, block_m: fits(config, code, 0, block_m)  # noqa: E731
@@ -790,7 +905,8 @@ def _launch_plan(plan: _Plan, tensors: Tuple, config: Optional[Dict] = None) -> 
         config = _runnable(plan, config, tensors)
         meta = {**plan.meta, **config}
         kernel = dict(contiguous=_contiguous_kernel, masked=_masked_kernel,
-                      gate=_contiguous_gate_kernel)[plan.layout]  # fmt: skip
+                      gate=_contiguous_gate_kernel,
+                      masked_gate=_masked_gate_kernel)[plan.layout]  # fmt: skip
         kernel = _gluon_kernel(plan.layout) if meta.get("GLUON") else kernel
         kernel[plan.grid(meta)](*_args(plan, tensors, meta), *plan.sizes, **_kernel_meta(meta))
         return
@@ -850,10 +966,10 @@ def _slots_stored_whole(out: torch.Tensor, block_m: int) -> bool:
 
 
 def _aligned(plan: _Plan, tensors: Tuple) -> bool:
-    """a, w and out (the gate kernel's: not out) start at 16-byte boundaries (TMA's requirement;
+    """a, w and out (the gate kernels': not out) start at 16-byte boundaries (TMA's requirement;
     their strides are the plan's)."""
     ok = tensors[0].data_ptr() % 16 == 0 and tensors[1].data_ptr() % 16 == 0
-    if not ok or plan.layout == "gate":
+    if not ok or plan.layout in ("gate", "masked_gate"):
         return ok
     return tensors[-1 if plan.layout == "contiguous" else 5].data_ptr() % 16 == 0
 
@@ -1167,3 +1283,72 @@ def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block
     tma = _tma_ok(dtype, sa, sw, I * (2 if meta["GLU"] else 1), gather)
     return _Plan("gate", meta["QUANT"], row_block, table, _tile_grid(M, I, device), sizes, meta,
                  tma)  # fmt: skip
+
+
+def masked_gate_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    masked_m: torch.Tensor,
+    a_scales: Optional[torch.Tensor],
+    w_scales: Optional[torch.Tensor],
+    gate,
+    bias: Optional[torch.Tensor],
+    h: torch.Tensor,
+    h_scales: torch.Tensor,
+    expected_m: int = 0,
+    config: Optional[dict] = None,
+) -> None:
+    """Launch masked GEMM1 + gate in one kernel (also on CPU tensors under TRITON_INTERPRET=1):
+    h[e, t] = gate(bf16(a[e, t] @ w[e].T) + bias[e]) for t < masked_m[e], as
+    :func:`contiguous_gate_triton` on the masked layout.
+
+    Args:
+        a: bf16/fp8/int8 `[E, T, Kd]`. w: same dtype `[E, W, Kd]` (W = 2I: gate rows, then up; I
+            without a gate half). masked_m: int32 `[E]` live rows per expert, in [0, T].
+            a_scales / w_scales: float32 as in :mod:`epmoe.ops.gemm` (None: bf16).
+        gate: a :class:`epmoe.gate.Gate`. bias: float `[E, W]` or None.
+        h: bf16 / fp8 (fp8 a) `[E, T, I]`, written. h_scales: float32 `[E, T, I / 128]` (fp8; any
+            strides), written; unused otherwise.
+        expected_m: as in :func:`masked_triton`. config: explicit meta-parameters (tests,
+            optionally BLOCK_M and M_SPLIT); None = the tuned table's, else autotuned.
+    Rows t >= masked_m[e] are left unwritten.
+    """
+    E, T, K = a.shape
+    I = h.shape[2]  # noqa: E741
+    if E == 0 or T == 0 or I == 0:
+        return
+    masked_m = masked_m.contiguous()
+    a_s, w_s = (w, w) if a_scales is None else (a_scales, w_scales)
+    hs = h_scales if h_scales.dim() == 3 and h_scales.shape[2] else h
+    block_m = split = 0
+    if config is not None:
+        block_m, split = config.get("BLOCK_M", 0), config.get("M_SPLIT", 0)
+        config = {k: v for k, v in config.items() if k not in ("BLOCK_M", "M_SPLIT")}
+    plan = _masked_gate_plan(
+        a.dtype, T, I, K, E, a.stride(), w.stride(), _stride(a_scales), _stride(w_scales),
+        _stride(bias), h.stride(), hs.stride() if hs is not h else (0, 0, 0), gate, expected_m,
+        block_m, split, a.device,
+    )  # fmt: skip
+    b = bias if bias is not None else w
+    _launch_plan(plan, (a, w, a_s, w_s, masked_m, b, h, hs), config)
+
+
+@_launch.memo
+def _masked_gate_plan(dtype, T, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate,  # noqa: E741
+                      expected_m, block_m, split, device) -> _Plan:  # fmt: skip
+    """The masked GEMM1 + gate kernel's launch plan (BLOCK_M / M_SPLIT from expected_m unless
+    given; ``gate``: an epmoe.gate.Gate; ``sb`` None: no bias)."""
+    tiling = _masked_tiling(T, expected_m)
+    block_m, split = block_m or tiling[0], split or tiling[1]
+    meta = dict(_constexprs(dtype), HAS_BIAS=sb is not None, FAST=not _launch._INTERPRET,
+                BLOCK_M=block_m, M_SPLIT=split, **gate.meta())  # fmt: skip
+    sizes = (T, I, K, E, *sa, *sw, *_scale_strides(sas, sws, 2), *(sb or (0, 0)), *sh, *shs)
+    scheme, has_bias = quant.of_dtype(dtype), sb is not None
+    table = ("masked_gate", scheme, I, K, E, block_m, expected_m or T, device, gate.spec, has_bias)
+    width = I * (2 if meta["GLU"] else 1)
+    tma = sa[0] == T * sa[1] and _tma_ok(dtype, sa[1:], sw, width, False)  # (slots back to back)
+
+    def grid(m):
+        return (m["M_SPLIT"], _launch.cdiv(I, m["BLOCK_N"]), E)
+
+    return _Plan("masked_gate", meta["QUANT"], block_m, table, grid, sizes, meta, tma)

@@ -17,7 +17,8 @@ A file holds ``{"device": name, "triton": version, "torch": version, "date": ...
 "gate" entries (GEMM1 and the gate as one kernel, N = h's channels; "backend" "triton" or
 "unfused") also hold the layer's ``"gate"`` (its canonical spec, :attr:`epmoe.gate.Gate.spec`)
 and ``"bias"`` (whether it has gate/up biases): a clamped SwiGLU with biases is another problem
-than a plain SiLU of the same sizes. Missing: "silu", false.
+than a plain SiLU of the same sizes. Missing: "silu", false. "masked_gate" entries are the same on
+the masked layout (block: BLOCK_M, m: expected_m, as "masked" entries).
 
 "gather" entries (the HT path's permute and GEMM1 as the layer runs them, N = GEMM1's width, K
 = H; "config" {}; gate and bias as "gate" entries) say whether GEMM1 reading its rows of x
@@ -49,9 +50,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 DIR = Path(__file__).resolve().with_name("tuned")
-# ("gate": GEMM1 and the gate in one kernel; "gather": GEMM1 reading its rows through src_rows)
-LAYOUTS = ("contiguous", "masked", "gate", "gather")
-_LAYER_KEYED = ("gate", "gather")  # (entries that hold the layer's gate spec and biases)
+# ("gate" / "masked_gate": GEMM1 and the gate in one kernel on the contiguous / masked layout;
+# "gather": GEMM1 reading its rows through src_rows)
+LAYOUTS = ("contiguous", "masked", "gate", "gather", "masked_gate")
+# (entries that hold the layer's gate spec and biases)
+_LAYER_KEYED = ("gate", "gather", "masked_gate")
 
 
 def file_name(device_name: str) -> str:

@@ -91,28 +91,45 @@ MASKED = Contract(
 
 
 OP_GATE = "grouped_gemm_gate"
-# GEMM1 + gate: the contiguous operands, then the gate (its halves in w's rows), the bias rows and
-# the output scales
+OP_MASKED_GATE = "grouped_gemm_masked_gate"
+
+
+def _gate_steps():
+    """The gate (its halves in w's rows), the bias rows and the output scales of GEMM1 + gate."""
+    return (
+        Rule(_gate.OK, "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
+        Case(
+            _gate.GLU,
+            [Multiple("w.shape[1]", "w.shape[1]", 2, "(gate and up halves)")],
+        ),
+        Case(
+            "a.dtype is FP8",
+            [Case(_gate.GLU, [Multiple("I", "w.shape[1] // 2", 128, "(fp8 output groups)")])],
+        ),
+        Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
+        Choice("scale_layout", ("row", "deepgemm")),
+    )
+
+
+# GEMM1 + gate: the contiguous / masked operands and rows, then the gate's arguments
 GATE = Contract(
     OP_GATE,
     "a w m_indices a_scales w_scales gate bias scale_layout a_rows",
     *_operands(masked=False),
     _rows(),
-    Rule(_gate.OK, "gate", _gate.SPEC_EXPECTED, lambda n: repr(n.gate)),
-    Case(
-        _gate.GLU,
-        [Multiple("w.shape[1]", "w.shape[1]", 2, "(gate and up halves)")],
-    ),
-    Case(
-        "a.dtype is FP8",
-        [Case(_gate.GLU, [Multiple("I", "w.shape[1] // 2", 128, "(fp8 output groups)")])],
-    ),
-    Tensor("bias", _checks.FLOAT_DTYPES, shape=("w.shape[0]", "w.shape[1]"), optional=True),
-    Choice("scale_layout", ("row", "deepgemm")),
+    *_gate_steps(),
+    consts=dict(_CONSTS, **_gate.CONTRACT_CONSTS),
+)
+MASKED_GATE = Contract(
+    OP_MASKED_GATE,
+    "a w masked_m a_scales w_scales gate bias scale_layout",
+    *_operands(masked=True),
+    Tensor("masked_m", _checks.INT32, shape=("w.shape[0]",)),
+    *_gate_steps(),
     consts=dict(_CONSTS, **_gate.CONTRACT_CONSTS),
 )
 
 
-def _check_counts(masked_m: torch.Tensor, t: int) -> None:
+def _check_counts(masked_m: torch.Tensor, t: int, op: str = OP) -> None:
     ok = range_ok(masked_m, 0, t + 1)
-    _checks.check_values(ok, OP, "masked_m", f"counts in [0, {t}]")
+    _checks.check_values(ok, op, "masked_m", f"counts in [0, {t}]")

@@ -8,11 +8,12 @@ import torch
 
 from epmoe import _checks, quant
 from epmoe import gate as _gate
-from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_gate
+from epmoe.ops.gemm._ops import grouped_gemm, grouped_gemm_gate, grouped_gemm_masked_gate
 from epmoe.ops.gemm._select import (
     contiguous_row_block,
     empty_fp8_act_scales,
     fuses_gate,
+    fuses_masked_gate,
     gathers,
 )
 
@@ -111,7 +112,7 @@ def warmup(
         gate, bias: GEMM1 of a layer (n = the gate's width): its gate spec and gate/up bias; the
             M_sum sizes where :func:`fuses_gate` fuses GEMM1 and the gate also compile that kernel,
             those where :func:`gathers` reads the rows through permute's src_rows its gathering
-            build.
+            build, the masked sizes where :func:`fuses_masked_gate` fuses them that kernel.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -162,4 +163,9 @@ def warmup(
         for mn_major in layouts:
             a, a_s = _dummy_acts(scheme, (E, T), K, device, mn_major)
             grouped_gemm(a, w, masked_m=counts, a_scales=a_s, w_scales=w_scales, expected_m=em)
+        if inter is not None and fuses_masked_gate(scheme, device, inter, K, E, T, em, g.spec,
+                                                   bias is not None):  # fmt: skip
+            a, a_s = _dummy_acts(scheme, (E, T), K, device, False)  # (the scatter's layout)
+            grouped_gemm_masked_gate(a, w, counts, a_s, w_scales, gate, bias,
+                                     scheme.cuda_scale_layout, em)  # fmt: skip
     torch.cuda.synchronize(device)
