@@ -4,6 +4,8 @@ HT (prefill): quantize -> ht_dispatch -> permute -> grouped_gemm (gate+up) -> si
 -> grouped_gemm (down) -> unpermute -> ht_combine.
 LL (decode): ll_dispatch -> [quantize] -> masked grouped_gemm -> silu_and_mul(_quant) -> masked
 grouped_gemm -> ll_combine.
+GEMM1 and the activation run as one kernel (grouped_gemm_gate, grouped_gemm_masked_gate) where
+this GPU's tuned table measured that faster: the same bytes, the "act" record without "gemm1".
 "auto": per-choice GEMVs for a few tokens on one rank, LL up to ``ll_max_tokens`` tokens per call,
 HT above (chosen from the shape, not the data).
 
