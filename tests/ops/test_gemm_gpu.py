@@ -687,7 +687,7 @@ def test_gemm_gate_fused_kernel(scheme, spec, bias, align):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_triton_masked_tma_configs(scheme):
+def test_triton_masked_tma_and_swap_configs(scheme):
     """Every TMA-fed or SWAP masked config (the decode weight stream) against the reference, in a
     graph, at row tiles of 32 and 16 (SWAP: wgmma's N)."""
     from epmoe.ops.gemm import _triton
