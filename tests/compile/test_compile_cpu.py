@@ -38,15 +38,18 @@ def test_fullgraph_matches_eager_and_compiles_once(quant, mode, worst):
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_fused_gemm1_gate_compiles_to_the_eager_bytes(quant, monkeypatch):
-    """HT with GEMM1 and the gate as one op (where a GPU's table fuses them): one graph, no break,
-    the eager bytes at two token counts."""
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_fused_gemm1_gate_compiles_to_the_eager_bytes(quant, mode, monkeypatch):
+    """HT / LL with GEMM1 and the gate as one op (where a GPU's table fuses them): one graph, no
+    break, the eager bytes at two token counts."""
     from epmoe import layer as layer_mod
 
     torch._dynamo.reset()
     monkeypatch.setattr(layer_mod._tuned, "has", lambda *args: True)
     monkeypatch.setattr(layer_mod, "fuses_gate", lambda *args: True)
-    layer = small_layer(quant, "ht", alignment=16, gate="silu:alpha=1.702,limit=7.0")
+    monkeypatch.setattr(layer_mod, "fuses_masked_gate", lambda *args: True)
+    kw = dict(alignment=16) if mode == "ht" else dict(max_tokens_per_rank=40)
+    layer = small_layer(quant, mode, gate="silu:alpha=1.702,limit=7.0", **kw)
     compiled = torch.compile(layer, fullgraph=True)
     for T in (20, 33):
         x, ids, w = tokens(T, seed=T, **SMALL)

@@ -195,6 +195,18 @@ def test_grouped_gemm(scheme, layout):
         )
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_grouped_gemm_masked_gate(scheme):
+    """Masked GEMM1 + gate (the op the LL chain runs where a GPU's table fuses them)."""
+    w, ws = _weights(scheme, 2 * I, H, seed=12)
+    x = _act(E, 6, H, seed=14)
+    a, a_s = (x, None) if scheme == "bf16" else ops.quantize(x, scheme)
+    mm = torch.tensor([6, 0, 2, 1, 6, 3, 0, 5], dtype=torch.int32)
+    assert_compiled_equal(
+        lambda a, m, s: ops.grouped_gemm_masked_gate(a, w, m, s, ws, "gelu_tanh"), a, mm, a_s
+    )
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8"])
 def test_ll_scatter_and_gather(quant):
     """The masked-layout ops of the one-rank LL chain (ll_scatter, ll_gather)."""
