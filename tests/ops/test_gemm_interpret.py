@@ -567,10 +567,12 @@ def test_masked_variants_are_the_pointer_kernel(scheme):
 # masked GEMM1 + gate: the masked GEMM1 of the same tile, then the activation stage, byte for byte
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize(
-    "spec,with_bias", [("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True)]
+    "spec,with_bias",
+    [("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True), ("relu2:glu=0", True)],
 )
 def test_masked_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias):
     from epmoe import gate as G
+    from epmoe.kernels.scales import alloc_scales
     from epmoe.ops import activation
 
     g = G.get(spec)
@@ -587,11 +589,14 @@ def test_masked_gate_kernel_is_gemm1_then_the_activation(scheme, spec, with_bias
         y = _triton.masked_triton(a, w, masked_m, as_, ws, 8, config=cfg)
         # (int8: the kernel writes h in bf16; the op quantizes its rows after)
         h = torch.full((E, T, I), 3.0).to(torch.bfloat16 if scheme == "int8" else a.dtype)
-        hs = torch.full((E, T, I // 128), -1.0)
+        # (fp8's scales in deep_gemm's MN-major layout: any strides are written as they are)
+        hs = alloc_scales((E, T), I // 128, "deepgemm" if scheme == "fp8" else "row", a.device)
+        hs.fill_(-1.0)
         _triton.masked_gate_triton(a, w, masked_m, as_, ws, g, bias, h, hs, 8, config=cfg)
         if scheme == "fp8":
             q, s = activation._silu_and_mul_quant_triton(y, "fp8", masked_m=masked_m, gate=spec,
                                                          bias=bias)  # fmt: skip
+            assert hs.stride() != s.stride()
             assert torch.equal(h[live].view(torch.uint8), q[live].view(torch.uint8)), cfg
             assert torch.equal(hs[live], s[live]), cfg
         else:
