@@ -210,7 +210,7 @@ def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
         if t > max_tokens:
             continue
         c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
-        block_m, _ = _triton._masked_tiling(c, em)
+        block_m, _ = _triton.masked_gate_tiling(c, em, quant.get(scheme).kernel_code)
         p = Problem("masked_gate", scheme, n, k, E, block_m, em, t, c, K, spec, bool(cfg.bias))
         if p[:7] not in seen:
             seen.add(p[:7])

@@ -113,7 +113,8 @@ def test_masked_gate_problems():
     assert all((p.N, p.K, p.E, p.layout) == (2944, 2944, 32, "masked_gate") for p in ps)
     assert all(p.gate == cfg.gate and p.bias for p in ps)
     for p in ps:
-        assert p.block == _triton._masked_tiling(p.rows, p.m)[0] and p.m == -(-p.tokens * 4 // 32)
+        assert p.block == _triton.masked_gate_tiling(p.rows, p.m, 1)[0]
+        assert p.m == -(-p.tokens * 4 // 32)
     e = tg.gemm_entry(ps[0], "unfused", {}, {"unfused": 2.0})
     assert _tuned.problem(e) == ("masked_gate", "fp8", 2944, 2944, 32, 16, cfg.gate, True)
     assert "masked_gate" in tg.parse_args([]).layouts
@@ -121,6 +122,11 @@ def test_masked_gate_problems():
     assert all(c["BLOCK_N"] == 128 for c in tg.candidates("masked_gate", "fp8", 32))
     assert not tg.candidates("masked_gate", "fp8", 64)  # (two 64x128 float32 sums spill)
     assert tg.candidates("masked_gate", "bf16", 64) and tg.candidates("masked_gate", "int8", 64)
+    # (so fp8 tiles at most 32 rows: Qwen3 at T = 512, 32 rows an expert, has its candidates)
+    qwen3 = {p.tokens: p.block for p in tg.masked_gate_problems(CONFIGS["qwen3-30b-a3b"], "fp8",
+                                                                 (512,))}  # fmt: skip
+    (bf16,) = tg.masked_gate_problems(CONFIGS["qwen3-30b-a3b"], "bf16", (512,))
+    assert qwen3 == {512: 32} and bf16.block == 64 and tg.candidates("masked_gate", "fp8", 32)
 
 
 def test_candidates_are_the_fitting_configs():

@@ -153,6 +153,11 @@ def test_masked_tiling_static():
     assert _triton._masked_tiling(512, 32) == (64, 1)
     assert _triton._masked_tiling(512, 16) == (32, 1)
     assert _triton._masked_tiling(512, 2) == (16, 1)
+    # masked GEMM1 + gate: fp8 at most 32 rows a tile (its two 64-row float32 sums spill)
+    assert _triton.masked_gate_tiling(512, 32, 1) == (32, 1)
+    tiling = _triton.masked_gate_tiling
+    assert tiling(512, 32, 0) == tiling(512, 32, 2) == (64, 1)
+    assert _triton.masked_gate_tiling(512, 2, 1) == (16, 1)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from epmoe import _checks, _deps, _launch, quant
 from epmoe import gate as _gate
 from epmoe.ops.gemm import _tuned
-from epmoe.ops.gemm._triton import MIN_ROW_BLOCK, _masked_tiling
+from epmoe.ops.gemm._triton import MIN_ROW_BLOCK, _masked_tiling, masked_gate_tiling
 
 OP = "grouped_gemm"
 A_DTYPES = tuple(s.act_dtype for s in quant.SCHEMES.values())
@@ -182,7 +182,7 @@ def fuses_masked_gate(scheme, device: torch.device, inter: int, k: int, e: int, 
     scheme = quant.get(scheme, OP, "scheme")
     if torch.device(device).type != "cuda":
         return False
-    block = _masked_tiling(t, expected_m)[0]
+    block = masked_gate_tiling(t, expected_m, scheme.kernel_code)[0]
     best = _tuned.backend("masked_gate", scheme, inter, k, e, block, expected_m or t, device,
                           str(gate), bias)  # fmt: skip
     return best == "triton" and _runs("triton", scheme, "masked", device, inter, k, 0)

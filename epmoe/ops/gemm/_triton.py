@@ -1049,15 +1049,16 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @_launch.memo  # (sizes only: the same for every call of a layer)
-def _masked_tiling(t: int, expected_m: int) -> Tuple[int, int]:
+def _masked_tiling(t: int, expected_m: int, max_block_m: int = _MASKED_MAX_BLOCK_M
+                   ) -> Tuple[int, int]:  # fmt: skip
     """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes. The row tile holds nearly every
     expert's count, not just the mean (uniform routing spreads counts like a Poisson law: mean
     expected_m, max over the experts about 2.5 sqrt(expected_m) above it): a count past the tile
     costs its program a second pass over the expert's weights, the whole cost of a decode GEMM
-    (docs/kernels.md)."""
+    (docs/kernels.md). At most ``max_block_m`` rows a tile."""
     em = max(1, min(expected_m or t, t))
     high = min(t, em + math.ceil(2.5 * math.sqrt(em)))
-    block_m = min(_MASKED_MAX_BLOCK_M, max(_MASKED_MIN_BLOCK_M, _launch.pow2(high)))
+    block_m = min(max_block_m, max(_MASKED_MIN_BLOCK_M, _launch.pow2(high)))
     split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
     return block_m, split
 
@@ -1333,12 +1334,19 @@ def masked_gate_triton(
     _launch_plan(plan, (a, w, a_s, w_s, masked_m, b, h, hs), config)
 
 
+def masked_gate_tiling(t: int, expected_m: int, quant_code: int) -> Tuple[int, int]:
+    """(BLOCK_M, M_SPLIT) of masked GEMM1 + gate: the masked kernel's, fp8 at most 32 rows a tile
+    (its two float32 sums of 64 rows spill: :func:`fits_masked_gate`); the rows past it take a
+    second pass over the weights, from L2."""
+    return _masked_tiling(t, expected_m, 32 if quant_code == 1 else _MASKED_MAX_BLOCK_M)
+
+
 @_launch.memo
 def _masked_gate_plan(dtype, T, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate,  # noqa: E741
                       expected_m, block_m, split, device) -> _Plan:  # fmt: skip
     """The masked GEMM1 + gate kernel's launch plan (BLOCK_M / M_SPLIT from expected_m unless
-    given; ``gate``: an epmoe.gate.Gate; ``sb`` None: no bias)."""
-    tiling = _masked_tiling(T, expected_m)
+    given, :func:`masked_gate_tiling`; ``gate``: an epmoe.gate.Gate; ``sb`` None: no bias)."""
+    tiling = masked_gate_tiling(T, expected_m, quant.of_dtype(dtype).kernel_code)
     block_m, split = block_m or tiling[0], split or tiling[1]
     meta = dict(_constexprs(dtype), HAS_BIAS=sb is not None, FAST=not _launch._INTERPRET,
                 BLOCK_M=block_m, M_SPLIT=split, **gate.meta())  # fmt: skip
