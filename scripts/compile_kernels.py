@@ -380,8 +380,9 @@ def cases() -> Dict[str, Callable[[], object]]:
             for sch in ("bf16", "fp8", "int8")
             for c in G._MASKED_GATE_CONFIGS
             for t, em in ((16, 0), (64, 32))
-            if G.fits_masked_gate(c.all_kwargs(), _code(sch),
-                                  G.masked_gate_tiling(t, em, _code(sch))[0])
+            if G.fits_masked_gate(
+                c.all_kwargs(), _code(sch), G.masked_gate_tiling(t, em, _code(sch))[0]
+            )
             for spec, bias in (("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True))
         ],  # fmt: skip
         # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
