@@ -220,8 +220,8 @@ def num_slots(e: int, t: int, masked: bool, block_m: int = 1, chunks: int = 1) -
 
     Unmasked: one block per program. Masked: enough programs to fill the GPU when few rows are
     live, a fixed number so the grid does not depend on masked_m; ``chunks`` column programs a
-    row (grid axis 2) count toward that number (Mixtral's 8 experts x 14 chunks of I = 14336 at
-    256 slots launched 28672 programs, nearly all past the counts).
+    row (grid axis 2) count toward that number: wide rows of few experts get fewer slots, not a
+    grid of programs past the counts (docs/kernels.md).
     """
     blocks = _launch.cdiv(t, block_m)
     if not masked:
