@@ -139,15 +139,14 @@ def _ll_scatter_kernel(
         v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
         # slot of each own entry: entries of its expert earlier in flat (t, k) order
         own = t * K_PAD + kk
-        # (matches summed a thread in registers, one reduction after the loop: no barrier a step)
-        hits = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
+        cnt = tl.zeros([K_PAD], dtype=tl.int32)
         for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
             sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
             ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             eb, bad_b = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
-            hits += ((eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])).to(tl.int32)
-        cnt = tl.sum(hits, axis=1)
+            same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
+            cnt += tl.sum(same.to(tl.int32), axis=1)
         kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
         rows = tl.where(kept, e * C + cnt, -1)
         if c == 0:
