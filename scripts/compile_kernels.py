@@ -316,6 +316,13 @@ def cases() -> Dict[str, Callable[[], object]]:
             for check in (True, False)
             for T in (1, 4)
         ],
+        # Mixtral's top-2 (2 of its 8 experts): the down kernel's longer K steps
+        "gemv gate_up / down at top-2 and top-4": lambda: [
+            _gemv_pair(sch, False, T, sizes=sizes)
+            for sch in ("bf16", "fp8", "int8")
+            for T in (1, 4)
+            for sizes in ((2, 4096, 14336, 2), (4, 2944, 2944, 4))
+        ],
         "gemv gate_up / down, asserting": lambda: [
             _gemv_pair(sch, True, 1)
             for sch in ("bf16", "fp8", "int8")
@@ -507,10 +514,11 @@ GEMV_GATES = (
 )  # fmt: skip
 
 
-def _gemv_pair(scheme: str, check: bool, T: int, spec: str = "silu", padded: bool = False):
-    """Qwen3's expert sizes; ``padded``: biases, x of 2000 channels on weights of 2048 and an
-    output of the first 2000 columns."""
-    E, H, I, K = 128, 2048, 768, 8
+def _gemv_pair(scheme: str, check: bool, T: int, spec: str = "silu", padded: bool = False,
+               sizes=(128, 2048, 768, 8)):  # fmt: skip
+    """Qwen3's expert sizes (``sizes``: E, H, I, K); ``padded``: biases, x of 2000 channels on
+    weights of 2048 and an output of the first 2000 columns."""
+    E, H, I, K = sizes
     W = gate.parse(spec).width(I)
     dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[scheme]
     s1 = s2 = None

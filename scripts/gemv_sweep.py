@@ -32,7 +32,9 @@ from epmoe.ops import gemv  # noqa: E402
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme>[_one] / down_<scheme>[_one])
 UP_GRID = [(n, k, 4) for n in (8, 16, 32) for k in (512, 1024)]
-DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256) for w in (4, 8)]
+# (longer K steps: a top-2 token's [K, block_n, block_k] step tile is a quarter of a top-8 one's)
+DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256, 512, 1024) for w in (4, 8)]
+DOWN_GRID.append((8, 2048, 8))
 
 
 def weights(E, N, Kd, scheme, gen):

@@ -86,6 +86,10 @@ class GemvConfig:
     down_bf16_one: Tuple[int, int, int] = (8, 128, 8)
     down_fp8_one: Tuple[int, int, int] = (8, 256, 4)
     down_int8_one: Tuple[int, int, int] = (8, 256, 8)
+    # the top-k the down configs were swept at: fewer choices a token take block_k times
+    # down_topk / K_PAD, the same [K_PAD, block_n, block_k] step tile (Mixtral's top-2 streamed a
+    # quarter of the bytes a step, latency bound)
+    down_topk: int = 8
     check_ids: int = 1024  # ids per step of the check program
 
 
@@ -102,6 +106,14 @@ def field_name(kernel: str, scheme: str, tokens: int) -> str:
 
 def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, int, int]:
     return getattr(CONFIG, field_name(kernel, scheme, tokens))
+
+
+def down_block_k(block_k: int, k_pad: int, inter: int, cfg) -> int:
+    """The down kernel's reduction step for a config's ``block_k`` at ``k_pad`` (K rounded up to a
+    power of two) choices a token and rows of ``inter`` channels: scaled by cfg.down_topk /
+    k_pad, at most the row rounded up to a power of two (never below ``block_k``)."""
+    longer = block_k * max(cfg.down_topk // k_pad, 1)
+    return min(longer, max(_launch.pow2(inter), block_k))
 
 
 def override(**fields):
@@ -437,14 +449,15 @@ def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, che
     strides and options."""
     scheme = quant.of_dtype(dtype)
     block_n, block_k, warps = config_field("down", scheme.name, T)
+    k_pad = _launch.pow2(K)
     return _launch.Prepared(
         _gemv_down_kernel,
         (T + (1 if check else 0), _launch.cdiv(H, block_n)),
         (T, H, I, E, *id_st, *tw_st, *w_st, *s_st, *b_st),
         dict(
-            K=K, K_PAD=_launch.pow2(K), QUANT=scheme.kernel_code, BLOCK_N=block_n,
-            BLOCK_K=block_k, CHECK_IDS=cfg.check_ids, CHECK=check, ASSERT=in_kernel,
-            HAS_BIAS=bias, num_warps=warps, **_checks.assert_build(in_kernel),
+            K=K, K_PAD=k_pad, QUANT=scheme.kernel_code, BLOCK_N=block_n,
+            BLOCK_K=down_block_k(block_k, k_pad, I, cfg), CHECK_IDS=cfg.check_ids, CHECK=check,
+            ASSERT=in_kernel, HAS_BIAS=bias, num_warps=warps, **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
 

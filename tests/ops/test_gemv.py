@@ -238,6 +238,24 @@ def test_pair_computes_the_chain(scheme):
     _tol.assert_close(ops.gemv_down(h, ids, tw, w2, s2), ops.unpermute(y2, p.inv_perm, tw))
 
 
+@pytest.mark.parametrize(
+    "K, inter, block_k",
+    [(8, 768, 256), (2, 14336, 1024), (4, 2880, 512), (3, 14336, 512), (1, 200, 256),
+     (2, 384, 512)],
+)  # fmt: skip
+def test_down_step_follows_top_k(K, inter, block_k):
+    """The down kernel's step tile [K_PAD, block_n, block_k] is the swept top-8 one's: block_k
+    grows as K_PAD shrinks, at most the row rounded up to a power of two, never below the
+    config's."""
+    from epmoe.ops import gemv as G
+
+    with G.override(down_fp8=(8, 256, 4)):
+        launch = G._down_launch(1, 4096, inter, 8, K, FP8, False, (K, 1), (K, 1),
+                                (4096 * inter, inter, 1), (1, 1, 1), (0, 0), False, False,
+                                G.CONFIG)  # fmt: skip
+    assert launch.meta["BLOCK_K"] == block_k and launch.meta["K_PAD"] == 1 << (K - 1).bit_length()
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_opcheck(scheme):
     x, ids, tw, (w1, s1, w2, s2) = _problem(scheme, 3, 2, 4, 128, 128, seed=6)

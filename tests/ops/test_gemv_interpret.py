@@ -53,6 +53,7 @@ CONFIGS = {
 }
 for _conf in CONFIGS.values():  # the same blocks for calls of one token
     _conf.update({k + "_one": v for k, v in list(_conf.items()) if k != "check_ids"})
+    _conf["down_topk"] = 1  # down steps of block_k whatever K (test_down_step_follows_top_k)
 SIZES = {"bf16": (200, 72), "fp8": (384, 384), "int8": (200, 72)}  # (H, I)
 MIN_SIZES = {"bf16": (64, 40), "fp8": (128, 128), "int8": (64, 40)}
 
