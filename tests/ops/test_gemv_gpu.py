@@ -65,6 +65,14 @@ def test_qwen3_decode_shapes(scheme, T):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_top2_long_rows(scheme, T):
+    """Top-2 (Mixtral's case): the down kernel's K steps four times the config's block_k, rows of
+    I = 4992 ending in a partial step."""
+    _check(scheme, T, 4, 512, 4992, 2, torch.Generator().manual_seed(T))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("T,neg", [(0, 0.0), (3, 1.0), (5, 0.5)])
 def test_edges(scheme, T, neg):
     _check(scheme, T, 8, 384, 256, 4, torch.Generator().manual_seed(7), neg)
