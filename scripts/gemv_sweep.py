@@ -32,7 +32,8 @@ from epmoe.ops import gemv  # noqa: E402
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme>[_one] / down_<scheme>[_one])
 UP_GRID = [(n, k, 4) for n in (8, 16, 32) for k in (512, 1024)]
-# (longer K steps: a top-2 token's [K, block_n, block_k] step tile is a quarter of a top-8 one's)
+# (down: block_k as it is at the shape's top-k; K steps to 1024-2048: a top-2 token's
+# [K, block_n, block_k] step tile is a quarter of a top-8 one's)
 DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256, 512, 1024) for w in (4, 8)]
 DOWN_GRID.append((8, 2048, 8))
 
@@ -108,7 +109,7 @@ def main(argv=None):
                     part_bytes = T * K * (2 if up else 1) * H * I * w1.element_size()
                     field = gemv.field_name("up" if up else "down", scheme, T)
                     for vals in grid:
-                        over = {field: vals}
+                        over = {field: vals if up else (*vals, K)}
                         with gemv.override(**over):
                             try:
                                 ms = _timing.time_cuda(fn, iters=a.iters).ms

@@ -68,28 +68,28 @@ GROUP = quant.FP8_GROUP  # fp8 channels per activation scale and per weight bloc
 # ------------------------------------------------------------------------------ launch config
 @_config.frozen
 class GemvConfig:
-    """Launch parameters of the two GEMV kernels, (block_n, block_k, warps) per scheme, for calls
-    of several tokens and (``*_one``) of one token: output columns per program (fp8: a divisor of
-    128, so a program's rows share their weight scales), reduction step (fp8: a multiple of 128),
-    warps. From the sweep at one and four tokens on Qwen3-30B-A3B's and DeepSeek-V3's experts
-    (design notes: docs/kernels.md)."""
+    """Launch parameters of the two GEMV kernels per scheme, for calls of several tokens and
+    (``*_one``) of one token: gate/up (block_n, block_k, warps), down (block_n, block_k, warps,
+    top_k): output columns per program (fp8: a divisor of 128, so a program's rows share their
+    weight scales), reduction step (fp8: a multiple of 128), warps; a down block_k is the step at
+    top_k choices a token, and fewer (K_PAD < top_k) take block_k x top_k / K_PAD, the same
+    [K_PAD, block_n, block_k] step tile (``down_block_k``). From the sweep at one and four tokens
+    on Qwen3-30B-A3B's and DeepSeek-V3's experts (top-8), Mixtral's (top-2) and gpt-oss-20b's
+    (top-4) (design notes: docs/kernels.md)."""
 
     up_bf16: Tuple[int, int, int] = (16, 512, 4)
     up_fp8: Tuple[int, int, int] = (16, 512, 4)
     up_int8: Tuple[int, int, int] = (32, 512, 4)
-    down_bf16: Tuple[int, int, int] = (8, 128, 8)
-    down_fp8: Tuple[int, int, int] = (8, 256, 4)
-    down_int8: Tuple[int, int, int] = (16, 128, 4)
+    down_bf16: Tuple[int, int, int, int] = (8, 128, 8, 8)
+    down_fp8: Tuple[int, int, int, int] = (8, 256, 4, 8)
+    # (int8 at gpt-oss's top-4: twice the step was slower, 42.4 -> 48.0 µs on the H200)
+    down_int8: Tuple[int, int, int, int] = (16, 128, 4, 4)
     up_bf16_one: Tuple[int, int, int] = (16, 512, 4)
     up_fp8_one: Tuple[int, int, int] = (8, 1024, 4)  # one token: fewer, longer rows in flight
     up_int8_one: Tuple[int, int, int] = (16, 1024, 4)
-    down_bf16_one: Tuple[int, int, int] = (8, 128, 8)
-    down_fp8_one: Tuple[int, int, int] = (8, 256, 4)
-    down_int8_one: Tuple[int, int, int] = (8, 256, 8)
-    # the top-k the down configs were swept at: fewer choices a token take block_k times
-    # down_topk / K_PAD, the same [K_PAD, block_n, block_k] step tile (Mixtral's top-2 streamed a
-    # quarter of the bytes a step, latency bound)
-    down_topk: int = 8
+    down_bf16_one: Tuple[int, int, int, int] = (8, 128, 8, 8)
+    down_fp8_one: Tuple[int, int, int, int] = (8, 256, 4, 8)
+    down_int8_one: Tuple[int, int, int, int] = (8, 256, 8, 8)
     check_ids: int = 1024  # ids per step of the check program
 
 
@@ -104,15 +104,16 @@ def field_name(kernel: str, scheme: str, tokens: int) -> str:
     return f"{kernel}_{scheme}" + ("_one" if one else "")
 
 
-def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, int, int]:
+def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, ...]:
     return getattr(CONFIG, field_name(kernel, scheme, tokens))
 
 
-def down_block_k(block_k: int, k_pad: int, inter: int, cfg) -> int:
-    """The down kernel's reduction step for a config's ``block_k`` at ``k_pad`` (K rounded up to a
-    power of two) choices a token and rows of ``inter`` channels: scaled by cfg.down_topk /
-    k_pad, at most the row rounded up to a power of two (never below ``block_k``)."""
-    longer = block_k * max(cfg.down_topk // k_pad, 1)
+def down_block_k(block_k: int, top_k: int, k_pad: int, inter: int) -> int:
+    """The down kernel's reduction step for a config's (``block_k``, ``top_k``) at ``k_pad`` (K
+    rounded up to a power of two) choices a token and rows of ``inter`` channels: block_k x top_k /
+    k_pad (fewer choices, the same step tile: top-2 streamed a quarter of the bytes a step,
+    latency bound), at most the row rounded up to a power of two, never below ``block_k``."""
+    longer = block_k * max(top_k // k_pad, 1)
     return min(longer, max(_launch.pow2(inter), block_k))
 
 
@@ -448,7 +449,7 @@ def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, che
     """The down GEMV kernel's launch for these sizes (H: the output's columns), weight dtype,
     strides and options."""
     scheme = quant.of_dtype(dtype)
-    block_n, block_k, warps = config_field("down", scheme.name, T)
+    block_n, block_k, warps, top_k = config_field("down", scheme.name, T)
     k_pad = _launch.pow2(K)
     return _launch.Prepared(
         _gemv_down_kernel,
@@ -456,7 +457,7 @@ def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, che
         (T, H, I, E, *id_st, *tw_st, *w_st, *s_st, *b_st),
         dict(
             K=K, K_PAD=k_pad, QUANT=scheme.kernel_code, BLOCK_N=block_n,
-            BLOCK_K=down_block_k(block_k, k_pad, I, cfg), CHECK_IDS=cfg.check_ids, CHECK=check,
+            BLOCK_K=down_block_k(block_k, top_k, k_pad, I), CHECK_IDS=cfg.check_ids, CHECK=check,
             ASSERT=in_kernel, HAS_BIAS=bias, num_warps=warps, **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip

@@ -249,7 +249,7 @@ def test_down_step_follows_top_k(K, inter, block_k):
     config's."""
     from epmoe.ops import gemv as G
 
-    with G.override(down_fp8=(8, 256, 4)):
+    with G.override(down_fp8=(8, 256, 4, 8)):
         launch = G._down_launch(1, 4096, inter, 8, K, FP8, False, (K, 1), (K, 1),
                                 (4096 * inter, inter, 1), (1, 1, 1), (0, 0), False, False,
                                 G.CONFIG)  # fmt: skip

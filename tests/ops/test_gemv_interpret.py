@@ -45,15 +45,15 @@ NAN = C.POISON_BYTES[0]
 # last 8), H = 200 is 2 gate/up k-steps of 128 (the last 72) and 13 down column blocks of 16.
 # fp8: H = 384 is 2 gate/up steps of 2 groups (the last group dead) and 6 down column blocks of
 # 64, I = 384 is 6 gate/up column blocks of 64 and 2 down steps of 2 groups (the last one dead).
-# T * K = 6 ids: 2 steps of the check program. (block_n, block_k, warps) per kernel.
+# T * K = 6 ids: 2 steps of the check program. (block_n, block_k, warps) per kernel; down's
+# top_k 1: steps of block_k whatever K (test_down_step_follows_top_k).
 CONFIGS = {
-    "bf16": dict(up_bf16=(16, 128, 4), down_bf16=(16, 32, 4), check_ids=4),
-    "fp8": dict(up_fp8=(64, 256, 4), down_fp8=(64, 256, 4), check_ids=4),
-    "int8": dict(up_int8=(16, 128, 4), down_int8=(16, 32, 4), check_ids=4),
+    "bf16": dict(up_bf16=(16, 128, 4), down_bf16=(16, 32, 4, 1), check_ids=4),
+    "fp8": dict(up_fp8=(64, 256, 4), down_fp8=(64, 256, 4, 1), check_ids=4),
+    "int8": dict(up_int8=(16, 128, 4), down_int8=(16, 32, 4, 1), check_ids=4),
 }
 for _conf in CONFIGS.values():  # the same blocks for calls of one token
     _conf.update({k + "_one": v for k, v in list(_conf.items()) if k != "check_ids"})
-    _conf["down_topk"] = 1  # down steps of block_k whatever K (test_down_step_follows_top_k)
 SIZES = {"bf16": (200, 72), "fp8": (384, 384), "int8": (200, 72)}  # (H, I)
 MIN_SIZES = {"bf16": (64, 40), "fp8": (128, 128), "int8": (64, 40)}
 
@@ -329,7 +329,7 @@ def test_padded_hidden(scheme):
     x[2] = 0.0
     ids, tw = random_ids(3, 3, E, 0.25, gen), random_weights(3, 3, gen)
     b1, b2 = _biases(E, 2 * I, Hp, torch.float32, gen)
-    cfg = dict(CONFIGS[scheme], **{f"down_{scheme}": (64, 128, 4)})
+    cfg = dict(CONFIGS[scheme], **{f"down_{scheme}": (64, 128, 4, 1)})
     h = _up(x, ids, w1, s1, cfg=cfg, spec="gelu_tanh", bias=b1)
     _mostly_equal(h, reference.gemv_gate_up(x, ids, w1, s1, "gelu_tanh", b1), "h", floor=1e-3)
     out = _down(h, ids, tw, w2, s2, cfg=cfg, bias=b2, hidden=H)
