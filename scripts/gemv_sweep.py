@@ -27,6 +27,7 @@ import _configs  # noqa: E402
 import _timing  # noqa: E402
 
 import epmoe  # noqa: E402
+from epmoe import quant, reference  # noqa: E402
 from epmoe.ops import gemv  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -60,8 +61,8 @@ def routing(T, E, K, gen):
     return ids, (w / w.sum(-1, keepdim=True)).float()
 
 
-def _pair(x, ids, tw, w1, s1, w2, s2):
-    return gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2)
+def _pair(x, ids, tw, w1, s1, w2, s2, hidden):
+    return gemv.gemv_down(gemv.gemv_gate_up(x, ids, w1, s1), ids, tw, w2, s2, hidden=hidden)
 
 
 def emit(f, rec):
@@ -94,19 +95,23 @@ def main(argv=None):
                 continue
             cfg = _configs.CONFIGS[shape]
             E, H, I, K = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k
-            w1, s1 = weights(E, 2 * I, H, scheme, gen)
-            w2, s2 = weights(E, H, I, scheme, gen)
-            per_expert = (3 * H * I) * w1.element_size()
+            # weights zero-padded as the layer keeps them (fp8: H, I multiples of 128); x of H
+            of = quant.get(scheme).size_multiple
+            Hp, Ip = reference.round_up(H, of), reference.round_up(I, of)
+            w1, s1 = weights(E, 2 * Ip, Hp, scheme, gen)
+            w2, s2 = weights(E, Hp, Ip, scheme, gen)
+            per_expert = (3 * Hp * Ip) * w1.element_size()
             best = {}
             for T in [int(t) for t in a.sweep_tokens.split(",")]:
                 x = torch.randn((T, H), device="cuda", generator=gen).bfloat16()
                 ids, tw = routing(T, E, K, gen)
                 h = gemv.gemv_gate_up(x, ids, w1, s1)
+                down = partial(gemv._gemv_down_triton, h, ids, tw, w2, s2, False, None, H)
                 for up, grid, fn in (
                     (True, UP_GRID, partial(gemv._gemv_gate_up_triton, x, ids, w1, s1, False)),
-                    (False, DOWN_GRID, partial(gemv._gemv_down_triton, h, ids, tw, w2, s2, False)),
+                    (False, DOWN_GRID, down),
                 ):
-                    part_bytes = T * K * (2 if up else 1) * H * I * w1.element_size()
+                    part_bytes = T * K * (2 if up else 1) * Hp * Ip * w1.element_size()
                     field = gemv.field_name("up" if up else "down", scheme, T)
                     for vals in grid:
                         over = {field: vals if up else (*vals, K)}
@@ -133,7 +138,7 @@ def main(argv=None):
                 ids, tw = routing(T, E, K, gen)
                 hit = int(torch.unique(ids).numel())
                 floor_ms = hit * per_expert / (copy_gbps * 1e6)
-                pair = partial(_pair, x, ids, tw, w1, s1, w2, s2)
+                pair = partial(_pair, x, ids, tw, w1, s1, w2, s2, H)
                 with gemv.override(**conf):
                     g_ms = _timing.time_cuda(pair, iters=a.iters).ms
                 g_def = _timing.time_cuda(pair, iters=a.iters).ms
