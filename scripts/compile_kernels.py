@@ -316,7 +316,8 @@ def cases() -> Dict[str, Callable[[], object]]:
             for check in (True, False)
             for T in (1, 4)
         ],
-        # Mixtral's top-2 (2 of its 8 experts): the down kernel's longer K steps
+        # Mixtral's top-2 (2 of its 8 experts) and a top-4 at gpt-oss's padded 2944: the down
+        # kernel's longer K steps
         "gemv gate_up / down at top-2 and top-4": lambda: [
             _gemv_pair(sch, False, T, sizes=sizes)
             for sch in ("bf16", "fp8", "int8")

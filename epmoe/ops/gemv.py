@@ -74,15 +74,15 @@ class GemvConfig:
     weight scales), reduction step (fp8: a multiple of 128), warps; a down block_k is the step at
     top_k choices a token, and fewer (K_PAD < top_k) take block_k x top_k / K_PAD, the same
     [K_PAD, block_n, block_k] step tile (``down_block_k``). From the sweep at one and four tokens
-    on Qwen3-30B-A3B's and DeepSeek-V3's experts (top-8), Mixtral's (top-2) and gpt-oss-20b's
-    (top-4) (design notes: docs/kernels.md)."""
+    on Qwen3-30B-A3B's and DeepSeek-V3's experts (top-8) and at one and two on Mixtral's (top-2);
+    int8's top_k also from gpt-oss-20b's layer (top-4) (design notes: docs/kernels.md)."""
 
     up_bf16: Tuple[int, int, int] = (16, 512, 4)
     up_fp8: Tuple[int, int, int] = (16, 512, 4)
     up_int8: Tuple[int, int, int] = (32, 512, 4)
     down_bf16: Tuple[int, int, int, int] = (8, 128, 8, 8)
     down_fp8: Tuple[int, int, int, int] = (8, 256, 4, 8)
-    # (int8 at gpt-oss's top-4: twice the step was slower, 42.4 -> 48.0 µs on the H200)
+    # (top_k 4: gpt-oss's top-4 int8 ran slower at twice the step)
     down_int8: Tuple[int, int, int, int] = (16, 128, 4, 4)
     up_bf16_one: Tuple[int, int, int] = (16, 512, 4)
     up_fp8_one: Tuple[int, int, int] = (8, 1024, 4)  # one token: fewer, longer rows in flight
