@@ -5,11 +5,12 @@
         [--budget-s 400]
 
 Per shape (``_configs.CONFIGS``) and scheme, random weights in the layout the layer keeps, uniform
-random top-k routing (seeded): at each ``--sweep-tokens`` T, each kernel alone under a grid of
-GemvConfig values (CUDA-graph replay, L2 flushed, median); then at each ``--tokens`` T the two
-GEMVs with the best configs against the layer's LL path (``mode="ll"``, ``max_tokens_per_rank=T``,
-same weights) and the read of the touched experts' weights at the copy bandwidth of the run. One
-JSON line per measurement; a table at the end.
+random top-k routing (seeded): at each ``--sweep-tokens`` T, each kernel alone under each of the
+module's candidate configs that fits (``gemv.fits``; CUDA-graph replay, L2 flushed, median); then
+at each ``--tokens`` T the two GEMVs with the best configs against the layer's LL path
+(``mode="ll"``, ``max_tokens_per_rank=T``, same weights) and the read of the touched experts'
+weights at the copy bandwidth of the run (``scripts/tune_gemm.py --layouts gemv_up,gemv_down``
+keeps the best configs in the tuned table). One JSON line per measurement; a table at the end.
 """
 
 import argparse
@@ -31,12 +32,6 @@ from epmoe import quant, reference  # noqa: E402
 from epmoe.ops import gemv  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-# (block_n, block_k, warps) of each kernel (GemvConfig's up_<scheme>[_one] / down_<scheme>[_one])
-UP_GRID = [(n, k, 4) for n in (8, 16, 32) for k in (512, 1024)]
-# (down: block_k as it is at the shape's top-k; K steps to 1024-2048: a top-2 token's
-# [K, block_n, block_k] step tile is a quarter of a top-8 one's)
-DOWN_GRID = [(n, k, w) for n in (8, 16) for k in (128, 256, 512, 1024) for w in (4, 8)]
-DOWN_GRID.append((8, 2048, 8))
 
 
 def weights(E, N, Kd, scheme, gen):
@@ -107,13 +102,16 @@ def main(argv=None):
                 ids, tw = routing(T, E, K, gen)
                 h = gemv.gemv_gate_up(x, ids, w1, s1)
                 down = partial(gemv._gemv_down_triton, h, ids, tw, w2, s2, False, None, H)
+                up_fn = partial(gemv._gemv_gate_up_triton, x, ids, w1, s1, False)
                 for up, grid, fn in (
-                    (True, UP_GRID, partial(gemv._gemv_gate_up_triton, x, ids, w1, s1, False)),
-                    (False, DOWN_GRID, down),
+                    (True, gemv.UP_CANDIDATES, up_fn),
+                    (False, gemv.DOWN_CANDIDATES, down),
                 ):
                     part_bytes = T * K * (2 if up else 1) * Hp * Ip * w1.element_size()
                     field = gemv.field_name("up" if up else "down", scheme, T)
                     for vals in grid:
+                        if not gemv.fits("up" if up else "down", scheme, vals, Hp if up else Ip, K):
+                            continue
                         over = {field: vals if up else (*vals, K)}
                         with gemv.override(**over):
                             try:

@@ -28,6 +28,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   with the gate where the table says so) on x of T tokens: "copy" (permute copies the rows) against
   "gather" (permute makes the index outputs only, GEMM1 reads x's rows through src_rows); N = w1's
   rows, K = H. The layer gathers where "gather" won.
+- gemv_up / gemv_down: the per-choice GEMV kernels (``epmoe.ops.gemv``) at one token and at
+  several (GEMV_TOKENS), every launch config of its candidates that fits (``gemv.fits``) pinned by
+  ``gemv.override``, each output checked against that of the module's default config (CHECK_TOL,
+  relative L2); N / K as GEMM1 + gate's (N = I) and GEMM2's, block = top-K, m = the tokens.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
@@ -89,7 +93,7 @@ import epmoe  # noqa: E402
 from epmoe import gate as _gate  # noqa: E402
 from epmoe import quant, reference  # noqa: E402
 from epmoe.layer import AUTO_LL_MAX_TOKENS, gemv_max_tokens  # noqa: E402
-from epmoe.ops import activation, gemm  # noqa: E402
+from epmoe.ops import activation, gemm, gemv  # noqa: E402
 from epmoe.ops.gemm import _ops, _select, _triton, _tuned  # noqa: E402
 from epmoe.ops.gemm._deepgemm import _deep_gemm_contiguous, _deep_gemm_masked  # noqa: E402
 
@@ -99,6 +103,8 @@ ROW_BLOCKS = (16, 32, 64, 128)
 TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
+# GEMV entries' calls: one token, and several (the entry of the most tokens serves 2 and up)
+GEMV_TOKENS = (1, 4)
 PATH_ALIGNMENTS = (128, 64, 32, 16)
 # above the LL sizes: blocks of 16-32 rows force tiles of as many rows, 2-4x slower there
 HT_ALIGNMENTS = (128, 64)
@@ -122,17 +128,17 @@ _FATAL = ("illegal memory access", "device-side assert", "unspecified launch fai
 class Problem(NamedTuple):
     """One GEMM problem to tune: the entry's key (the first seven fields) and how to build it."""
 
-    layout: str  # "contiguous" | "masked" | "gate" | "gather" | "masked_gate"
+    layout: str  # "contiguous" | "masked" | "gate" | "gather" | "masked_gate" | "gemv_*"
     scheme: str
     N: int
     K: int
     E: int
-    block: int  # contiguous: the row block; masked: the kernel's BLOCK_M
-    m: int  # contiguous: M_sum; masked: expected_m
+    block: int  # contiguous: the row block; masked: the kernel's BLOCK_M; GEMVs: top-K
+    m: int  # contiguous: M_sum; masked: expected_m; GEMVs: tokens
     tokens: int  # T of the routing
     rows: int  # rows of a: contiguous M_sum, masked the slot capacity C
     top_k: int
-    # "gate" / "gather" / "masked_gate" problems: the layer's gate and whether it has biases
+    # "gate" / "gather" / "masked_gate" / GEMV problems: the layer's gate and whether it has biases
     gate: str = "silu"
     bias: bool = False
 
@@ -215,6 +221,21 @@ def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
         if p[:7] not in seen:
             seen.add(p[:7])
             yield p
+
+
+def gemv_problems(cfg, scheme: str, layouts: Collection[str]) -> Iterator[Problem]:
+    """The GEMV kernels' problems of ``layouts`` at each of GEMV_TOKENS: "gemv_up" (N = I, h's
+    channels, K = H, the config's gate and biases), "gemv_down" (N = H, K = I), at the sizes the
+    layer pads to, block = top-K."""
+    (width, h), (n2, i) = gemm_sizes(cfg, scheme)
+    spec = _gate.get(cfg.gate).spec
+    E, K, bias = cfg.local_experts, cfg.top_k, bool(cfg.bias)
+    for t in GEMV_TOKENS:
+        if "gemv_up" in layouts:
+            yield Problem("gemv_up", scheme, _gate.get(spec).inter(width), h, E, K, t, t, t, K,
+                          spec, bias)  # fmt: skip
+        if "gemv_down" in layouts:
+            yield Problem("gemv_down", scheme, n2, i, E, K, t, t, t, K, bias=bias)
 
 
 def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
@@ -602,6 +623,8 @@ class Tuner:
         our fused kernel, and "unfused": GEMM1 then the activation stage, as the layer runs
         them)."""
         scheme, row_block = quant.get(p.scheme), p.block if "masked" not in p.layout else 0
+        if p.layout.startswith("gemv"):  # (Triton kernels only, any GPU)
+            return ["triton"]
         if p.layout in ("gate", "masked_gate"):
             kind = "contiguous" if p.layout == "gate" else "masked"
             ok = _select._runs("triton", scheme, kind, self.device, p.N, p.K, row_block)
@@ -617,6 +640,8 @@ class Tuner:
         scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
         if "triton" not in backends:
             return []
+        if p.layout.startswith("gemv"):
+            return self.gemv(p, w, w_s)
         ids = routing(p.tokens, p.E, p.top_k, dev)
         if p.layout in ("gate", "masked_gate"):
             return self.gate(p, w, w_s, ids)
@@ -698,6 +723,47 @@ class Tuner:
         out.append(self.measure("unfused", unfused))
         return out
 
+    def gemv(self, p: Problem, w, w_s) -> List[Measured]:
+        """Every fitting launch config of ``p``'s GEMV kernel (``gemv.fits``), pinned by
+        ``gemv.override``, on one set of operands of p.tokens tokens; each output checked against
+        the one of CONFIG's defaults (the configs differ only in their sums' order)."""
+        dev, part, up = self.device, functools.partial, p.layout == "gemv_up"
+        ids = routing(p.tokens, p.E, p.top_k, dev)
+        bias = None
+        if p.bias:
+            bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
+                -0.1, 0.1, generator=self.gen
+            )
+        if up:
+            x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev, dtype=torch.bfloat16)
+            fn = part(gemv.gemv_gate_up, x, ids, w, w_s, False, p.gate, bias)
+        else:
+            h = torch.randn((p.tokens, p.top_k, p.K), generator=self.gen, device=dev,
+                            dtype=torch.bfloat16)  # fmt: skip
+            tw = torch.rand((p.tokens, p.top_k), generator=self.gen, device=dev)
+            fn = part(gemv.gemv_down, h, ids, tw, w, w_s, False, bias)
+        with gemv.override():
+            want = fn().float()
+
+        def check(run: Callable[[], torch.Tensor]) -> Optional[str]:
+            return _wrong(run().float(), want)
+
+        kernel = "up" if up else "down"
+        field = gemv.field_name(kernel, p.scheme, p.tokens)
+        out = []
+        for c in gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES:
+            if not gemv.fits(kernel, p.scheme, c, p.K, p.top_k):
+                continue
+            pinned = {field: c if up else (*c, p.top_k)}  # (down: the step as launched)
+
+            def run(pinned=pinned):
+                with gemv.override(**pinned):
+                    return fn()
+
+            config = dict(block_n=c[0], block_k=c[1], num_warps=c[2])
+            out.append(self.measure("triton", run, config, check))
+        return out
+
     def gathers(self, p: Problem, w, w_s) -> Optional[Dict]:
         """The "gather" entry of ``p``: permute then GEMM1 as the layer runs them (fused with the
         gate where the table in force says so), copying ("copy") or gathering ("gather") the rows;
@@ -743,7 +809,7 @@ class Tuner:
     def weights(self, p: Problem, cache: Dict[Tuple, Tuple]) -> Tuple:
         """(w, w_scales) of ``p``'s GEMM, made once per scheme and shape (``cache`` holds the
         last one: the previous shape's are freed first)."""
-        gated = p.layout in ("gate", "masked_gate")
+        gated = p.layout in ("gate", "masked_gate", "gemv_up")
         rows = _gate.get(p.gate).width(p.N) if gated else p.N  # (w1's rows)
         key = (p.scheme, p.E, rows, p.K)
         if key not in cache:
@@ -842,7 +908,7 @@ def reading_table(doc: Dict, device_name: str):
     """The GEMM ops read ``doc`` as this GPU's tuned table (a temporary directory in place of
     ``_tuned.DIR``): path layers run with the configs just tuned, whatever --out / --dry-run."""
     caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block,
-              _select.fuses_gate, _select.gathers)  # fmt: skip
+              _select.fuses_gate, _select.gathers, gemv._up_launch, gemv._down_launch)  # fmt: skip
     saved = _tuned.DIR
     with tempfile.TemporaryDirectory() as tmp:
         write(Path(tmp) / _tuned.file_name(device_name), doc)
@@ -938,6 +1004,7 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
                     problems += masked_problems(cfg, scheme, a.tokens)
                 if "gate" in a.layouts:
                     problems += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
+                problems += gemv_problems(cfg, scheme, a.layouts)
                 if a.resume:
                     problems, _ = pending(old, problems)
                 first = {}  # one GEMM's problems together: its weights are made once

@@ -129,6 +129,23 @@ def test_masked_gate_problems():
     assert qwen3 == {512: 32} and bf16.block == 64 and tg.candidates("masked_gate", "fp8", 32)
 
 
+def test_gemv_problems():
+    """The GEMVs at one token and at several: gemv_up with N = h's channels, K = H and the
+    layer's gate and biases; gemv_down N = H, K = I (padded as the layer pads); block = top-K."""
+    cfg = CONFIGS["gpt-oss-20b"]  # E 32, top-4, H 2880, I 2880
+    ps = list(tg.gemv_problems(cfg, "fp8", tg.parse_args([]).layouts))
+    assert [(p.layout, p.m, p.tokens) for p in ps] == [
+        ("gemv_up", 1, 1), ("gemv_down", 1, 1), ("gemv_up", 4, 4), ("gemv_down", 4, 4)]  # fmt: skip
+    assert all((p.N, p.K, p.E, p.block, p.top_k) == (2944, 2944, 32, 4, 4) for p in ps)
+    assert all(p.bias for p in ps) and ps[0].gate == cfg.gate
+    up = tg.gemm_entry(ps[0], "triton", {}, {})
+    assert _tuned.problem(up) == ("gemv_up", "fp8", 2944, 2944, 32, 4, cfg.gate, True)
+    assert _tuned.problem(tg.gemm_entry(ps[1], "triton", {}, {})) == (
+        "gemv_down", "fp8", 2944, 2944, 32, 4)  # fmt: skip
+    one, several = tg.gemv_problems(CONFIGS["qwen3-30b-a3b"], "bf16", ("gemv_down",))
+    assert (one.N, one.K, one.block, one.m, several.m) == (2048, 768, 8, 1, 4)
+
+
 def test_candidates_are_the_fitting_configs():
     for rb in (16, 32, 64, 128):
         got = tg.candidates("contiguous", "bf16", rb)
@@ -365,6 +382,32 @@ def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tune
     assert (e["layout"], e["gate"], e["bias"]) == ("masked_gate", cfg.gate, True)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_gemv_entries_time_every_fitting_config(cpu_tuner, scheme):
+    """Each GEMV problem times every candidate that fits, pinned (CONFIG's fields, no table),
+    and keeps the fastest as the entry's config; each output is checked against the default's."""
+    from epmoe.ops import gemv
+
+    tuner, calls = cpu_tuner
+    cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
+    problems = list(tg.gemv_problems(cfg, scheme, ("gemv_up", "gemv_down")))
+    entries = list(tuner.gemm_entries(problems))
+
+    def fitting(p):
+        up = p.layout == "gemv_up"
+        return [c for c in (gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES)
+                if gemv.fits("up" if up else "down", scheme, c, p.K, p.top_k)]  # fmt: skip
+
+    assert len(calls) == sum(len(fitting(p)) for p in problems) and tuner.errors == 0
+    assert [tg.entry_key(e) for e in entries] == [tg.entry_key(tg.gemm_entry(p, "", {}, {}))
+                                                   for p in problems]  # fmt: skip
+    for e, p in zip(entries, problems, strict=True):
+        first = fitting(p)[0]
+        assert e["config"] == dict(block_n=first[0], block_k=first[1], num_warps=first[2])
+        assert e["backend"] == "triton" and set(e["us"]) == {"triton"}
+
+
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
     tuner, _ = cpu_tuner
     real = _triton.masked_triton
@@ -536,7 +579,8 @@ def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
     assert json.loads(out.read_text()) == doc and old in doc["entries"]
     assert {(e["layout"], e["N"], e["K"]) for e in doc["entries"] if e != old} == {
         (layout, 256, k) for layout in ("contiguous", "masked") for k in (256, 128)
-    } | {("gather", 256, 256), ("gate", 128, 256), ("masked_gate", 128, 256)}  # (GEMM1 fused)
+    } | {("gather", 256, 256), ("gate", 128, 256), ("masked_gate", 128, 256)} | {  # (fused)
+        ("gemv_up", 128, 256), ("gemv_down", 256, 128)}  # fmt: skip
     (g,) = [e for e in doc["entries"] if e["layout"] == "gather"]
     assert set(g["us"]) == {"copy", "gather"} and g["backend"] == "copy"  # (the first timed)
     (p,) = doc["paths"]

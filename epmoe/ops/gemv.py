@@ -58,6 +58,7 @@ from epmoe._contract import Case, Contract, Let, Multiple, Rule, Shape, Tensor
 from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
 from epmoe._stage import stage
 from epmoe.gate import gate_h  # by name: Inductor copies the @triton.jit callees it finds
+from epmoe.ops.gemm import _tuned
 
 OP_UP, OP_DOWN = "gemv_gate_up", "gemv_down"
 _ACC = tl.constexpr((tl.float32, tl.float32, tl.int32))  # accumulator dtype by scheme code
@@ -68,14 +69,15 @@ GROUP = quant.FP8_GROUP  # fp8 channels per activation scale and per weight bloc
 # ------------------------------------------------------------------------------ launch config
 @_config.frozen
 class GemvConfig:
-    """Launch parameters of the two GEMV kernels per scheme, for calls of several tokens and
-    (``*_one``) of one token: gate/up (block_n, block_k, warps), down (block_n, block_k, warps,
-    top_k): output columns per program (fp8: a divisor of 128, so a program's rows share their
-    weight scales), reduction step (fp8: a multiple of 128), warps; a down block_k is the step at
-    top_k choices a token, and fewer (K_PAD < top_k) take block_k x top_k / K_PAD, the same
-    [K_PAD, block_n, block_k] step tile (``down_block_k``). From the sweep at one and four tokens
-    on Qwen3-30B-A3B's and DeepSeek-V3's experts (top-8) and at one and two on Mixtral's (top-2);
-    int8's top_k also from gpt-oss-20b's layer (top-4) (design notes: docs/kernels.md)."""
+    """Launch parameters of the two GEMV kernels per scheme where the GPU's tuned table has no
+    entry for the call's sizes (``tuned``: a table entry wins; :func:`launch_config`), for calls of
+    several tokens and (``*_one``) of one token: gate/up (block_n, block_k, warps), down (block_n,
+    block_k, warps, top_k): output columns per program (fp8: a divisor of 128, so a program's rows
+    share their weight scales), reduction step (fp8: a multiple of 128), warps; a down block_k is
+    the step at top_k choices a token, and fewer (K_PAD < top_k) take block_k x top_k / K_PAD, the
+    same [K_PAD, block_n, block_k] step tile (``down_block_k``). From the sweep at one and four
+    tokens on Qwen3-30B-A3B's and DeepSeek-V3's experts (top-8) and at one and two on Mixtral's
+    (top-2); int8's top_k also from gpt-oss-20b's layer (top-4) (design notes: docs/kernels.md)."""
 
     up_bf16: Tuple[int, int, int] = (16, 512, 4)
     up_fp8: Tuple[int, int, int] = (16, 512, 4)
@@ -91,9 +93,13 @@ class GemvConfig:
     down_fp8_one: Tuple[int, int, int, int] = (8, 256, 4, 8)
     down_int8_one: Tuple[int, int, int, int] = (8, 256, 8, 8)
     check_ids: int = 1024  # ids per step of the check program
+    tuned: bool = True  # (False: every launch takes these fields; ``override`` sets it)
 
 
 CONFIG = GemvConfig()
+# the tuned table's "gemv_up" / "gemv_down" entries: m = 1 serves one-token calls, the entry of
+# the most tokens every other call (a SymInt T included, so compiled and eager launch alike)
+_SEVERAL = 1 << 30
 
 
 def field_name(kernel: str, scheme: str, tokens: int) -> str:
@@ -108,6 +114,25 @@ def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, ...]:
     return getattr(CONFIG, field_name(kernel, scheme, tokens))
 
 
+def launch_config(kernel: str, scheme: str, tokens: int, n: int, k: int, e: int, top_k: int,
+                  device, gate="silu", bias=False) -> Tuple[int, int, int]:  # fmt: skip
+    """(block_n, block_k, warps) of a ``kernel`` ("up" / "down") launch of ``tokens`` tokens with
+    ``top_k`` choices each on weights of ``e`` experts with ``n`` rows of ``k`` channels (up: n = I,
+    h's channels; the layer's gate spec and biases): the entry of ``device``'s tuned table where it
+    has one (unless an override is in force), else CONFIG's field (down: block_k by
+    :func:`down_block_k`)."""
+    one = type(tokens) is int and tokens == 1
+    if CONFIG.tuned:
+        found = _tuned.lookup(f"gemv_{kernel}", scheme, n, k, e, top_k, 1 if one else _SEVERAL,
+                              device, gate, bias)  # fmt: skip
+        if found is not None:
+            return found["block_n"], found["block_k"], found["num_warps"]
+    if kernel == "up":
+        return config_field(kernel, scheme, tokens)
+    block_n, block_k, warps, at_k = config_field(kernel, scheme, tokens)
+    return block_n, down_block_k(block_k, at_k, _launch.pow2(top_k), k), warps
+
+
 def down_block_k(block_k: int, top_k: int, k_pad: int, inter: int) -> int:
     """The down kernel's reduction step for a config's (``block_k``, ``top_k``) at ``k_pad`` (K
     rounded up to a power of two) choices a token and rows of ``inter`` channels: block_k x top_k /
@@ -117,9 +142,35 @@ def down_block_k(block_k: int, top_k: int, k_pad: int, inter: int) -> int:
     return min(longer, max(_launch.pow2(inter), block_k))
 
 
+# the tuner's candidates (scripts/tune_gemm.py, the "gemv_up" / "gemv_down" entries): (block_n,
+# block_k as launched, warps); down steps up to 2048 channels (a top-2 token's step tile is a
+# quarter of a top-8 one's)
+UP_CANDIDATES = tuple((n, k, w) for n in (8, 16, 32) for k in (512, 1024) for w in (4, 8))
+DOWN_CANDIDATES = tuple(
+    (n, k, w) for n in (8, 16) for k in (128, 256, 512, 1024, 2048) for w in (4, 8)
+)
+_STEP_ELEMENTS = 32768  # the largest [K_PAD, block_n, block_k] down step (register spills past)
+
+
+def fits(kernel: str, scheme: str, config: Tuple[int, int, int], k: int, top_k: int) -> bool:
+    """Whether a (block_n, block_k, warps) ``config`` of :data:`UP_CANDIDATES` /
+    :data:`DOWN_CANDIDATES` is one to try for ``kernel`` ("up" / "down") in ``scheme`` over rows of
+    ``k`` channels at ``top_k`` choices a token: fp8 blocks within one weight scale, a step at most
+    the row rounded up to a power of two (or the kernel's shortest candidate step), a down step
+    tile of at most _STEP_ELEMENTS."""
+    block_n, block_k, _ = config
+    if scheme == "fp8" and (GROUP % block_n or block_k % GROUP):
+        return False
+    shortest = min(c[1] for c in (UP_CANDIDATES if kernel == "up" else DOWN_CANDIDATES))
+    if block_k > max(_launch.pow2(k), shortest):
+        return False
+    return kernel == "up" or _launch.pow2(top_k) * block_n * block_k <= _STEP_ELEMENTS
+
+
 def override(**fields):
-    """Context manager: the GEMV kernels launch with these CONFIG fields inside the block."""
-    return _config.override(__name__, **fields)
+    """Context manager: the GEMV kernels launch with these CONFIG fields inside the block (and
+    no tuned table entry: ``tuned`` False unless given)."""
+    return _config.override(__name__, **{"tuned": False, **fields})
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -425,11 +476,12 @@ def _check_setup(t: torch.Tensor, check: bool):
 
 @_launch.memo
 def _up_launch(T, H, I, E, K, dtype, gate, bias, x_st, id_st, w_st, s_st, b_st, check, in_kernel,
-               cfg):  # fmt: skip
-    """The gate/up GEMV kernel's launch for these sizes, weight dtype, strides and options
-    (``gate``: the spec, a cheaper key than the Gate; ``dtype``: than the scheme)."""
+               cfg, hp, device):  # fmt: skip
+    """The gate/up GEMV kernel's launch for these sizes (``hp``: w1's padded H), weight dtype,
+    strides, options and device (``gate``: the spec, a cheaper key than the Gate; ``dtype``: than
+    the scheme)."""
     scheme = quant.of_dtype(dtype)
-    block_n, block_k, warps = config_field("up", scheme.name, T)
+    block_n, block_k, warps = launch_config("up", scheme.name, T, I, hp, E, K, device, gate, bias)
     return _launch.Prepared(
         _gemv_gate_up_kernel,
         (T * K + (1 if check else 0), _launch.cdiv(I, block_n)),
@@ -445,11 +497,11 @@ def _up_launch(T, H, I, E, K, dtype, gate, bias, x_st, id_st, w_st, s_st, b_st, 
 
 @_launch.memo
 def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, check, in_kernel,
-                 cfg):  # fmt: skip
-    """The down GEMV kernel's launch for these sizes (H: the output's columns), weight dtype,
-    strides and options."""
+                 cfg, w_rows, device):  # fmt: skip
+    """The down GEMV kernel's launch for these sizes (H: the output's columns, ``w_rows``: w2's
+    padded H), weight dtype, strides, options and device."""
     scheme = quant.of_dtype(dtype)
-    block_n, block_k, warps, top_k = config_field("down", scheme.name, T)
+    block_n, block_k, warps = launch_config("down", scheme.name, T, w_rows, I, E, K, device)
     k_pad = _launch.pow2(K)
     return _launch.Prepared(
         _gemv_down_kernel,
@@ -457,7 +509,7 @@ def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, che
         (T, H, I, E, *id_st, *tw_st, *w_st, *s_st, *b_st),
         dict(
             K=K, K_PAD=k_pad, QUANT=scheme.kernel_code, BLOCK_N=block_n,
-            BLOCK_K=down_block_k(block_k, top_k, k_pad, I), CHECK_IDS=cfg.check_ids, CHECK=check,
+            BLOCK_K=block_k, CHECK_IDS=cfg.check_ids, CHECK=check,
             ASSERT=in_kernel, HAS_BIAS=bias, num_warps=warps, **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
@@ -500,7 +552,7 @@ def _gemv_gate_up_triton(x, topk_ids, w1, w1_scales=None, check: bool = True, ga
     launch = _up_launch(
         T, H, I, E, K, w1.dtype, gate, bias is not None,
         x.stride(), topk_ids.stride(), w1.stride(), _scale_strides(w1_scales), _bias_strides(bias),
-        check, in_kernel, CONFIG,
+        check, in_kernel, CONFIG, w1.shape[2], x.device,
     )  # fmt: skip
     ws = w1_scales if w1_scales is not None else w1
     b = bias if bias is not None else x
@@ -521,7 +573,7 @@ def _gemv_down_triton(h, topk_ids, topk_weights, w2, w2_scales=None, check: bool
     launch = _down_launch(
         T, H, I, E, K, w2.dtype, bias is not None, topk_ids.stride(),
         topk_weights.stride(), w2.stride(), _scale_strides(w2_scales), _bias_strides(bias), check,
-        in_kernel, CONFIG,
+        in_kernel, CONFIG, w2.shape[1], h.device,
     )  # fmt: skip
     ws = w2_scales if w2_scales is not None else w2
     b = bias if bias is not None else h

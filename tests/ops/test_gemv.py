@@ -10,6 +10,7 @@ product, the output). Biases are added after those roundings, x narrower than th
 zero-extended, and ``hidden`` keeps the first output columns.
 """
 
+import json
 import math
 
 import pytest
@@ -244,16 +245,83 @@ def test_pair_computes_the_chain(scheme):
      (2, 384, 512)],
 )  # fmt: skip
 def test_down_step_follows_top_k(K, inter, block_k):
-    """The down kernel's step tile [K_PAD, block_n, block_k] is the swept top-8 one's: block_k
-    grows as K_PAD shrinks, at most the row rounded up to a power of two, never below the
-    config's."""
+    """Without a tuned entry the down kernel's step tile [K_PAD, block_n, block_k] is the swept
+    top-8 one's: block_k grows as K_PAD shrinks, at most the row rounded up to a power of two,
+    never below the config's."""
     from epmoe.ops import gemv as G
 
     with G.override(down_fp8=(8, 256, 4, 8)):
         launch = G._down_launch(1, 4096, inter, 8, K, FP8, False, (K, 1), (K, 1),
                                 (4096 * inter, inter, 1), (1, 1, 1), (0, 0), False, False,
-                                G.CONFIG)  # fmt: skip
+                                G.CONFIG, 4096, torch.device("cpu"))  # fmt: skip
     assert launch.meta["BLOCK_K"] == block_k and launch.meta["K_PAD"] == 1 << (K - 1).bit_length()
+
+
+@pytest.fixture
+def gemv_table(monkeypatch, tmp_path):
+    """An H200 table of GEMV entries (one token and four; the up ones of the default gate) read
+    for ``cuda:0``."""
+    from epmoe.ops import gemv as G
+    from epmoe.ops.gemm import _tuned
+
+    def entry(layout, m, config, **layer):
+        return dict(layout=layout, scheme="fp8", N=768, K=2048, E=128, block=8, m=m, **layer,
+                    config=dict(zip(("block_n", "block_k", "num_warps"), config, strict=True)),
+                    backend="triton", us={"triton": 1.0})  # fmt: skip
+
+    up = dict(gate="silu", bias=False)
+    doc = dict(entries=[entry("gemv_up", 1, (32, 1024, 8), **up),
+                        entry("gemv_up", 4, (8, 512, 4), **up),
+                        entry("gemv_down", 4, (16, 512, 8))])  # fmt: skip
+    (tmp_path / _tuned.file_name("NVIDIA H200")).write_text(json.dumps(doc))
+    monkeypatch.setattr(_tuned, "DIR", tmp_path)
+    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    _tuned.table.cache_clear()
+    yield G, torch.device("cuda", 0)
+    _tuned.table.cache_clear()
+
+
+def test_launch_config_reads_the_tuned_table(gemv_table):
+    """A tuned entry sets the launch (one token: the m = 1 entry; any other count, a SymInt's
+    included: the entry of the most tokens); an override, a CPU device or another problem (gate,
+    sizes) falls back to CONFIG, down's step by its top-k rule."""
+    G, dev = gemv_table
+    up = ("up", "fp8", 768, 2048, 128, 8, dev)
+    assert G.launch_config(up[0], up[1], 1, *up[2:]) == (32, 1024, 8)
+    for t in (2, 4, 64):
+        assert G.launch_config(up[0], up[1], t, *up[2:]) == (8, 512, 4)
+    down = ("down", "fp8", 1, 768, 2048, 128, 8, dev)
+    assert G.launch_config(*down) == (16, 512, 8)  # (no m = 1 entry: the one there is)
+    assert G.launch_config(*down[:-1], torch.device("cpu")) == G.CONFIG.down_fp8_one[:3]
+    assert G.launch_config(*up[:2], 4, *up[2:], gate="gelu_tanh") == G.CONFIG.up_fp8[:3]
+    assert G.launch_config(*up[:2], 4, 1536, *up[3:]) == G.CONFIG.up_fp8[:3]
+    with G.override(up_fp8=(16, 256, 4)):
+        assert G.launch_config(up[0], up[1], 4, *up[2:]) == (16, 256, 4)
+    block_n, block_k, warps, at_k = G.CONFIG.down_fp8
+    assert G.launch_config("down", "fp8", 4, 768, 2048, 128, 2, dev) == (
+        block_n, G.down_block_k(block_k, at_k, 2, 2048), warps)  # fmt: skip
+
+
+def test_candidates_fit_their_kernels():
+    """The tuner's candidates: fp8 within one weight-scale block, no step past the row (its
+    power of two, or the shortest candidate's), a down step tile within the register budget; the
+    module's defaults among them."""
+    from epmoe.ops import gemv as G
+
+    assert G.fits("up", "bf16", (32, 1024, 4), 2048, 8)
+    assert not G.fits("up", "bf16", (32, 1024, 4), 512, 8)  # (a step past a 512-channel row)
+    assert G.fits("up", "bf16", (32, 512, 4), 200, 2)  # (the shortest step: short rows run it)
+    assert not G.fits("down", "fp8", (16, 2048, 8), 768, 2)  # (past 768's power of two)
+    assert not G.fits("down", "bf16", (16, 1024, 8), 14336, 8)  # (a spilling step tile)
+    assert G.fits("down", "bf16", (16, 1024, 8), 14336, 2)
+    assert not G.fits("up", "fp8", (24, 512, 4), 2048, 8)  # (24 columns: two scale blocks)
+    assert not G.fits("down", "fp8", (8, 192, 4), 768, 8)  # (a step of part of a block)
+    for scheme in SCHEMES:
+        for one in ("", "_one"):
+            up = getattr(G.CONFIG, f"up_{scheme}{one}")
+            assert up in G.UP_CANDIDATES and G.fits("up", scheme, up, 2048, 8)
+            n, k, w, at_k = getattr(G.CONFIG, f"down_{scheme}{one}")
+            assert (n, k, w) in G.DOWN_CANDIDATES and G.fits("down", scheme, (n, k, w), 768, at_k)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

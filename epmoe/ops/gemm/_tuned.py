@@ -25,6 +25,14 @@ the masked layout (block: BLOCK_M, m: expected_m, as "masked" entries).
 through permute's src_rows, permute copying none ("gather"), beat permute's copy then GEMM1
 ("copy"); only measured where GEMM1 runs on our Triton kernels.
 
+"gemv_up" / "gemv_down" entries hold the launch config of :mod:`epmoe.ops.gemv`'s kernels
+(``{"block_n": 16, "block_k": 512, "num_warps": 4}``, block_k the reduction step as launched;
+backend "triton") for weights of E experts with N rows of K channels (gemv_up: N = I, h's
+channels, K = w1's padded H, with the gate spec and biases as "gate" entries; gemv_down: N =
+w2's padded H, K = I), block = top-K and m = the tokens per call it was tuned at: the m = 1
+entry serves one-token calls, the entry of the most tokens every other call
+(:func:`epmoe.ops.gemv.launch_config`; no entry: its CONFIG).
+
 :func:`lookup` returns the config of the entry with the smallest ``m`` >= the call's rows (else
 the largest): a function of static sizes only, so captured graphs stay valid. No file, or no entry
 for the problem: the caller autotunes over its candidate configs instead.
@@ -51,10 +59,11 @@ import torch
 
 DIR = Path(__file__).resolve().with_name("tuned")
 # ("gate" / "masked_gate": GEMM1 and the gate in one kernel on the contiguous / masked layout;
-# "gather": GEMM1 reading its rows through src_rows)
-LAYOUTS = ("contiguous", "masked", "gate", "gather", "masked_gate")
+# "gather": GEMM1 reading its rows through src_rows;
+# "gemv_up" / "gemv_down": the per-choice GEMV kernels' launch configs)
+LAYOUTS = ("contiguous", "masked", "gate", "gather", "masked_gate", "gemv_up", "gemv_down")
 # (entries that hold the layer's gate spec and biases)
-_LAYER_KEYED = ("gate", "gather", "masked_gate")
+_LAYER_KEYED = ("gate", "gather", "masked_gate", "gemv_up")
 
 
 def file_name(device_name: str) -> str:
