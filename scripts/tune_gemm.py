@@ -29,9 +29,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   "gather" (permute makes the index outputs only, GEMM1 reads x's rows through src_rows); N = w1's
   rows, K = H. The layer gathers where "gather" won.
 - gemv_up / gemv_down: the per-choice GEMV kernels (``epmoe.ops.gemv``) at one token and at
-  several (GEMV_TOKENS), every launch config of its candidates that fits (``gemv.fits``) pinned by
-  ``gemv.override``, each output checked against that of the module's default config (CHECK_TOL,
-  relative L2); N / K as GEMM1 + gate's (N = I) and GEMM2's, block = top-K, m = the tokens.
+  several (GEMV_TOKENS, at most the layer's GEMV cutoff), every launch config of its candidates
+  that fits (``gemv.fits``) pinned by ``gemv.override``, timed on GEMV_ROUTINGS routings (the
+  sum), the output checked against that of the module's default config (CHECK_TOL, relative L2);
+  N / K as GEMM1 + gate's (N = I) and GEMM2's, block = top-K, m = the tokens.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
@@ -103,8 +104,13 @@ ROW_BLOCKS = (16, 32, 64, 128)
 TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
-# GEMV entries' calls: one token, and several (the entry of the most tokens serves 2 and up)
+# GEMV entries' calls: one token, and several (the entry of the most tokens serves 2 and up):
+# four, or the layer's GEMV cutoff where that is less (Mixtral's top-2 of 8: two)
 GEMV_TOKENS = (1, 4)
+# routings a GEMV candidate is timed on (its time: the sum): which experts a call's choices share
+# moves a config's time by more than configs differ (gpt-oss-20b fp8 T = 4 up: 80.7 µs on the
+# tuner's routing, 100.4 in the layer's)
+GEMV_ROUTINGS = 3
 PATH_ALIGNMENTS = (128, 64, 32, 16)
 # above the LL sizes: blocks of 16-32 rows force tiles of as many rows, 2-4x slower there
 HT_ALIGNMENTS = (128, 64)
@@ -224,13 +230,14 @@ def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
 
 
 def gemv_problems(cfg, scheme: str, layouts: Collection[str]) -> Iterator[Problem]:
-    """The GEMV kernels' problems of ``layouts`` at each of GEMV_TOKENS: "gemv_up" (N = I, h's
-    channels, K = H, the config's gate and biases), "gemv_down" (N = H, K = I), at the sizes the
-    layer pads to, block = top-K."""
+    """The GEMV kernels' problems of ``layouts`` at each of GEMV_TOKENS up to the layer's GEMV
+    cutoff: "gemv_up" (N = I, h's channels, K = H, the config's gate and biases), "gemv_down" (N =
+    H, K = I), at the sizes the layer pads to, block = top-K."""
     (width, h), (n2, i) = gemm_sizes(cfg, scheme)
     spec = _gate.get(cfg.gate).spec
     E, K, bias = cfg.local_experts, cfg.top_k, bool(cfg.bias)
-    for t in GEMV_TOKENS:
+    cutoff = gemv_cutoff(cfg, scheme)
+    for t in sorted({min(t, cutoff) for t in GEMV_TOKENS if cutoff}):
         if "gemv_up" in layouts:
             yield Problem("gemv_up", scheme, _gate.get(spec).inter(width), h, E, K, t, t, t, K,
                           spec, bias)  # fmt: skip
@@ -597,13 +604,12 @@ class Tuner:
             raise RuntimeError("CUDA graph capture failed")
         return t.ms * 1e3
 
-    def measure(self, backend: str, fn: Callable[[], object], config=None,
-                check: Optional[Check] = None) -> Measured:  # fmt: skip
-        """``fn`` timed (:meth:`time_us`), then its output checked by ``check`` (a wrong one
-        is skipped like a failed launch)."""
+    def measure(self, backend: str, fn, config=None, check: Optional[Check] = None) -> Measured:
+        """``fn`` timed (:meth:`time_us`; a list of calls: the sum of their times), then its
+        output checked by ``check`` (a wrong one is skipped like a failed launch)."""
         self.check_time()
         try:
-            us = self.time_us(fn)
+            us = sum(map(self.time_us, fn)) if isinstance(fn, list) else self.time_us(fn)
             wrong = None if check is None else check(fn)
             if wrong:
                 raise WrongOutput(wrong)
@@ -724,29 +730,33 @@ class Tuner:
         return out
 
     def gemv(self, p: Problem, w, w_s) -> List[Measured]:
-        """Every fitting launch config of ``p``'s GEMV kernel (``gemv.fits``), pinned by
-        ``gemv.override``, on one set of operands of p.tokens tokens; each output checked against
-        the one of CONFIG's defaults (the configs differ only in their sums' order)."""
+        """Every fitting launch config of ``p``'s GEMV kernel (``gemv.fits``; the op's Triton
+        launch), pinned by ``gemv.override``, on GEMV_ROUTINGS routings of p.tokens tokens (its
+        time: the sum); the output (of the first) checked against that of the module's default
+        config (the configs differ only in their sums' order)."""
         dev, part, up = self.device, functools.partial, p.layout == "gemv_up"
-        ids = routing(p.tokens, p.E, p.top_k, dev)
         bias = None
         if p.bias:
             bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
                 -0.1, 0.1, generator=self.gen
             )
-        if up:
-            x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev, dtype=torch.bfloat16)
-            fn = part(gemv.gemv_gate_up, x, ids, w, w_s, False, p.gate, bias)
-        else:
-            h = torch.randn((p.tokens, p.top_k, p.K), generator=self.gen, device=dev,
-                            dtype=torch.bfloat16)  # fmt: skip
-            tw = torch.rand((p.tokens, p.top_k), generator=self.gen, device=dev)
-            fn = part(gemv.gemv_down, h, ids, tw, w, w_s, False, bias)
+        calls = []
+        for seed in range(SEED, SEED + GEMV_ROUTINGS):
+            ids = routing(p.tokens, p.E, p.top_k, dev, seed)
+            if up:
+                x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev,
+                                dtype=torch.bfloat16)  # fmt: skip
+                calls.append(part(gemv.gemv_gate_up.cuda, x, ids, w, w_s, False, p.gate, bias))
+            else:
+                h = torch.randn((p.tokens, p.top_k, p.K), generator=self.gen, device=dev,
+                                dtype=torch.bfloat16)  # fmt: skip
+                tw = torch.rand((p.tokens, p.top_k), generator=self.gen, device=dev)
+                calls.append(part(gemv.gemv_down.cuda, h, ids, tw, w, w_s, False, bias))
         with gemv.override():
-            want = fn().float()
+            want = calls[0]().float()
 
-        def check(run: Callable[[], torch.Tensor]) -> Optional[str]:
-            return _wrong(run().float(), want)
+        def check(runs: List[Callable[[], torch.Tensor]]) -> Optional[str]:
+            return _wrong(runs[0]().float(), want)
 
         kernel = "up" if up else "down"
         field = gemv.field_name(kernel, p.scheme, p.tokens)
@@ -756,12 +766,13 @@ class Tuner:
                 continue
             pinned = {field: c if up else (*c, p.top_k)}  # (down: the step as launched)
 
-            def run(pinned=pinned):
+            def run(fn, pinned=pinned):
                 with gemv.override(**pinned):
                     return fn()
 
             config = dict(block_n=c[0], block_k=c[1], num_warps=c[2])
-            out.append(self.measure("triton", run, config, check))
+            runs = [part(run, fn) for fn in calls]
+            out.append(self.measure("triton", runs, config, check))
         return out
 
     def gathers(self, p: Problem, w, w_s) -> Optional[Dict]:

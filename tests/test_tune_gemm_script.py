@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from epmoe import reference
+from epmoe.ops import gemv
 from epmoe.ops.gemm import _select, _triton, _tuned
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -144,6 +145,8 @@ def test_gemv_problems():
         "gemv_down", "fp8", 2944, 2944, 32, 4)  # fmt: skip
     one, several = tg.gemv_problems(CONFIGS["qwen3-30b-a3b"], "bf16", ("gemv_down",))
     assert (one.N, one.K, one.block, one.m, several.m) == (2048, 768, 8, 1, 4)
+    # (several: at most the layer's GEMV cutoff, two tokens at Mixtral's top-2 of 8)
+    assert [p.m for p in tg.gemv_problems(CONFIGS["mixtral-8x7b"], "int8", ("gemv_up",))] == [1, 2]
 
 
 def test_candidates_are_the_fitting_configs():
@@ -336,6 +339,10 @@ def cpu_tuner(monkeypatch):
 
     monkeypatch.setattr(tg.Tuner, "time_us", time_us)
     monkeypatch.setattr(_select, "_runs", lambda name, *args: name == "triton")
+    # (GEMVs: two candidates a kernel on one routing, the interpreter's time)
+    monkeypatch.setattr(gemv, "UP_CANDIDATES", ((8, 512, 4), (16, 512, 8)))
+    monkeypatch.setattr(gemv, "DOWN_CANDIDATES", ((8, 128, 4), (16, 128, 8)))
+    monkeypatch.setattr(tg, "GEMV_ROUTINGS", 1)
     return tg.Tuner(torch.device("cpu"), iters=1, deadline=float("inf")), calls
 
 
@@ -384,12 +391,12 @@ def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tune
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_gemv_entries_time_every_fitting_config(cpu_tuner, scheme):
-    """Each GEMV problem times every candidate that fits, pinned (CONFIG's fields, no table),
-    and keeps the fastest as the entry's config; each output is checked against the default's."""
-    from epmoe.ops import gemv
-
+def test_gemv_entries_time_every_fitting_config(cpu_tuner, monkeypatch, scheme):
+    """Each GEMV problem times every candidate that fits, pinned (CONFIG's fields, no table), on
+    GEMV_ROUTINGS routings, and keeps the fastest as the entry's config; outputs are checked
+    against the default config's."""
     tuner, calls = cpu_tuner
+    monkeypatch.setattr(tg, "GEMV_ROUTINGS", 2)
     cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
     problems = list(tg.gemv_problems(cfg, scheme, ("gemv_up", "gemv_down")))
     entries = list(tuner.gemm_entries(problems))
@@ -399,7 +406,8 @@ def test_gemv_entries_time_every_fitting_config(cpu_tuner, scheme):
         return [c for c in (gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES)
                 if gemv.fits("up" if up else "down", scheme, c, p.K, p.top_k)]  # fmt: skip
 
-    assert len(calls) == sum(len(fitting(p)) for p in problems) and tuner.errors == 0
+    n = sum(len(fitting(p)) for p in problems)
+    assert len(calls) == n * tg.GEMV_ROUTINGS and tuner.errors == 0
     assert [tg.entry_key(e) for e in entries] == [tg.entry_key(tg.gemm_entry(p, "", {}, {}))
                                                    for p in problems]  # fmt: skip
     for e, p in zip(entries, problems, strict=True):
@@ -453,6 +461,31 @@ def test_a_config_with_a_wrong_output_is_skipped(cpu_tuner, monkeypatch, layout,
     (e,) = tuner.gemm_entries([p])
     wide = sum(c["BLOCK_N"] == 128 for c in tg.candidates(layout, "int8", p.block))
     assert 0 < wide and tuner.errors == wide and e["config"]["BLOCK_N"] != 128
+
+
+@pytest.mark.interpret
+def test_a_gemv_config_with_a_wrong_output_is_skipped(cpu_tuner, monkeypatch):
+    """A GEMV candidate whose output is off (here: every 8-column one) never becomes the entry."""
+    tuner, _ = cpu_tuner
+    real = gemv._down_launch
+
+    def faulty(*plan):
+        launch, narrow = real(*plan), gemv.CONFIG.down_int8[0] == 8
+
+        def run(*tensors):  # (h, ids, weights, w2, scales, bias, out, flag)
+            launch(*tensors)
+            if narrow:
+                tensors[6].mul_(1 + 3 * tg.CHECK_TOL)
+
+        return run
+
+    monkeypatch.setattr(gemv, "_down_launch", faulty)
+    cfg = CONFIGS["tiny-1rank"]
+    (p,) = [p for p in tg.gemv_problems(cfg, "int8", ("gemv_down",)) if p.m > 1]
+    (e,) = tuner.gemm_entries([p])
+    narrow = sum(c[0] == 8 and gemv.fits("down", "int8", c, p.K, p.top_k)
+                 for c in gemv.DOWN_CANDIDATES)  # fmt: skip
+    assert 0 < narrow and tuner.errors == narrow and e["config"]["block_n"] != 8
 
 
 def test_output_check_reads_the_sampled_rows_of_each_layout():
