@@ -32,7 +32,8 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
   several (GEMV_TOKENS, at most the layer's GEMV cutoff), every launch config of its candidates
   that fits (``gemv.fits``) pinned by ``gemv.override``, timed on GEMV_ROUTINGS routings (the
   sum), the output checked against that of the module's default config (CHECK_TOL, relative L2);
-  N / K as GEMM1 + gate's (N = I) and GEMM2's, block = top-K, m = the tokens.
+  the entry keeps the default unless beaten by more than GEMV_MARGIN. N / K as GEMM1 + gate's
+  (N = I) and GEMM2's, block = top-K, m = the tokens.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
@@ -111,6 +112,10 @@ GEMV_TOKENS = (1, 4)
 # moves a config's time by more than configs differ (gpt-oss-20b fp8 T = 4 up: 80.7 µs on the
 # tuner's routing, 100.4 in the layer's)
 GEMV_ROUTINGS = 3
+# a GEMV entry keeps the module's default config unless a candidate beats it by more: the layer's
+# one routing moved a config's kernel by more than the tuner's sum measured (Mixtral fp8 T = 2
+# up, H100: 8 x 1024 3.0% faster than the default here, 16% slower in the layer)
+GEMV_MARGIN = 0.05
 PATH_ALIGNMENTS = (128, 64, 32, 16)
 # above the LL sizes: blocks of 16-32 rows force tiles of as many rows, 2-4x slower there
 HT_ALIGNMENTS = (128, 64)
@@ -314,6 +319,22 @@ def winner(measured: Iterable[Measured], runnable: Optional[Collection[str]] = N
     backend = min(sorted(best), key=lambda b: best[b])
     config = min(ours, key=lambda x: x.us).config
     return backend, dict(config), {b: round(best[b], 2) for b in sorted(best)}
+
+
+def gemv_choice(measured: Iterable[Measured]):
+    """(backend "triton", config, {"triton": best µs, "default": the default's}) of a GEMV
+    problem from its candidates' measurements ("triton") and the module default's ("default"):
+    the fastest candidate, or the default unless that beats it by more than GEMV_MARGIN; None
+    when no candidate ran."""
+    measured = list(measured)
+    best = winner(measured)
+    if best is None:
+        return None
+    _, config, us = best
+    default = [x for x in measured if x.backend == "default" and x.us is not None]
+    if default and us["triton"] > us["default"] * (1 - GEMV_MARGIN):
+        config = dict(default[0].config)
+    return "triton", config, us
 
 
 def ranking(measured: Iterable[Measured]) -> List[str]:
@@ -760,10 +781,13 @@ class Tuner:
 
         kernel = "up" if up else "down"
         field = gemv.field_name(kernel, p.scheme, p.tokens)
+        with gemv.override():  # (what the launch takes without an entry)
+            default = gemv.launch_config(kernel, p.scheme, p.tokens, p.N, p.K, p.E, p.top_k, dev,
+                                         p.gate, p.bias)  # fmt: skip
+        tried = [c for c in (gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES)
+                 if gemv.fits(kernel, p.scheme, c, p.K, p.top_k)]  # fmt: skip
         out = []
-        for c in gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES:
-            if not gemv.fits(kernel, p.scheme, c, p.K, p.top_k):
-                continue
+        for c in tried + ([] if default in tried else [default]):
             pinned = {field: c if up else (*c, p.top_k)}  # (down: the step as launched)
 
             def run(fn, pinned=pinned):
@@ -772,7 +796,9 @@ class Tuner:
 
             config = dict(block_n=c[0], block_k=c[1], num_warps=c[2])
             runs = [part(run, fn) for fn in calls]
-            out.append(self.measure("triton", runs, config, check))
+            out.append(self.measure("triton" if c in tried else "default", runs, config, check))
+            if c == default and c in tried:  # (its measurement is the default's too)
+                out.append(out[-1]._replace(backend="default"))
         return out
 
     def gathers(self, p: Problem, w, w_s) -> Optional[Dict]:
@@ -849,7 +875,7 @@ class Tuner:
             runs = self.backends(p)
             measured = self.gemm(p, *self.weights(p, weights), runs)
             print("\n".join(ranking(measured)), flush=True)
-            best = winner(measured, runs)
+            best = gemv_choice(measured) if p.layout.startswith("gemv") else winner(measured, runs)
             if best is None:
                 print(f"  no entry for {p[:7]}: nothing ran", flush=True)
                 continue

@@ -196,6 +196,21 @@ def test_failed_measurements_are_ignored():
     assert tg.winner([]) is None
 
 
+def test_a_gemv_entry_keeps_the_default_unless_beaten_by_the_margin():
+    def choice(best_us, default_us):
+        return tg.gemv_choice([tg.Measured("triton", {"block_n": 8}, best_us),
+                               tg.Measured("triton", {"block_n": 16}, default_us),
+                               tg.Measured("default", {"block_n": 16}, default_us)])  # fmt: skip
+
+    close = 100.0 * (1 - tg.GEMV_MARGIN) + 0.5
+    assert choice(close, 100.0) == ("triton", {"block_n": 16}, {"default": 100.0, "triton": close})
+    assert choice(90.0, 100.0)[1] == {"block_n": 8}
+    assert choice(100.0, 90.0)[1] == {"block_n": 16}
+    no_default = [tg.Measured("triton", {"block_n": 8}, 5.0)]
+    assert tg.gemv_choice(no_default) == ("triton", {"block_n": 8}, {"triton": 5.0})
+    assert tg.gemv_choice([tg.Measured("triton", {"block_n": 8}, None, "failed")]) is None
+
+
 def test_the_log_ranks_every_measurement_that_ran():
     tma = dict(CFG, TMA=True)
     ms = [_m("triton", 30.0, CFG), _m("deep_gemm", 25.0), _m("triton", None, tma, "x"),
@@ -406,14 +421,21 @@ def test_gemv_entries_time_every_fitting_config(cpu_tuner, monkeypatch, scheme):
         return [c for c in (gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES)
                 if gemv.fits("up" if up else "down", scheme, c, p.K, p.top_k)]  # fmt: skip
 
-    n = sum(len(fitting(p)) for p in problems)
+    def default(p):
+        kernel = "up" if p.layout == "gemv_up" else "down"
+        with gemv.override():
+            return gemv.launch_config(kernel, scheme, p.tokens, p.N, p.K, p.E, p.top_k,
+                                      tuner.device, p.gate, p.bias)  # fmt: skip
+
+    # (every fitting candidate, and the default where it is none of them)
+    n = sum(len(fitting(p)) + (default(p) not in fitting(p)) for p in problems)
     assert len(calls) == n * tg.GEMV_ROUTINGS and tuner.errors == 0
     assert [tg.entry_key(e) for e in entries] == [tg.entry_key(tg.gemm_entry(p, "", {}, {}))
                                                    for p in problems]  # fmt: skip
     for e, p in zip(entries, problems, strict=True):
         first = fitting(p)[0]
         assert e["config"] == dict(block_n=first[0], block_k=first[1], num_warps=first[2])
-        assert e["backend"] == "triton" and set(e["us"]) == {"triton"}
+        assert e["backend"] == "triton" and set(e["us"]) == {"triton", "default"}
 
 
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
