@@ -123,6 +123,9 @@ def launch_config(kernel: str, scheme: str, tokens: int, n: int, k: int, e: int,
     :func:`down_block_k`)."""
     one = type(tokens) is int and tokens == 1
     if CONFIG.tuned:
+        # (weights' sizes: static in a compiled model, SymInts in opcheck's dynamic pass; int()
+        # specializes them there, so compiled and eager launch alike)
+        n, k, e = int(n), int(k), int(e)
         found = _tuned.lookup(f"gemv_{kernel}", scheme, n, k, e, top_k, 1 if one else _SEVERAL,
                               device, gate, bias)  # fmt: skip
         if found is not None:

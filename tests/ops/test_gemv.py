@@ -302,6 +302,23 @@ def test_launch_config_reads_the_tuned_table(gemv_table):
         block_n, G.down_block_k(block_k, at_k, 2, 2048), warps)  # fmt: skip
 
 
+def test_launch_config_of_symbolic_sizes(gemv_table):
+    """Sizes traced as SymInts (opcheck's dynamic pass) look up the same entries: the weights'
+    sizes specialized, a symbolic token count the several-token entry."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    G, dev = gemv_table
+    env = ShapeEnv()
+
+    def sym(value, name):
+        return env.create_symintnode(env.create_symbol(value, ConstantSource(name)), hint=value)
+
+    got = G.launch_config("up", "fp8", sym(3, "t"), sym(768, "i"), sym(2048, "h"), sym(128, "e"),
+                          8, dev)  # fmt: skip
+    assert got == (8, 512, 4)
+
+
 def test_candidates_fit_their_kernels():
     """The tuner's candidates: fp8 within one weight-scale block, no step past the row (its
     power of two, or the shortest candidate's), a down step tile within the register budget; the
