@@ -122,12 +122,13 @@ def launch_config(kernel: str, scheme: str, tokens: int, n: int, k: int, e: int,
     has one (unless an override is in force), else CONFIG's field (down: block_k by
     :func:`down_block_k`)."""
     one = type(tokens) is int and tokens == 1
-    if CONFIG.tuned:
+    layout = f"gemv_{kernel}"
+    if CONFIG.tuned and _tuned.holds(layout, device):
         # (weights' sizes: static in a compiled model, SymInts in opcheck's dynamic pass; int()
         # specializes them there, so compiled and eager launch alike)
         n, k, e = int(n), int(k), int(e)
-        found = _tuned.lookup(f"gemv_{kernel}", scheme, n, k, e, top_k, 1 if one else _SEVERAL,
-                              device, gate, bias)  # fmt: skip
+        found = _tuned.lookup(layout, scheme, n, k, e, top_k, 1 if one else _SEVERAL, device,
+                              gate, bias)  # fmt: skip
         if found is not None:
             return found["block_n"], found["block_k"], found["num_warps"]
     if kernel == "up":

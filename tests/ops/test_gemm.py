@@ -266,6 +266,7 @@ def sm90(monkeypatch, tmp_path):
     monkeypatch.setattr(_select, "_dg_functions", lambda: fns)
     monkeypatch.setattr(_tuned, "DIR", tmp_path)
     monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (its table read on CPU)
     for cached in (_select._backend, _tuned.table):
         cached.cache_clear()
     yield _select._backend, tmp_path

@@ -276,6 +276,7 @@ def gemv_table(monkeypatch, tmp_path):
     (tmp_path / _tuned.file_name("NVIDIA H200")).write_text(json.dumps(doc))
     monkeypatch.setattr(_tuned, "DIR", tmp_path)
     monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (its table read on CPU)
     _tuned.table.cache_clear()
     yield G, torch.device("cuda", 0)
     _tuned.table.cache_clear()

@@ -105,9 +105,10 @@ def _device_name(index: int) -> str:
 
 
 def _gpu(device) -> Optional[str]:
-    """The GPU model of ``device``, None when it is not a CUDA device."""
+    """The GPU model of ``device``, None when it is not a CUDA device (or, tracing fake CUDA
+    tensors, there is no GPU)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return _device_name(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -122,6 +123,12 @@ def entry(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) ->
     if not entries:
         return None
     return next((x for x in entries if x["m"] >= m), entries[-1])
+
+
+def holds(layout: str, device) -> bool:
+    """Whether ``device``'s table has any entry of ``layout`` (a test before a lookup's key)."""
+    gpu = _gpu(device)
+    return gpu is not None and any(key[0] == layout for key in table(gpu))
 
 
 def lookup(layout, scheme, n, k, e, block, m, device, gate="silu", bias=False) -> Optional[Dict]:
