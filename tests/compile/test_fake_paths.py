@@ -425,7 +425,72 @@ def _run_all() -> dict:  # pragma: no cover - runs in the subprocess
             res = dict(ok=False, error=f"{type(e).__name__}: {e}"[:3000],
                        tb=traceback.format_exc()[-3000:])  # fmt: skip
         results[cid] = res
+    if not only or only in TUNED_GEMV:
+        results[TUNED_GEMV] = _tuned_gemv_trace(aot_kernels=kernels)
     return results
+
+
+# a GPU whose tuned table holds GEMV entries, traced with every size symbolic (opcheck's dynamic
+# pass): the entries' configs, the weights' sizes specialized for the lookup
+TUNED_GEMV = "gemv-tuned-table-symbolic-sizes"
+TUNED_GEMV_UP, TUNED_GEMV_DOWN = (32, 1024, 8), (16, 512, 8)
+
+
+def _tuned_gemv_trace(aot_kernels) -> dict:  # pragma: no cover - runs in the subprocess
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from epmoe.ops.gemm import _tuned
+
+    def entry(layout, config, **layer):
+        return dict(layout=layout, scheme="bf16", N=64 if layout == "gemv_up" else 256,
+                    K=256 if layout == "gemv_up" else 64, E=4, block=2, m=4, **layer,
+                    config=dict(zip(("block_n", "block_k", "num_warps"), config, strict=True)),
+                    backend="triton", us={})  # fmt: skip
+
+    saved = (_tuned.DIR, _tuned._device_name, torch.cuda.is_available)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            doc = dict(entries=[entry("gemv_up", TUNED_GEMV_UP, gate="silu", bias=False),
+                                entry("gemv_down", TUNED_GEMV_DOWN)])  # fmt: skip
+            (Path(tmp) / _tuned.file_name("NVIDIA H200")).write_text(json.dumps(doc))
+            _tuned.DIR, _tuned._device_name = Path(tmp), lambda index: "NVIDIA H200"
+            torch.cuda.is_available = lambda: True
+            _tuned.table.cache_clear()
+            se = ShapeEnv()
+
+            def sym(value, name):
+                s = se.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+                return se.create_symintnode(s, hint=value)
+
+            with FakeTensorMode(shape_env=se):
+                T, E, W, H, I = sym(3, "t"), sym(4, "e"), sym(128, "w"), sym(256, "h"), sym(64, "i")
+                x = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+                ids = torch.empty((T, 2), dtype=torch.int32, device="cuda")
+                tw = torch.empty((T, 2), dtype=torch.float32, device="cuda")
+                w1 = torch.empty((E, W, H), dtype=torch.bfloat16, device="cuda")
+                w2 = torch.empty((E, H, I), dtype=torch.bfloat16, device="cuda")
+
+                def f(x, ids, tw, w1, w2):
+                    h = torch.ops.epmoe.gemv_gate_up(x, ids, w1)
+                    return torch.ops.epmoe.gemv_down(h, ids, tw, w2)
+
+                gm = make_fx(dispatch_functionalize(f, FunctionalTensorMode()))(x, ids, tw, w1, w2)
+        return dict(ok=True, kernels=aot_kernels(gm))
+    except Exception:  # noqa: BLE001 - reported
+        import traceback
+
+        return dict(ok=False, tb=traceback.format_exc()[-3000:])
+    finally:
+        _tuned.DIR, _tuned._device_name, torch.cuda.is_available = saved
+        _tuned.table.cache_clear()
 
 
 # ------------------------------------------------------------------------------------- the tests
@@ -476,6 +541,17 @@ def test_cuda_host_code_traces_on_fake_tensors(traced, cid, op, args, expect, ki
     # a flag or code buffer is `[1]`, not 0-d: Inductor would fill a 0-d empty in a kernel of its
     # own, one more launch per compiled call
     assert res["scalar_empties"] == [], res["scalar_empties"]
+
+
+def test_a_tuned_table_sets_the_gemv_launch_with_symbolic_sizes(traced):
+    """The GEMVs traced with every size symbolic on a GPU whose table holds their entries (the
+    pass where opcheck's dynamic check hashed SymInts) launch the entries' configs; the symbolic
+    token count takes the several-token entry."""
+    res = traced[TUNED_GEMV]
+    assert res["ok"], res.get("tb")
+    got = {name: (c["BLOCK_N"], c["BLOCK_K"]) for name, c in res["kernels"]}
+    assert got == {"_gemv_gate_up_kernel": TUNED_GEMV_UP[:2],
+                   "_gemv_down_kernel": TUNED_GEMV_DOWN[:2]}  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover
