@@ -645,6 +645,13 @@ class Tuner:
                 torch.cuda.synchronize(self.device)
             return Measured(backend, config, None, msg)
 
+    def bias(self, p: Problem, rows: int) -> Optional[torch.Tensor]:
+        """float32 `[E, rows]` biases in [-0.1, 0.1) for a problem of a layer with biases, else
+        None."""
+        if not p.bias:
+            return None
+        return torch.empty((p.E, rows), device=self.device).uniform_(-0.1, 0.1, generator=self.gen)
+
     def backends(self, p: Problem) -> List[str]:
         """The backends that run ``p`` on this device (``_select._runs``), Triton first ("gate":
         our fused kernel, and "unfused": GEMM1 then the activation stage, as the layer runs
@@ -729,11 +736,7 @@ class Tuner:
                 sample_picks(counts=counts)  # fmt: skip
             gemm1 = part(gemm.grouped_gemm_masked, a, w, counts, a_s, w_s, p.m, True)
             rows, meta = dict(masked_m=counts), p.m
-        bias = None
-        if p.bias:
-            bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
-                -0.1, 0.1, generator=self.gen
-            )
+        bias = self.bias(p, w.shape[1])
         run = part(fused, a_s, w_s, g, bias, layout, meta)
         # (bf16 without bias: h checked, as the GEMM candidates' outputs are)
         chk = None if scheme.quantized or bias is not None else gate_check(a, w, g, picks)
@@ -756,11 +759,7 @@ class Tuner:
         time: the sum); the output (of the first) checked against that of the module's default
         config (the configs differ only in their sums' order)."""
         dev, part, up = self.device, functools.partial, p.layout == "gemv_up"
-        bias = None
-        if p.bias:
-            bias = torch.empty((p.E, w.shape[1]), device=dev).uniform_(
-                -0.1, 0.1, generator=self.gen
-            )
+        bias = self.bias(p, w.shape[1])
         calls = []
         for seed in range(SEED, SEED + GEMV_ROUTINGS):
             ids = routing(p.tokens, p.E, p.top_k, dev, seed)
@@ -817,9 +816,7 @@ class Tuner:
         xs = None
         if scheme.quantized:  # (the layer's quantize stage: its codes and scales)
             x, xs = epmoe.ops.quantize(x, p.scheme)
-        bias = None
-        if p.bias:
-            bias = torch.empty((E, p.N), device=dev).uniform_(-0.1, 0.1, generator=self.gen)
+        bias = self.bias(p, p.N)
         layout = scheme.cuda_scale_layout
 
         def run(gather: bool):
