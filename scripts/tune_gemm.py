@@ -109,12 +109,10 @@ MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm
 # four, or the layer's GEMV cutoff where that is less (Mixtral's top-2 of 8: two)
 GEMV_TOKENS = (1, 4)
 # routings a GEMV candidate is timed on (its time: the sum): which experts a call's choices share
-# moves a config's time by more than configs differ (gpt-oss-20b fp8 T = 4 up: 80.7 µs on the
-# tuner's routing, 100.4 in the layer's)
+# moves a config's time by more than configs differ
 GEMV_ROUTINGS = 3
-# a GEMV entry keeps the module's default config unless a candidate beats it by more: the layer's
-# one routing moved a config's kernel by more than the tuner's sum measured (Mixtral fp8 T = 2
-# up, H100: 8 x 1024 3.0% faster than the default here, 16% slower in the layer)
+# a GEMV entry keeps the module's default config unless a candidate beats it by more: a routing
+# the tuner did not time can rank configs otherwise (docs/kernels.md, the H100 results)
 GEMV_MARGIN = 0.05
 PATH_ALIGNMENTS = (128, 64, 32, 16)
 # above the LL sizes: blocks of 16-32 rows force tiles of as many rows, 2-4x slower there
