@@ -43,6 +43,23 @@ def seed():
 
 
 @pytest.fixture
+def h200_table(monkeypatch, tmp_path):
+    """A tuned-table directory of its own (``tmp_path``), read for CUDA devices as an H200's on
+    this machine (GPU or not); the table's caches cleared before and after."""
+    from epmoe.ops.gemm import _select, _tuned
+
+    monkeypatch.setattr(_tuned, "DIR", tmp_path)
+    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    caches = (_tuned.table, _tuned._paths, _select._backend)
+    for c in caches:
+        c.cache_clear()
+    yield tmp_path
+    for c in caches:
+        c.cache_clear()
+
+
+@pytest.fixture
 def triton_interpret():
     """True when Triton kernels run on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

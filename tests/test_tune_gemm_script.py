@@ -285,16 +285,8 @@ def test_merge_replaces_same_keys_and_keeps_the_rest_in_order():
 
 
 @pytest.fixture
-def tuned_dir(monkeypatch, tmp_path):
-    monkeypatch.setattr(_tuned, "DIR", tmp_path)
-    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (its table read on CPU)
-    caches = (_tuned.table, _tuned._paths, _select._backend)
-    for c in caches:
-        c.cache_clear()
-    yield tmp_path
-    for c in caches:
-        c.cache_clear()
+def tuned_dir(h200_table):
+    return h200_table
 
 
 def test_a_written_file_reads_back(tuned_dir):

@@ -254,24 +254,17 @@ def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
 
 # ------------------------------------------------------------------ backend choice, tuned table
 @pytest.fixture
-def sm90(monkeypatch, tmp_path):
+def sm90(monkeypatch, h200_table):
     """CPU stand-in for an H200 with deep_gemm (its entry points never called) and a tuned table
-    directory of its own (``tmp_path``)."""
-    from epmoe.ops.gemm import _select, _tuned
+    directory of its own (``h200_table``)."""
+    from epmoe.ops.gemm import _select
 
     monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
     monkeypatch.setattr(_select._deps, "available", lambda name: True)
     fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
     fns["alignment"] = lambda: 128
     monkeypatch.setattr(_select, "_dg_functions", lambda: fns)
-    monkeypatch.setattr(_tuned, "DIR", tmp_path)
-    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (its table read on CPU)
-    for cached in (_select._backend, _tuned.table):
-        cached.cache_clear()
-    yield _select._backend, tmp_path
-    for cached in (_select._backend, _tuned.table):
-        cached.cache_clear()
+    return _select._backend, h200_table
 
 
 def _entry(layout, scheme, block, m, backend, N=256, K=512, E=4):

@@ -258,7 +258,7 @@ def test_down_step_follows_top_k(K, inter, block_k):
 
 
 @pytest.fixture
-def gemv_table(monkeypatch, tmp_path):
+def gemv_table(h200_table):
     """An H200 table of GEMV entries (one token and four; the up ones of the default gate) read
     for ``cuda:0``."""
     from epmoe.ops import gemv as G
@@ -273,13 +273,8 @@ def gemv_table(monkeypatch, tmp_path):
     doc = dict(entries=[entry("gemv_up", 1, (32, 1024, 8), **up),
                         entry("gemv_up", 4, (8, 512, 4), **up),
                         entry("gemv_down", 4, (16, 512, 8))])  # fmt: skip
-    (tmp_path / _tuned.file_name("NVIDIA H200")).write_text(json.dumps(doc))
-    monkeypatch.setattr(_tuned, "DIR", tmp_path)
-    monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (its table read on CPU)
-    _tuned.table.cache_clear()
-    yield G, torch.device("cuda", 0)
-    _tuned.table.cache_clear()
+    (h200_table / _tuned.file_name("NVIDIA H200")).write_text(json.dumps(doc))
+    return G, torch.device("cuda", 0)
 
 
 def test_launch_config_reads_the_tuned_table(gemv_table):
