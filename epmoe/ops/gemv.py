@@ -124,9 +124,9 @@ def launch_config(kernel: str, scheme: str, tokens: int, n: int, k: int, e: int,
     one = type(tokens) is int and tokens == 1
     layout = f"gemv_{kernel}"
     if CONFIG.tuned and _tuned.holds(layout, device):
-        # (weights' sizes: static in a compiled model, SymInts in opcheck's dynamic pass; int()
-        # specializes them there, so compiled and eager launch alike)
-        n, k, e = int(n), int(k), int(e)
+        # (weights' sizes and top-k: static in a compiled model, SymInts in opcheck's dynamic
+        # pass; int() specializes them there, so compiled and eager launch alike)
+        n, k, e, top_k = int(n), int(k), int(e), int(top_k)
         found = _tuned.lookup(layout, scheme, n, k, e, top_k, 1 if one else _SEVERAL, device,
                               gate, bias)  # fmt: skip
         if found is not None:

@@ -472,9 +472,10 @@ def _tuned_gemv_trace(aot_kernels) -> dict:  # pragma: no cover - runs in the su
 
             with FakeTensorMode(shape_env=se):
                 T, E, W, H, I = sym(3, "t"), sym(4, "e"), sym(128, "w"), sym(256, "h"), sym(64, "i")
+                K = sym(2, "k")  # (top-k: the entries' key, as opcheck's dynamic pass makes it)
                 x = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
-                ids = torch.empty((T, 2), dtype=torch.int32, device="cuda")
-                tw = torch.empty((T, 2), dtype=torch.float32, device="cuda")
+                ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+                tw = torch.empty((T, K), dtype=torch.float32, device="cuda")
                 w1 = torch.empty((E, W, H), dtype=torch.bfloat16, device="cuda")
                 w2 = torch.empty((E, H, I), dtype=torch.bfloat16, device="cuda")
 
