@@ -46,6 +46,12 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
 - ``graph_ms``: a plain ``torch.cuda.CUDAGraph`` of one call (after ``layer.warmup([T])`` and
   warm-up calls), replayed after an L2 flush (``_timing.time_cuda``); ``kernel_us``: the same
   replay's device µs per kernel launch (``_timing.kernel_us``: where the time goes).
+- ``--routings R`` (R > 1): ``graph_ms`` again on R routings of the case's T (the case's own
+  first, then seeds ``seed + ROUTING_SEED_STEP * i``), each call's time and floor in
+  ``graph_ms_routings`` / ``floor_ms_routings`` and their medians in ``graph_median_ms`` /
+  ``floor_median_ms``: at a few tokens the experts a routing touches, and how many of its
+  choices share one, move a layer's time by more than configs differ (one routing cannot rank
+  them; the median of several can).
 - ``compile_ms`` / ``compile_ro_ms``: ``torch.compile(layer, dynamic=False)`` in the default mode
   and in ``mode="reduce-overhead"`` (compile seconds in ``compile_s`` / ``compile_ro_s``, graph
   breaks, and whether the compiled output has the eager bytes). Compiling costs seconds per
@@ -167,7 +173,7 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -225,6 +231,7 @@ TARGETS = (
     ("gpt-oss-20b", "bf16", (129, None), 1.0),
     ("gpt-oss-20b", "int8", (1, 128), 1 / 2),
 )
+ROUTING_SEED_STEP = 1000  # --routings: routing i of a case is drawn from seed + this * i
 GATE_BIAS_MAX = 1.03  # a gated config's graph time over its plain twin's (biases + clamped gate)
 _FATAL = (
     "illegal memory access",
@@ -723,9 +730,9 @@ class ShapeRun:
     """One shape's global weights, routings, transformers baseline and cached raw results; the
     layers of one scheme at a time."""
 
-    def __init__(self, cfg, device, seed: int, max_tokens: int, timer):
+    def __init__(self, cfg, device, seed: int, max_tokens: int, timer, routings: int = 1):
         self.cfg, self.device, self.seed, self.timer = cfg, torch.device(device), seed, timer
-        self.max_tokens = max_tokens
+        self.max_tokens, self.routings_n = max_tokens, routings
         self.copy_gbps: Optional[float] = None  # the run's copy ceiling (GB/s), for floor_ms
         E, H, I = cfg.local_experts, cfg.hidden, cfg.intermediate
         width = epmoe.gate.get(cfg.gate).width(I)
@@ -751,6 +758,13 @@ class ShapeRun:
         if tokens not in self._routings:
             self._routings[tokens] = make_routing(self.cfg, tokens, self.seed, self.device)
         return self._routings[tokens]
+
+    def routings(self, tokens: int, n: int) -> Iterator[Routing]:
+        """The case's routing, then n - 1 others of ``tokens`` tokens (made one at a time, not
+        kept)."""
+        yield self.routing(tokens)
+        for i in range(1, n):
+            yield make_routing(self.cfg, tokens, self.seed + ROUTING_SEED_STEP * i, self.device)
 
     def use_scheme(self, scheme: str) -> None:
         """Free the layers of the previous scheme (one scheme's weights in memory at a time)."""
@@ -984,6 +998,8 @@ def run_case(
         _step(rec, "launches", lambda: timer.launches(call))
     if "graph" in steps:
         _step(rec, "graph", lambda: {"graph_ms": timer.graph(call)})
+    if "routings" in steps and sr.routings_n > 1 and "graph_ms" in rec:
+        _step(rec, "routings", lambda: _routings_step(sr, layer, T, case.scheme))
     if "kernels" in steps:
         _step(rec, "kernels", lambda: timer.kernel_us(call))
     if "raw" in steps:
@@ -1012,6 +1028,19 @@ def run_case(
     rec["status"] = "error" if rec["errors"] else "ok"
     rec["case_s"] = round(rec.get("case_s", 0.0) + time.perf_counter() - t_case, 3)
     return rec
+
+
+def _routings_step(sr: ShapeRun, layer, T: int, scheme: str) -> dict:
+    """graph_ms and floor_ms on each of the shape run's routings of T tokens, and their medians."""
+    graph, floor = [], []
+    for r in sr.routings(T, sr.routings_n):
+        graph.append(sr.timer.graph(lambda r=r: layer(r.x, r.ids, r.weights)))
+        if sr.copy_gbps:
+            floor.append(r.experts_hit * expert_weight_bytes(sr.cfg, scheme) / (sr.copy_gbps * 1e6))
+    out = dict(graph_ms_routings=graph, graph_median_ms=statistics.median(graph))
+    if floor:
+        out.update(floor_ms_routings=floor, floor_median_ms=statistics.median(floor))
+    return out
 
 
 def _raw_step(sr: ShapeRun, case: Case, layer, path: str, rec: dict, out) -> dict:
@@ -1173,6 +1202,7 @@ def ratios(rec: dict) -> dict:
         "graph_over_grouped_mm_graph": q("graph_ms", "grouped_mm_graph_ms"),
         "eager_over_grouped_mm_eager": q("eager_ms", "grouped_mm_eager_ms"),
         "graph_over_floor": q("graph_ms", "floor_ms"),
+        "graph_median_over_floor_median": q("graph_median_ms", "floor_median_ms"),
         "eager_over_floor": q("eager_ms", "floor_ms"),
         "raw_over_floor": q("raw_ms", "floor_ms"),
         "compile_over_eager": q("compile_ms", "eager_ms"),
@@ -1414,6 +1444,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=30, help="timed calls per figure (>= 20 on GPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--routings", type=int, default=1, help="graph_ms also on this many routings (median)"
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (no GPU timing)")
     return ap
 
@@ -1436,7 +1469,7 @@ def main(argv=None) -> dict:
     shapes = only.get("shape", shapes)
     tokens = sorted(set(only.get("T", tokens)))
     cases = plan_cases(shapes, only.get("scheme", SCHEMES), only.get("mode", MODES), tokens)
-    steps = {"eager", "host", "launches", "graph", "kernels", "raw", "grouped_mm"}
+    steps = {"eager", "host", "launches", "graph", "routings", "kernels", "raw", "grouped_mm"}
     if args.no_raw:
         steps.discard("raw")
     if args.no_transformers:
@@ -1519,7 +1552,7 @@ def _run_shape(run: _Run, cases: List[Case]) -> None:
     shape = cases[0].shape
     cfg = _configs.CONFIGS[shape]
     try:
-        sr = ShapeRun(cfg, run.device, run.args.seed, run.max_tokens, run.timer)
+        sr = ShapeRun(cfg, run.device, run.args.seed, run.max_tokens, run.timer, run.args.routings)
     except Exception as e:  # noqa: BLE001
         report["notes"].append(f"{shape}: weights not built: {_err(e)}")
         _skip_rest(cases, report, "weights not built")

@@ -6,7 +6,8 @@ One row per (shape, scheme, T) of the given layer mode: CUDA-graph replay of the
 transformers' grouped_mm experts (graph) and raw deep_gemm on the same routing, the weight-read
 floor, eager / torch.compile default / reduce-overhead, host µs and launches per eager call. Then,
 where the run has them, the cost of a gate and biases (a config's graph time over its plain-SiLU
-twin's, e.g. gpt-oss-20b over gpt-oss-20b-silu) and the targets with whether they were met.
+twin's, e.g. gpt-oss-20b over gpt-oss-20b-silu), the cases timed on several routings
+(``--routings``) and the targets with whether they were met.
 """
 
 import argparse
@@ -67,6 +68,19 @@ def kernel_delta_rows(report: dict, mode: str, top: int = 4):
             yield f"| {e['shape']} | {e['scheme']} | {e['T']} | {total:+.1f} | {cells} |"
 
 
+def routing_rows(report: dict, mode: str):
+    """The cases timed on several routings (--routings): each routing's graph ms, the medians."""
+    for c in report["cases"]:
+        g = c.get("graph_ms_routings")
+        if c.get("mode") == mode and g:
+            fm = c.get("floor_median_ms")
+            yield (
+                f"| {c['shape']} | {c['scheme']} | {c['T']} | {c.get('path')} | "
+                f"{' / '.join(_f(v) for v in g)} | {_f(c.get('graph_median_ms'))} | "
+                f"{_f(fm)} ({_x(fm, c.get('graph_median_ms'))}) |"
+            )
+
+
 def target_rows(report: dict):
     for t in report.get("targets", []):
         yield (
@@ -86,6 +100,10 @@ GATE_BIAS_HEADER = (
 KERNEL_DELTA_HEADER = (
     "| shape | scheme | T | device µs over the twin | largest per-kernel differences (µs) |\n"
     "| --- | --- | --- | --- | --- |"
+)
+ROUTING_HEADER = (
+    "| shape | scheme | T | path | graph ms per routing | median | floor median (ours / floor) |\n"
+    "| --- | --- | --- | --- | --- | --- | --- |"
 )
 TARGET_HEADER = (
     "| shape | scheme | mode | T | layer / grouped_mm graph target | measured | met |\n"
@@ -110,6 +128,7 @@ def main():
     for header, lines in (
         (GATE_BIAS_HEADER, list(gate_bias_rows(report, a.mode))),
         (KERNEL_DELTA_HEADER, list(kernel_delta_rows(report, a.mode))),
+        (ROUTING_HEADER, list(routing_rows(report, a.mode))),
         (TARGET_HEADER, list(target_rows(report))),
     ):
         if lines:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import _configs
 import bench_one_gpu as bench
+import one_gpu_report
 import pytest
 import torch
 
@@ -258,6 +259,51 @@ def test_stack_step_runs_the_layer_n_times_and_reports_per_layer():
             want = layer(want, r.ids, r.weights)
         assert torch.equal(bench.LayerStack(layer, 3)(r.x, r.ids, r.weights), want)
     assert not torch.equal(want, layer(r.x, r.ids, r.weights))
+    sr.close()
+
+
+class _GraphOnCpu(bench.CpuTimer):
+    """A CPU timer whose "graph" runs the call once and returns the calls so far (ms), keeping
+    each call's token ids: the routings step's bookkeeping without a GPU."""
+
+    def __init__(self):
+        super().__init__(2, 0)
+        self.ids = []
+
+    def graph(self, fn) -> float:
+        fn()
+        return float(len(self.ids))
+
+
+def test_routings_step_times_the_case_routing_then_others_and_takes_medians():
+    timer = _GraphOnCpu()
+    sr = bench.ShapeRun(TINY, "cpu", 0, 200, timer, routings=3)
+    sr.copy_gbps = 1.0
+    layer = sr.layer("bf16", "ht", 8)
+
+    def spy(x, ids, w):
+        timer.ids.append(ids.clone())
+        return layer(x, ids, w)
+
+    rec = bench.run_case(sr, bench.Case(TINY.name, "bf16", "ht", 8), {"routings"})
+    assert "graph_ms_routings" not in rec  # (only after a graph_ms of the case's own routing)
+    got = bench._routings_step(sr, spy, 8, "bf16")
+    assert got["graph_ms_routings"] == [1.0, 2.0, 3.0] and got["graph_median_ms"] == 2.0
+    assert torch.equal(timer.ids[0], sr.routing(8).ids)  # the case's own routing first
+    assert len({tuple(i.flatten().tolist()) for i in timer.ids}) == 3  # then two other draws
+    again = [r.ids for r in sr.routings(8, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(again, timer.ids, strict=True))  # seeded
+    per = bench.expert_weight_bytes(TINY, "bf16") / 1e6
+    hits = [torch.unique(i).numel() for i in timer.ids]
+    assert got["floor_ms_routings"] == pytest.approx([h * per for h in hits])
+    assert got["floor_median_ms"] == pytest.approx(sorted(hits)[1] * per)
+    rec.update(got)
+    assert bench.ratios(rec)["graph_median_over_floor_median"] == pytest.approx(
+        2.0 / got["floor_median_ms"]
+    )
+    (row,) = one_gpu_report.routing_rows({"cases": [rec]}, "ht")
+    assert row.startswith(f"| {TINY.name} | bf16 | 8 | ht | 1.000 / 2.000 / 3.000 | 2.000 | ")
+    assert not list(one_gpu_report.routing_rows({"cases": [rec]}, "ll"))
     sr.close()
 
 
