@@ -753,9 +753,10 @@ class Tuner:
 
     def gemv(self, p: Problem, w, w_s) -> List[Measured]:
         """Every fitting launch config of ``p``'s GEMV kernel (``gemv.fits``; the op's Triton
-        launch), pinned by ``gemv.override``, on GEMV_ROUTINGS routings of p.tokens tokens (its
-        time: the sum); the output (of the first) checked against that of the module's default
-        config (the configs differ only in their sums' order)."""
+        launch with the ids check on, as the layer launches it: the check's program and asserts
+        change the kernel a config builds), pinned by ``gemv.override``, on GEMV_ROUTINGS routings
+        of p.tokens tokens (its time: the sum); the output (of the first) checked against that of
+        the module's default config (the configs differ only in their sums' order)."""
         dev, part, up = self.device, functools.partial, p.layout == "gemv_up"
         bias = self.bias(p, w.shape[1])
         calls = []
@@ -764,12 +765,12 @@ class Tuner:
             if up:
                 x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev,
                                 dtype=torch.bfloat16)  # fmt: skip
-                calls.append(part(gemv.gemv_gate_up.cuda, x, ids, w, w_s, False, p.gate, bias))
+                calls.append(part(gemv.gemv_gate_up.cuda, x, ids, w, w_s, True, p.gate, bias))
             else:
                 h = torch.randn((p.tokens, p.top_k, p.K), generator=self.gen, device=dev,
                                 dtype=torch.bfloat16)  # fmt: skip
                 tw = torch.rand((p.tokens, p.top_k), generator=self.gen, device=dev)
-                calls.append(part(gemv.gemv_down.cuda, h, ids, tw, w, w_s, False, bias))
+                calls.append(part(gemv.gemv_down.cuda, h, ids, tw, w, w_s, True, bias))
         with gemv.override():
             want = calls[0]().float()
 

@@ -401,13 +401,18 @@ def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tune
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_gemv_entries_time_every_fitting_config(cpu_tuner, monkeypatch, scheme):
     """Each GEMV problem times every candidate that fits, pinned (CONFIG's fields, no table), on
-    GEMV_ROUTINGS routings, and keeps the fastest as the entry's config; outputs are checked
-    against the default config's."""
+    GEMV_ROUTINGS routings, launched as the layer launches it (the ids check on), and keeps the
+    fastest as the entry's config; outputs are checked against the default config's."""
     tuner, calls = cpu_tuner
     monkeypatch.setattr(tg, "GEMV_ROUTINGS", 2)
+    checks, setup = [], gemv._check_setup
+    monkeypatch.setattr(
+        gemv, "_check_setup", lambda t, check: checks.append(check) or setup(t, check)
+    )
     cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
     problems = list(tg.gemv_problems(cfg, scheme, ("gemv_up", "gemv_down")))
     entries = list(tuner.gemm_entries(problems))
+    assert checks and all(checks)  # (launched with the ids check on, as the layer launches them)
 
     def fitting(p):
         up = p.layout == "gemv_up"
