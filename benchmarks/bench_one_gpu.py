@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --out OUT.json [--quick]
         [--only shape=qwen3-30b-a3b scheme=fp8,bf16 mode=ll T=1,32] [--budget-s 500]
-        [--no-compile | --compile-all] [--no-transformers] [--no-raw] [--iters 30]
+        [--no-compile | --compile-all] [--no-transformers] [--no-raw] [--iters 30] [--routings 7]
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --out OUT.json
         --only shape=gpt-oss-20b,gpt-oss-20b-silu,gemma4-26b-a4b mode=auto
     PYTHONPATH=.:benchmarks python benchmarks/bench_one_gpu.py --cpu-smoke --out smoke.json
