@@ -31,9 +31,10 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 - gemv_up / gemv_down: the per-choice GEMV kernels (``epmoe.ops.gemv``) at one token and at
   several (GEMV_TOKENS, at most the layer's GEMV cutoff), every launch config of its candidates
   that fits (``gemv.fits``) pinned by ``gemv.override``, timed on GEMV_ROUTINGS routings (the
-  sum), the output checked against that of the module's default config (CHECK_TOL, relative L2);
-  the entry keeps the default unless beaten by more than GEMV_MARGIN. N / K as GEMM1 + gate's
-  (N = I) and GEMM2's, block = top-K, m = the tokens.
+  sum; several tokens: of m tokens and of the cutoff's, the most the entry serves), the output
+  checked against that of the module's default config (CHECK_TOL, relative L2); the entry keeps
+  the default unless beaten by more than GEMV_MARGIN. N / K as GEMM1 + gate's (N = I) and
+  GEMM2's, block = top-K, m = the tokens.
 
 Every candidate Triton config that fits the problem (``_triton.fits``) is launched explicitly, and
 every other backend that runs it (``_select._runs``: deep_gemm; torch._grouped_mm for contiguous
@@ -70,6 +71,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -105,8 +107,9 @@ ROW_BLOCKS = (16, 32, 64, 128)
 TOKENS = (8, 32, 128, 512, 2048, 4096, 16384)
 LL_MAX_TOKENS = AUTO_LL_MAX_TOKENS  # the largest call "auto" sends to LL: masked and path T
 MASKED_SLOT = 128  # the one-rank LL slot rows are a multiple of (deep_gemm's sm90 masked block)
-# GEMV entries' calls: one token, and several (the entry of the most tokens serves 2 and up):
-# four, or the layer's GEMV cutoff where that is less (Mixtral's top-2 of 8: two)
+# GEMV entries' calls: one token, and several (the entry of the most tokens serves 2 and up to the
+# layer's GEMV cutoff): four, or the cutoff where that is less (Mixtral's top-2 of 8: two), timed
+# at the cutoff too (Qwen3's eight)
 GEMV_TOKENS = (1, 4)
 # routings a GEMV candidate is timed on (its time: the sum): which experts a call's choices share
 # moves a config's time by more than configs differ
@@ -236,17 +239,19 @@ def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
 def gemv_problems(cfg, scheme: str, layouts: Collection[str]) -> Iterator[Problem]:
     """The GEMV kernels' problems of ``layouts`` at each of GEMV_TOKENS up to the layer's GEMV
     cutoff: "gemv_up" (N = I, h's channels, K = H, the config's gate and biases), "gemv_down" (N =
-    H, K = I), at the sizes the layer pads to, block = top-K."""
+    H, K = I), at the sizes the layer pads to, block = top-K; ``tokens``: the most the entry
+    serves (one; several: the cutoff)."""
     (width, h), (n2, i) = gemm_sizes(cfg, scheme)
     spec = _gate.get(cfg.gate).spec
     E, K, bias = cfg.local_experts, cfg.top_k, bool(cfg.bias)
     cutoff = gemv_cutoff(cfg, scheme)
     for t in sorted({min(t, cutoff) for t in GEMV_TOKENS if cutoff}):
+        most = 1 if t == 1 else cutoff
         if "gemv_up" in layouts:
-            yield Problem("gemv_up", scheme, _gate.get(spec).inter(width), h, E, K, t, t, t, K,
-                          spec, bias)  # fmt: skip
+            yield Problem("gemv_up", scheme, _gate.get(spec).inter(width), h, E, K, t, most, t,
+                          K, spec, bias)  # fmt: skip
         if "gemv_down" in layouts:
-            yield Problem("gemv_down", scheme, n2, i, E, K, t, t, t, K, bias=bias)
+            yield Problem("gemv_down", scheme, n2, i, E, K, t, most, t, K, bias=bias)
 
 
 def gate_problems(cfg, scheme: str, row_blocks: Iterable[int],
@@ -756,21 +761,23 @@ class Tuner:
         """Every fitting launch config of ``p``'s GEMV kernel (``gemv.fits``; the op's Triton
         launch with the ids check on, as the layer launches it: the check's program and asserts
         change the kernel a config builds), pinned by ``gemv.override``, on GEMV_ROUTINGS routings
-        of p.tokens tokens (its time: the sum); the output (of the first) checked against that of
-        the module's default config (the configs differ only in their sums' order)."""
+        of p.m tokens and, where more, of p.tokens (the most the entry serves; its time: the sum);
+        the output (of the first) checked against that of the module's default config (the
+        configs differ only in their sums' order)."""
         dev, part, up = self.device, functools.partial, p.layout == "gemv_up"
         bias = self.bias(p, w.shape[1])
         calls = []
-        for seed in range(SEED, SEED + GEMV_ROUTINGS):
-            ids = routing(p.tokens, p.E, p.top_k, dev, seed)
+        for t, seed in itertools.product(
+            sorted({p.m, p.tokens}), range(SEED, SEED + GEMV_ROUTINGS)
+        ):
+            ids = routing(t, p.E, p.top_k, dev, seed)
             if up:
-                x = torch.randn((p.tokens, p.K), generator=self.gen, device=dev,
-                                dtype=torch.bfloat16)  # fmt: skip
+                x = torch.randn((t, p.K), generator=self.gen, device=dev, dtype=torch.bfloat16)
                 calls.append(part(gemv.gemv_gate_up.cuda, x, ids, w, w_s, True, p.gate, bias))
             else:
-                h = torch.randn((p.tokens, p.top_k, p.K), generator=self.gen, device=dev,
+                h = torch.randn((t, p.top_k, p.K), generator=self.gen, device=dev,
                                 dtype=torch.bfloat16)  # fmt: skip
-                tw = torch.rand((p.tokens, p.top_k), generator=self.gen, device=dev)
+                tw = torch.rand((t, p.top_k), generator=self.gen, device=dev)
                 calls.append(part(gemv.gemv_down.cuda, h, ids, tw, w, w_s, True, bias))
         with gemv.override():
             want = calls[0]().float()

@@ -145,6 +145,12 @@ def test_gemv_problems():
         "gemv_down", "fp8", 2944, 2944, 32, 4)  # fmt: skip
     one, several = tg.gemv_problems(CONFIGS["qwen3-30b-a3b"], "bf16", ("gemv_down",))
     assert (one.N, one.K, one.block, one.m, several.m) == (2048, 768, 8, 1, 4)
+    # (timed at the most tokens the entry serves too: Qwen3's GEMV cutoff, eight)
+    assert (
+        (one.tokens, several.tokens)
+        == (1, tg.gemv_cutoff(CONFIGS["qwen3-30b-a3b"], "bf16"))
+        == (1, 8)
+    )
     # (several: at most the layer's GEMV cutoff, two tokens at Mixtral's top-2 of 8)
     assert [p.m for p in tg.gemv_problems(CONFIGS["mixtral-8x7b"], "int8", ("gemv_up",))] == [1, 2]
 
@@ -434,6 +440,27 @@ def test_gemv_entries_time_every_fitting_config(cpu_tuner, monkeypatch, scheme):
         first = fitting(p)[0]
         assert e["config"] == dict(block_n=first[0], block_k=first[1], num_warps=first[2])
         assert e["backend"] == "triton" and set(e["us"]) == {"triton", "default"}
+
+
+@pytest.mark.interpret
+def test_a_several_token_gemv_entry_is_timed_up_to_the_most_tokens_it_serves(
+    cpu_tuner, monkeypatch
+):
+    """The several-token entry serves every count from 2 to the layer's GEMV cutoff: its
+    candidates are timed on routings of m tokens and of the cutoff's (Problem.tokens), summed."""
+    tuner, calls = cpu_tuner
+    tokens, setup = [], gemv._check_setup
+    monkeypatch.setattr(
+        gemv, "_check_setup", lambda t, check: tokens.append(t.shape[0]) or setup(t, check)
+    )
+    one, several = tg.gemv_problems(CONFIGS["tiny-gpt-oss"], "bf16", ("gemv_down",))
+    p = several._replace(tokens=3)  # (as at a cutoff above GEMV_TOKENS' several)
+    (e,) = tuner.gemm_entries([p])
+    runs = len(calls)  # (one time_us a routing)
+    assert runs and runs % 2 == 0 and tuner.errors == 0
+    # (each candidate timed on a routing of m tokens and one of the cutoff's; its output checked
+    # on the first)
+    assert set(tokens) == {2, 3} and tokens.count(3) == runs // 2 and e["m"] == 2
 
 
 def test_a_config_that_fails_is_skipped(cpu_tuner, monkeypatch):
