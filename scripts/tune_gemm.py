@@ -948,20 +948,16 @@ class Tuner:
 def reading_table(doc: Dict, device_name: str):
     """The GEMM ops read ``doc`` as this GPU's tuned table (a temporary directory in place of
     ``_tuned.DIR``): path layers run with the configs just tuned, whatever --out / --dry-run."""
-    caches = (_tuned.table, _tuned._paths, _select._backend, _select.masked_row_block,
-              _select.fuses_gate, _select.gathers, gemv._up_launch, gemv._down_launch)  # fmt: skip
     saved = _tuned.DIR
     with tempfile.TemporaryDirectory() as tmp:
         write(Path(tmp) / _tuned.file_name(device_name), doc)
         _tuned.DIR = Path(tmp)
-        for c in caches:
-            c.cache_clear()
+        _tuned.reread()
         try:
             yield
         finally:
             _tuned.DIR = saved
-            for c in caches:
-                c.cache_clear()
+            _tuned.reread()
 
 
 # --------------------------------------------------------------------------------------------- main

@@ -46,17 +46,14 @@ def seed():
 def h200_table(monkeypatch, tmp_path):
     """A tuned-table directory of its own (``tmp_path``), read for CUDA devices as an H200's on
     this machine (GPU or not); the table's caches cleared before and after."""
-    from epmoe.ops.gemm import _select, _tuned
+    from epmoe.ops.gemm import _tuned
 
     monkeypatch.setattr(_tuned, "DIR", tmp_path)
     monkeypatch.setattr(_tuned, "_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    caches = (_tuned.table, _tuned._paths, _select._backend)
-    for c in caches:
-        c.cache_clear()
+    _tuned.reread()
     yield tmp_path
-    for c in caches:
-        c.cache_clear()
+    _tuned.reread()
 
 
 @pytest.fixture

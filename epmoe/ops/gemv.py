@@ -478,6 +478,7 @@ def _check_setup(t: torch.Tensor, check: bool):
     return in_kernel, ok
 
 
+@_tuned.reader
 @_launch.memo
 def _up_launch(T, H, I, E, K, dtype, gate, bias, x_st, id_st, w_st, s_st, b_st, check, in_kernel,
                cfg, hp, device):  # fmt: skip
@@ -499,6 +500,7 @@ def _up_launch(T, H, I, E, K, dtype, gate, bias, x_st, id_st, w_st, s_st, b_st, 
     )  # fmt: skip
 
 
+@_tuned.reader
 @_launch.memo
 def _down_launch(T, H, I, E, K, dtype, bias, id_st, tw_st, w_st, s_st, b_st, check, in_kernel,
                  cfg, w_rows, device):  # fmt: skip

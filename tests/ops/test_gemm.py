@@ -352,6 +352,32 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
         _tuned._paths.cache_clear()
 
 
+def test_reread_drops_every_answer_drawn_from_the_table(sm90):
+    """A rewritten table reaches the fused-gate choices once _tuned.reread() has run (the tuner
+    re-reads through it between its runs): the masked GEMM1 + gate choice follows the new entry."""
+    import json
+
+    from epmoe.ops.gemm import _select, _tuned
+    from epmoe.ops.gemm._triton import masked_gate_tiling
+
+    _, tmp = sm90
+    dev = torch.device("cuda", 0)
+    block = masked_gate_tiling(128, 8, 1)[0]  # (1: fp8's kernel code)
+
+    def write(backend):
+        entry = dict(_entry("masked_gate", "fp8", block, 8, backend, N=128), gate="silu",
+                     bias=False)  # fmt: skip
+        (tmp / "nvidia_h200.json").write_text(json.dumps(dict(entries=[entry])))
+
+    write("triton")
+    _tuned.reread()
+    assert _select.fuses_masked_gate("fp8", dev, 128, 512, 4, 128, 8)
+    write("unfused")
+    assert _select.fuses_masked_gate("fp8", dev, 128, 512, 4, 128, 8)  # (cached)
+    _tuned.reread()
+    assert not _select.fuses_masked_gate("fp8", dev, 128, 512, 4, 128, 8)
+
+
 def test_gathers_follows_the_gather_entries(sm90):
     """GEMM1 gathers its rows only where a "gather" entry of this gate and biases measured it
     faster than permute's copy, and only where GEMM1 runs on our Triton kernels (the fused kernel
@@ -369,8 +395,7 @@ def test_gathers_follows_the_gather_entries(sm90):
     ours = _entry("contiguous", "fp8", 128, 4096, "triton")
     doc = dict(device="NVIDIA H200", entries=[gather, copy, on_dg, theirs, ours])
     (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
-    for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
-        cached.cache_clear()
+    _tuned.reread()
     try:
         # (fp8 at m 512: deep_gemm runs GEMM1, measured faster: nothing to gather into)
         assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
@@ -381,29 +406,25 @@ def test_gathers_follows_the_gather_entries(sm90):
         assert not _select.gathers("fp8", torch.device("cpu"), 256, 512, 4, 128, 512)
         doc["entries"][3] = _entry("contiguous", "fp8", 128, 512, "triton")
         (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
-        for cached in (_select._backend, _tuned.table, _select.gathers):
-            cached.cache_clear()
+        _tuned.reread()
         assert _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
         assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512, "silu", True)  # (biases)
         # GEMM1 fused with the gate (our kernel) gathers too, whatever the contiguous backend
         doc["entries"][3] = theirs
         doc["entries"].append(_entry("gate", "fp8", 128, 512, "triton", N=128))
         (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
-        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
-            cached.cache_clear()
+        _tuned.reread()
         assert _select._backend("fp8", "contiguous", dev, 256, 512, 4, 128, 512) == "deep_gemm"
         assert _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
         # a Gluon config reads its rows through TMA only: no gather, whatever the entry says
         gluon = dict(doc["entries"][-1]["config"], TMA=True, GLUON=True)
         doc["entries"][-1] = dict(doc["entries"][-1], config=gluon)
         (tmp / "nvidia_h200.json").write_text(json.dumps(doc))
-        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
-            cached.cache_clear()
+        _tuned.reread()
         assert _select.fuses_gate("fp8", dev, 128, 512, 4, 128, 512)
         assert not _select.gathers("fp8", dev, 256, 512, 4, 128, 512)
     finally:
-        for cached in (_select._backend, _tuned.table, _select.gathers, _select.fuses_gate):
-            cached.cache_clear()
+        _tuned.reread()
 
 
 def test_tuned_file_names():

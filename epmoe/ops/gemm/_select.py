@@ -133,6 +133,7 @@ def _runs(name: str, scheme, layout: str, device, n: int, k: int, row_block: int
 _ORDER = ("deep_gemm", "grouped_mm", "bmm", "triton")
 
 
+@_tuned.reader
 @functools.lru_cache(maxsize=4096)  # (a function of the process's packages, GPUs and the sizes)
 def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int = 0,
              row_block: int = 0, m: int = 0) -> str:  # fmt: skip
@@ -156,6 +157,7 @@ def _backend(scheme, layout: str, device: torch.device, n: int, k: int, e: int =
     return "reference"
 
 
+@_tuned.reader
 @_launch.memo  # (as _backend; sizes may be SymInts under torch.compile: computed, not cached)
 def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_block: int,
                m: int, gate="silu", bias: bool = False) -> bool:  # fmt: skip
@@ -171,6 +173,7 @@ def fuses_gate(scheme, device: torch.device, inter: int, k: int, e: int, row_blo
     return best == "triton" and _runs("triton", scheme, "contiguous", device, inter, k, row_block)
 
 
+@_tuned.reader
 @_launch.memo  # (as fuses_gate)
 def fuses_masked_gate(scheme, device: torch.device, inter: int, k: int, e: int, t: int,
                       expected_m: int, gate="silu", bias: bool = False) -> bool:  # fmt: skip
@@ -188,6 +191,7 @@ def fuses_masked_gate(scheme, device: torch.device, inter: int, k: int, e: int, 
     return best == "triton" and _runs("triton", scheme, "masked", device, inter, k, 0)
 
 
+@_tuned.reader
 @_launch.memo  # (as fuses_gate)
 def gathers(scheme, device: torch.device, width: int, k: int, e: int, row_block: int, m: int,
             gate="silu", bias: bool = False) -> bool:  # fmt: skip
@@ -245,6 +249,7 @@ def smallest_row_block(scheme, device: torch.device) -> int:
     return MIN_ROW_BLOCK
 
 
+@_tuned.reader
 @functools.cache  # (as _backend)
 def masked_row_block(scheme, device: torch.device) -> int:
     """Rows T (per expert slot) of the masked layout must be a multiple of to avoid a padding copy.

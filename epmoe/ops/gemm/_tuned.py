@@ -99,6 +99,24 @@ def table(device_name: str) -> Dict[Tuple, List[Dict]]:
     return {k: sorted(v, key=lambda e: e["m"]) for k, v in by_problem.items()}
 
 
+# the caches of answers drawn from the tables (ops' backend, fusion and launch choices): cleared
+# with the tables by reread()
+_READERS: List = []
+
+
+def reader(cached):
+    """Registers ``cached`` (a function with ``cache_clear``) as a reader of the tables."""
+    _READERS.append(cached)
+    return cached
+
+
+def reread() -> None:
+    """Drops the tables read so far and every answer drawn from them (a table rewritten, or DIR
+    pointed elsewhere)."""
+    for cached in (table, _paths, *_READERS):
+        cached.cache_clear()
+
+
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
