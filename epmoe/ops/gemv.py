@@ -102,12 +102,16 @@ CONFIG = GemvConfig()
 _SEVERAL = 1 << 30
 
 
+def _one(tokens) -> bool:
+    """Whether a call of ``tokens`` tokens takes the one-token config (a SymInt is never 1:
+    torch.compile specializes sizes 0 and 1, and an unbacked size takes the several-token config,
+    whatever its value)."""
+    return type(tokens) is int and tokens == 1
+
+
 def field_name(kernel: str, scheme: str, tokens: int) -> str:
     """The GemvConfig field of ``kernel`` ("up" / "down") for a call of ``tokens`` tokens."""
-    # (a SymInt is never 1: torch.compile specializes sizes 0 and 1, and an unbacked size takes
-    # the several-token config, whatever its value)
-    one = type(tokens) is int and tokens == 1
-    return f"{kernel}_{scheme}" + ("_one" if one else "")
+    return f"{kernel}_{scheme}" + ("_one" if _one(tokens) else "")
 
 
 def config_field(kernel: str, scheme: str, tokens: int) -> Tuple[int, ...]:
@@ -121,14 +125,13 @@ def launch_config(kernel: str, scheme: str, tokens: int, n: int, k: int, e: int,
     h's channels; the layer's gate spec and biases): the entry of ``device``'s tuned table where it
     has one (unless an override is in force), else CONFIG's field (down: block_k by
     :func:`down_block_k`)."""
-    one = type(tokens) is int and tokens == 1
     layout = f"gemv_{kernel}"
     if CONFIG.tuned and _tuned.holds(layout, device):
         # (weights' sizes and top-k: static in a compiled model, SymInts in opcheck's dynamic
         # pass; int() specializes them there, so compiled and eager launch alike)
         n, k, e, top_k = int(n), int(k), int(e), int(top_k)
-        found = _tuned.lookup(layout, scheme, n, k, e, top_k, 1 if one else _SEVERAL, device,
-                              gate, bias)  # fmt: skip
+        m = 1 if _one(tokens) else _SEVERAL
+        found = _tuned.lookup(layout, scheme, n, k, e, top_k, m, device, gate, bias)
         if found is not None:
             return found["block_n"], found["block_k"], found["num_warps"]
     if kernel == "up":
