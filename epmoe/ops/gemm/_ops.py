@@ -279,7 +279,12 @@ def _gate_outputs(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bi
                   scale_layout="row", alignment=0, trusted=False, a_rows=None):  # fmt: skip
     """(h `[M_sum, I]` in a's dtype, float32 scales `[M_sum, I/128]` (fp8) or `[M_sum, 0]`)."""
     g = _gate.get(gate, OP_GATE, "gate")
-    inter, lead = g.inter(w.shape[1]), (m_indices.shape[0],)
+    return _h_outputs(a, (m_indices.shape[0],), g.inter(w.shape[1]), scale_layout)
+
+
+def _h_outputs(a, lead, inter, scale_layout):
+    """(h `[*lead, inter]` in a's dtype, its float32 scales in ``scale_layout``, or `[*lead, 0]`
+    where a's scheme has none): the GEMM1 + gate ops' outputs."""
     h = a.new_empty((*lead, inter))
     groups = quant.of_dtype(a.dtype).act_scale_cols(inter)
     if not groups:
@@ -303,15 +308,21 @@ def _unfused_act(y, scheme, g, bias, scale_layout, **rows):
                                          bias=bias, **rows)  # fmt: skip
 
 
+def _reference_act(y, dtype, gate, bias, scale_layout, rows_expert=None):
+    """The reference activation stage on GEMM1's reference y for operands of ``dtype``, as the
+    GEMM1 + gate ops return it (``rows_expert``: 2-D y's m_indices)."""
+    if dtype == torch.bfloat16:
+        return reference.silu_and_mul(y, gate, bias, rows_expert), _no_scales(y)
+    q, s = reference.silu_and_mul_quant(y, quant.of_dtype(dtype), quant.FP8_GROUP, gate, bias,
+                                        rows_expert)  # fmt: skip
+    return q, as_layout(s, scale_layout)
+
+
 def _gate_reference(a, w, m_indices, a_scales=None, w_scales=None, gate="silu", bias=None,
                     scale_layout="row", alignment=0, trusted=False, a_rows=None):  # fmt: skip
     a, a_scales = _gathered(a, a_scales, m_indices, w, a_rows, OP_GATE)
     y = reference.grouped_gemm_contiguous(a, w, m_indices, a_scales, w_scales)
-    if a.dtype == torch.bfloat16:
-        return reference.silu_and_mul(y, gate, bias, m_indices), _no_scales(y)
-    scheme = quant.of_dtype(a.dtype)
-    q, s = reference.silu_and_mul_quant(y, scheme, quant.FP8_GROUP, gate, bias, m_indices)
-    return q, as_layout(s, scale_layout)
+    return _reference_act(y, a.dtype, gate, bias, scale_layout, m_indices)
 
 
 def gate_triton(a, w, m_indices, a_scales, w_scales, g, bias, scale_layout, row_block,
@@ -404,22 +415,14 @@ def _masked_gate_outputs(a, w, masked_m, a_scales=None, w_scales=None, gate="sil
     """(h `[E, T, I]` in a's dtype, float32 scales `[E, T, I/128]` (fp8), `[E, T, 1]` (int8) or
     `[E, T, 0]`)."""
     g = _gate.get(gate, OP_MASKED_GATE, "gate")
-    lead = tuple(a.shape[:2])
-    h = a.new_empty((*lead, g.inter(w.shape[1])))
-    groups = quant.of_dtype(a.dtype).act_scale_cols(h.shape[-1])
-    if not groups:
-        return h, _no_scales(h)
-    return h, alloc_scales(lead, groups, scale_layout, a.device)
+    return _h_outputs(a, tuple(a.shape[:2]), g.inter(w.shape[1]), scale_layout)
 
 
 def _masked_gate_reference(a, w, masked_m, a_scales=None, w_scales=None, gate="silu", bias=None,
                            scale_layout="row", expected_m=0, trusted=False):  # fmt: skip
     _check_counts(masked_m, a.shape[1], OP_MASKED_GATE)  # (always: trusted is CUDA's)
     y = reference.grouped_gemm_masked(a, w, masked_m, a_scales, w_scales)
-    if a.dtype == torch.bfloat16:
-        return reference.silu_and_mul(y, gate, bias), _no_scales(y)
-    q, s = reference.silu_and_mul_quant(y, quant.of_dtype(a.dtype), quant.FP8_GROUP, gate, bias)
-    return q, as_layout(s, scale_layout)
+    return _reference_act(y, a.dtype, gate, bias, scale_layout)
 
 
 def masked_gate_op_triton(a, w, masked_m, a_scales, w_scales, g, bias, scale_layout,
