@@ -41,7 +41,8 @@ RAW = {
 # ------------------------------------------------------------------------------ launch heuristics
 TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a thread at 4 warps
 INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
-BLOCK_N = 512  # ids per step of a program's slot count (K_PAD x BLOCK_N compares in registers)
+BLOCK_N = 256  # ids per step of a program's slot count (K_PAD x BLOCK_N counts in registers)
+HIST_N = 512  # ids per step of the masked_m program's histogram
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -100,7 +101,8 @@ def _ll_scatter_kernel(
     stride_xt, stride_xh, stride_it, stride_ik, stride_se, stride_sc, stride_sg,
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
-    W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_BINS: tl.constexpr,
+    W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, HIST_N: tl.constexpr,
+    NUM_BINS: tl.constexpr,
     ASSERT: tl.constexpr, PAD: tl.constexpr,
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
@@ -112,9 +114,9 @@ def _ll_scatter_kernel(
     pid = tl.program_id(0)
     if pid >= T * CHUNKS:
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
-        n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-        for b0 in range(0, T * K_PAD, BLOCK_N):
-            pos = b0 + tl.arange(0, BLOCK_N)
+        n_bad = tl.zeros([HIST_N], dtype=tl.int32)
+        for b0 in range(0, T * K_PAD, HIST_N):
+            pos = b0 + tl.arange(0, HIST_N)
             sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
             ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
@@ -137,16 +139,20 @@ def _ll_scatter_kernel(
         hi = tl.where(any_live, H, 0)
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
-        # slot of each own entry: entries of its expert earlier in flat (t, k) order
+        # slot of each own entry: entries of its expert earlier in flat (t, k) order, as equal raw
+        # ids (an own entry that is not local matches nothing: -2; unread positions load -3),
+        # summed element-wise and reduced once
         own = t * K_PAD + kk
-        cnt = tl.zeros([K_PAD], dtype=tl.int32)
-        for b0 in range(0, t * K_PAD + K_PAD, BLOCK_N):
+        end = t * K_PAD + K_PAD  # (the program's own entries end its scan)
+        match = tl.where(e >= 0, v_t, -2)
+        hits = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
+        for b0 in range(0, end, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
             sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
             ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
-            eb, bad_b = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
-            same = (eb[None, :] == e[:, None]) & (pos[None, :] < own[:, None])
-            cnt += tl.sum(same.to(tl.int32), axis=1)
+            vb = tl.load(ids_ptr + ro + co, mask=inb & (pos < end), other=-3)
+            hits += ((vb[None, :] == match[:, None]) & (pos[None, :] < own[:, None])).to(tl.int32)
+        cnt = tl.sum(hits, axis=1)
         kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
         rows = tl.where(kept, e * C + cnt, -1)
         if c == 0:
@@ -209,8 +215,9 @@ def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, 
         (T, H, C, E, expert_lo, NG, G, chunks, width, *x_strides, *id_strides, *s_strides),
         dict(
             K=K, K_PAD=k_pad, QUANT=qs.kernel_code, R=R, W=W, SINGLE=chunks == 1,
-            BLOCK_N=max(BLOCK_N, k_pad), NUM_BINS=_launch.pow2(E + 1), ASSERT=in_kernel,
-            PAD=width is not None, num_warps=_warps(R * W), **_checks.assert_build(in_kernel),
+            BLOCK_N=max(BLOCK_N, k_pad), HIST_N=max(HIST_N, k_pad), NUM_BINS=_launch.pow2(E + 1),
+            ASSERT=in_kernel, PAD=width is not None, num_warps=_warps(R * W),
+            **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
 

@@ -23,14 +23,21 @@ QUANTS = ("bf16", "fp8", "int8")
 
 @pytest.fixture(params=["default", "small_blocks"])
 def blocks(request, monkeypatch):
-    """Default tiling, and tiny blocks: the slot count loops over several id blocks, rows span
-    several chunks (fp8: 2 groups a program; int8: the two-read path for the token's scale)."""
+    """Default tiling, and tiny blocks: the slot count and masked_m loop over several id blocks,
+    rows span several chunks (fp8: 2 groups a program; int8: the two-read path for the token's
+    scale)."""
+    memos = (KS._scatter_launch, KG._ll_gather_plan)  # (launches planned from these constants)
+    for memo in memos:
+        memo.cache_clear()
     if request.param == "small_blocks":
         monkeypatch.setattr(KS, "BLOCK_N", 8)
+        monkeypatch.setattr(KS, "HIST_N", 16)
         monkeypatch.setattr(KS, "TILE", 256)
         monkeypatch.setattr(KS, "INT8_SINGLE_MAX", 128)
         monkeypatch.setattr(KG, "GATHER_BYTES", 128)  # (test_roundtrip's gather)
-    return request.param
+    yield request.param
+    for memo in memos:
+        memo.cache_clear()
 
 
 def _scatter(x, topk, E, C, quant, lo=0, NG=None, layout="row", width=None):
