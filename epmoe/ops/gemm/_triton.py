@@ -710,11 +710,7 @@ _MASKED_CONFIGS = [
     _cfg(8, 3, BLOCK_N=128, BLOCK_K=128),
     _cfg(4, 6, BLOCK_N=64, BLOCK_K=64),
     _cfg(4, 5, BLOCK_N=128, BLOCK_K=64),
-    # 256 columns a tile: each row block of a read half as often per weight byte (two warpgroups)
-    _cfg(8, 6, BLOCK_N=256, BLOCK_K=64),
     # the weight stream through TMA (the tuned table's choice only)
-    _cfg(8, 6, BLOCK_N=256, BLOCK_K=64, TMA=True),
-    _cfg(8, 4, BLOCK_N=256, BLOCK_K=64, TMA=True),
     _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True),
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True),
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
