@@ -378,6 +378,29 @@ def test_reread_drops_every_answer_drawn_from_the_table(sm90):
     assert not _select.fuses_masked_gate("fp8", dev, 128, 512, 4, 128, 8)
 
 
+def test_reread_replans_the_launches():
+    """A plan's launch holds the config it took from the table at its first launch: after
+    _tuned.reread() the next call plans afresh (the tuner times its paths after rewriting the
+    table), so no launch keeps a config of the table read before."""
+    from epmoe.ops.gemm import _triton, _tuned
+
+    dev = torch.device("cpu")
+    a = torch.zeros((4, 32, 256), dtype=torch.bfloat16)
+    w = torch.zeros((4, 128, 256), dtype=torch.bfloat16)
+    out = torch.zeros((4, 32, 128), dtype=torch.bfloat16)
+    args = (a.dtype, 32, 128, 256, 4, a.stride(), w.stride(), None, None, out.stride(), 8, False,
+            0, 0, dev)  # fmt: skip
+    plan = _triton._masked_plan(*args)
+    plan.prepared[(0, False)] = "launch of the old table"
+    assert _triton._masked_plan(*args) is plan
+    _tuned.reread()
+    fresh = _triton._masked_plan(*args)
+    assert fresh is not plan and not fresh.prepared
+    readers = set(_tuned._READERS)
+    for memo in ("_contiguous_plan", "_masked_plan", "_gate_plan", "_masked_gate_plan"):
+        assert getattr(_triton, memo) in readers, memo
+
+
 def test_gathers_follows_the_gather_entries(sm90):
     """GEMM1 gathers its rows only where a "gather" entry of this gate and biases measured it
     faster than permute's copy, and only where GEMM1 runs on our Triton kernels (the fused kernel

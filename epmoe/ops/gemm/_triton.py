@@ -1123,6 +1123,7 @@ def _constexprs(dtype: torch.dtype) -> Dict:
     return dict(QUANT=quant.of_dtype(dtype).kernel_code, SCALE_K=quant.FP8_GROUP)
 
 
+@_tuned.reader  # (its launch holds the table's config: re-planned on a re-read)
 @_launch.memo
 def _contiguous_plan(dtype, M, N, K, E, sa, sw, sas, sws, so, row_block, gather, device) -> _Plan:
     """The contiguous kernel's launch plan for these sizes, strides and row block (``gather``:
@@ -1204,6 +1205,7 @@ def masked_triton(
     return out
 
 
+@_tuned.reader  # (its launch holds the table's config: re-planned on a re-read)
 @_launch.memo
 def _masked_plan(dtype, T, N, K, E, sa, sw, sas, sws, so, expected_m, check, block_m, split,
                  device) -> _Plan:  # fmt: skip
@@ -1271,6 +1273,7 @@ def contiguous_gate_triton(
     _launch_plan(plan, (a, w, a_s, w_s, m_indices, rows, b, h, hs), config)
 
 
+@_tuned.reader  # (its launch holds the table's config: re-planned on a re-read)
 @_launch.memo
 def _gate_plan(dtype, M, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate, row_block,  # noqa: E741
                gather, device) -> _Plan:  # fmt: skip
@@ -1341,6 +1344,7 @@ def masked_gate_tiling(t: int, expected_m: int, quant_code: int) -> Tuple[int, i
     return _masked_tiling(t, expected_m, 32 if quant_code == 1 else _MASKED_MAX_BLOCK_M)
 
 
+@_tuned.reader  # (its launch holds the table's config: re-planned on a re-read)
 @_launch.memo
 def _masked_gate_plan(dtype, T, I, K, E, sa, sw, sas, sws, sb, sh, shs, gate,  # noqa: E741
                       expected_m, block_m, split, device) -> _Plan:  # fmt: skip
