@@ -4,7 +4,8 @@
         [--date "YYYY-MM-DD HH:MM:SS"] [--results-dir benchmarks/results] [--dry-run]
 
 Reads what the benchmarks write: ``benchmarks/bench_one_gpu.py --out``, ``bench_layer.py --out``,
-``bench_hf.py --out``, ``bench_deepep.py --out``, a pytest-benchmark ``--benchmark-json`` and
+``bench_hf.py --out``, ``bench_deepep.py --out``, ``bench_weight_stream.py --out``, a
+pytest-benchmark ``--benchmark-json`` and
 ``python -m epmoe bench``'s ``bench.json`` and ``scripts/tune_gemm.py``'s table (the format is
 recognised from the document). Each line
 is one JSON object::
@@ -88,6 +89,8 @@ def _numbers(
 
 def kind(doc: dict) -> str:
     """Which benchmark wrote ``doc``."""
+    if doc.get("benchmark") == "weight_stream":
+        return "weight_stream"
     if isinstance(doc.get("benchmarks"), list):
         return "pytest_benchmark"
     if isinstance(doc.get("results"), list) and "shape" in doc:
@@ -104,8 +107,8 @@ def kind(doc: dict) -> str:
         return "tune_gemm"
     raise ValueError(
         "record_results: expected the JSON of bench_one_gpu.py, bench_layer.py, bench_hf.py, "
-        f"bench_deepep.py, pytest-benchmark, epmoe bench or tune_gemm.py, got keys "
-        f"{sorted(doc)[:12]}"
+        "bench_deepep.py, bench_weight_stream.py, pytest-benchmark, epmoe bench or tune_gemm.py, "
+        f"got keys {sorted(doc)[:12]}"
     )
 
 
@@ -198,6 +201,7 @@ READERS = {
     "pytest_benchmark": _pytest_benchmark,
     "epmoe_bench": _epmoe_bench,
     "tune_gemm": _tune_gemm,
+    "weight_stream": _one_gpu,  # (the same layout: copy_gbps, then cases by id)
 }
 
 

@@ -210,6 +210,26 @@ def test_tune_gemm_table_lines():
     }
 
 
+def test_weight_stream_lines():
+    """benchmarks/bench_weight_stream.py's JSON: its copy ceiling and each case's µs and ratio
+    under the weight_stream benchmark (not bench_one_gpu's, whose layout it shares)."""
+    doc = {
+        "benchmark": "weight_stream", "device": "NVIDIA H100 80GB HBM3",
+        "date": "2026-12-06 11:50:00", "versions": {"git": "abc1234"}, "copy_gbps": 2950.0,
+        "cases": [dict(id="qwen3-30b-a3b/fp8/gemm2", weight_bytes=201326592, floor_us=68.2,
+                       tiles_us=78.1, linear_us=77.9, frac_of_floor=0.873)],
+    }  # fmt: skip
+    lines = rr.rows(doc, "h100", "stream.json")
+    assert {(x["case"], x["metric"], x["value"], x["unit"]) for x in lines} == {
+        ("copy", "copy_gbps", 2950.0, "GB/s"),
+        ("qwen3-30b-a3b/fp8/gemm2", "floor_us", 68.2, "us"),
+        ("qwen3-30b-a3b/fp8/gemm2", "tiles_us", 78.1, "us"),
+        ("qwen3-30b-a3b/fp8/gemm2", "linear_us", 77.9, "us"),
+        ("qwen3-30b-a3b/fp8/gemm2", "frac_of_floor", 0.873, "ratio"),
+    }
+    assert {(x["benchmark"], x["commit"]) for x in lines} == {("weight_stream", "abc1234")}
+
+
 def test_main_appends_and_never_rewrites(tmp_path, capsys):
     src = tmp_path / "run.json"
     src.write_text(json.dumps(_one_gpu()))
