@@ -112,12 +112,12 @@ def _ll_scatter_kernel(
     slots are WD wide (x's H columns, then zeros). Chunk 0 also writes rows[t]. The last program
     writes masked_m and checks the ids and capacities (_finish_counts)."""
     pid = tl.program_id(0)
+    sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
     if pid >= T * CHUNKS:
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
         n_bad = tl.zeros([HIST_N], dtype=tl.int32)
         for b0 in range(0, T * K_PAD, HIST_N):
             pos = b0 + tl.arange(0, HIST_N)
-            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
             ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
             tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
@@ -127,36 +127,32 @@ def _ll_scatter_kernel(
         t = pid // CHUNKS
         c = pid % CHUNKS
         kk = tl.arange(0, K_PAD)
-        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, tl.cast(stride_it, tl.int64), stride_ik)
+        ro_t, co_t, in_t = _id_offsets(t, kk, T, K, sit, stride_ik)
         v_t = tl.load(ids_ptr + ro_t + co_t, mask=in_t, other=-1)
         e, bad_own = _local_ids(v_t, in_t, LO, E, NG)
         any_live = tl.sum((e >= 0).to(tl.int32), axis=0) > 0
         # the row's load goes first (it needs the token's own ids only); tokens without a local
         # expert read nothing
-        ri = tl.arange(0, R)
-        groups = c * R + ri  # fp8: scale groups of the tile; bf16 / int8: the chunk (R = 1)
+        groups = c * R + tl.arange(0, R)  # fp8: the tile's scale groups; else the chunk (R = 1)
         cols = groups[:, None] * W + tl.arange(0, W)[None, :]
         hi = tl.where(any_live, H, 0)
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
-        # slot of each own entry: entries of its expert earlier in flat (t, k) order, as equal raw
-        # ids (an own entry that is not local matches nothing: -2; unread positions load -3),
-        # summed element-wise and reduced once
+        # slot of each own entry: equal raw ids earlier in flat (t, k) order (a non-local own entry
+        # matches nothing: -2; unread positions load -3), summed element-wise, reduced once
         own = t * K_PAD + kk
         end = t * K_PAD + K_PAD  # (the program's own entries end its scan)
         match = tl.where(e >= 0, v_t, -2)
         hits = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
         for b0 in range(0, end, BLOCK_N):
             pos = b0 + tl.arange(0, BLOCK_N)
-            sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
             ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
             vb = tl.load(ids_ptr + ro + co, mask=inb & (pos < end), other=-3)
             hits += ((vb[None, :] == match[:, None]) & (pos[None, :] < own[:, None])).to(tl.int32)
         cnt = tl.sum(hits, axis=1)
         kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
         rows = tl.where(kept, e * C + cnt, -1)
-        if c == 0:
-            tl.store(rows_ptr + t.to(tl.int64) * K + kk, rows, mask=kk < K)
+        tl.store(rows_ptr + t.to(tl.int64) * K + kk, rows, mask=kk < tl.where(c == 0, K, 0))
         if QUANT == 0:
             q, s = v, 0.0  # (s unused: no scales)
         elif QUANT == 1:
