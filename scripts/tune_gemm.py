@@ -49,7 +49,8 @@ Path entries (``--paths``): per shape and scheme, each T of ``--tokens``: the wh
 layer (local backend, same weights, the same routing for every variant, ``warmup([T])`` first) as
 mode "ll" (max_tokens_per_rank = T; T up to LL_MAX_TOKENS) and, up to the shape's GEMV cutoff
 (``epmoe.layer.gemv_max_tokens``), as "auto" on the GEMVs, above it as mode "ht" at each alignment
-of PATH_ALIGNMENTS (above LL_MAX_TOKENS: HT_ALIGNMENTS, the entry then picks HT's alignment only),
+of PATH_ALIGNMENTS (above LL_MAX_TOKENS: HT_ALIGNMENTS, the entry then picks HT's alignment only;
+up to the cutoff each variant on GEMV_ROUTINGS routings, its time the sum),
 reading the GEMM entries of this run (and of the file) as the layer does; the fastest becomes the
 path entry (over the rule's path, the GEMVs up to the cutoff and else LL, only by more than
 PATH_MARGIN).
@@ -919,10 +920,13 @@ class Tuner:
         cutoff = gemv_cutoff(cfg, scheme)
         for t in tokens:
             self.check_time()
-            ids = routing(t, E, cfg.top_k, dev)
             gx = torch.Generator(device=dev).manual_seed(SEED + t)
             x = torch.randn((t, H), generator=gx, device=dev, dtype=torch.bfloat16)
             tw = torch.softmax(torch.randn((t, cfg.top_k), generator=gx, device=dev), dim=1)
+            # (up to the cutoff the GEMVs' time follows which experts the choices share: the
+            # variants are timed on GEMV_ROUTINGS routings, the same for each, summed)
+            seeds = range(SEED, SEED + (GEMV_ROUTINGS if t <= cutoff else 1))
+            ids = [routing(t, E, cfg.top_k, dev, seed) for seed in seeds]
             us: Dict[str, Optional[float]] = {}
             for path, a in variants(t, cutoff):
                 if path == "gemv":  # (a set cutoff: the GEMVs whatever the table's paths say)
@@ -937,7 +941,7 @@ class Tuner:
                     m = ht[a]
                 name = variant_name(path, a)
                 m.warmup([t])
-                us[name] = self.measure(name, functools.partial(m, x, ids, tw)).us
+                us[name] = self.measure(name, [functools.partial(m, x, i, tw) for i in ids]).us
             p = path_entry(cfg, scheme, t, us)
             if p is not None:
                 print(json.dumps(p), flush=True)

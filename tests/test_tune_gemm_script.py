@@ -614,7 +614,7 @@ def test_gate_check_reads_h_of_the_sampled_rows():
     assert check(lambda: (torch.full_like(h, math.nan), None)) is not None
 
 
-def test_paths_time_every_variant(cpu_tuner):
+def test_paths_time_every_variant(cpu_tuner, monkeypatch):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # (biases, a gate of its own, sizes no multiple of 128)
     (p,) = tuner.paths(cfg, "bf16", [8], lambda t, g: [("ll", 0), ("ht", 128), ("ht", 16)])
@@ -627,10 +627,16 @@ def test_paths_time_every_variant(cpu_tuner):
     assert len(calls) == 6 and list(p["us"]) == ["ht@16", "ll"] and list(q["us"]) == ["ht@16"]
     assert (q["path"], q["alignment"], q["t"]) == ("ht", 16, 16)
     assert (p["E"], p["H"], p["I"], p["K"]) == (8, 200, 72, 2)
-    # up to the GEMV cutoff (the tuner's to the variants): the GEMVs timed against LL
+    # up to the GEMV cutoff (the tuner's to the variants): the GEMVs timed against LL, each on
+    # GEMV_ROUTINGS routings (the same ones), its time the sum
+    monkeypatch.setattr(tg, "GEMV_ROUTINGS", 3)
     (p,) = tuner.paths(cfg, "bf16", [1], tg.path_variants)
     assert tg.gemv_cutoff(cfg, "bf16") >= 1 and list(p["us"]) == ["gemv", "ll"]
-    assert len(calls) == 8 and p["path"] in ("gemv", "ll")
+    assert len(calls) == 12 and p["path"] in ("gemv", "ll")
+    gemv_ids, ll_ids = [[c.args[1] for c in calls[i : i + 3]] for i in (6, 9)]
+    assert all(torch.equal(a, b) for a, b in zip(gemv_ids, ll_ids, strict=True))
+    assert not torch.equal(gemv_ids[0], gemv_ids[1]) and not torch.equal(gemv_ids[1], gemv_ids[2])
+    assert p["us"]["gemv"] == sum(range(17, 20))  # (the fixed timer's 7th-9th µs, summed)
 
 
 def test_resume_skips_what_the_file_has():
