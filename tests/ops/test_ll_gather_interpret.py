@@ -22,9 +22,11 @@ QUANTS = ("bf16", "fp8", "int8")
 @pytest.fixture(params=["default", "small_blocks"])
 def blocks(request, monkeypatch):
     """Default tiling, and tiny blocks: rows span several column chunks."""
+    KG._ll_gather_plan.cache_clear()  # (its launch is planned from GATHER_BYTES)
     if request.param == "small_blocks":
         monkeypatch.setattr(KG, "GATHER_BYTES", 128)
-    return request.param
+    yield request.param
+    KG._ll_gather_plan.cache_clear()
 
 
 @pytest.mark.parametrize("weighted", [True, False])
