@@ -57,6 +57,29 @@ def h200_table(monkeypatch, tmp_path):
 
 
 @pytest.fixture
+def bf16_dots(monkeypatch):
+    """The interpreter multiplies bf16 dot operands as their raw 16-bit patterns (numpy has no
+    bf16; Triton 3.9's create_dot only converts 8-bit floats): widen them to float32 first, as the
+    tensor cores do. The kernels are unchanged; only the CPU simulator is mended."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, widened(a), widened(b), d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
 def triton_interpret():
     """True when Triton kernels run on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

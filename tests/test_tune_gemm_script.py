@@ -361,8 +361,8 @@ def cpu_tuner(monkeypatch):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
-def test_gemm_entries_run_every_candidate(cpu_tuner, scheme):
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16"])
+def test_gemm_entries_run_every_candidate(cpu_tuner, bf16_dots, scheme):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-1rank"]  # H 256, I 128, E 8, top-2
     problems = list(tg.contiguous_problems(cfg, scheme, (16,), (4,)))
@@ -378,7 +378,7 @@ def test_gemm_entries_run_every_candidate(cpu_tuner, scheme):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, scheme):
+def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, bf16_dots, scheme):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
     (p,) = tg.gate_problems(cfg, scheme, (16,), (4,))
@@ -391,7 +391,9 @@ def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, sche
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
-def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, scheme):
+def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(
+    cpu_tuner, bf16_dots, scheme
+):
     tuner, calls = cpu_tuner
     cfg = CONFIGS["tiny-gpt-oss"]  # the clamped gate with biases; fp8 pads H / I
     (p,) = tg.masked_gate_problems(cfg, scheme, (4,))

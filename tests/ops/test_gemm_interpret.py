@@ -11,6 +11,7 @@ import torch
 
 pytestmark = [
     pytest.mark.interpret,
+    pytest.mark.usefixtures("bf16_dots"),
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (own process)"
     ),
@@ -19,30 +20,6 @@ pytestmark = [
 from epmoe import reference  # noqa: E402
 from epmoe.ops.gemm import _ops, _triton  # noqa: E402
 from tests._tol import GEMM_VS_QUANT_AWARE, assert_close, rel_l2  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def bf16_dots(monkeypatch):
-    """The interpreter multiplies bf16 dot operands as their raw 16-bit patterns (numpy has no
-    bf16; Triton 3.9's create_dot only converts 8-bit floats): widen them to float32 first, as the
-    tensor cores do. The kernels are unchanged; only the CPU simulator is mended."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def widened(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        bits = h.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, *args):
-        return dot(self, widened(a), widened(b), d, *args)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
 
 # Small tiles: the interpreter runs every program in Python.
 CONTIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4)
