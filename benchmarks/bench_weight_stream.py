@@ -5,7 +5,8 @@ layer's weights, against those bytes at the run's copy bandwidth (the floor of
     python benchmarks/bench_weight_stream.py --out stream.json [--shapes qwen3-30b-a3b,...]
         [--schemes fp8,bf16]
 
-Per shape, scheme and GEMM (gemm1: w1 `[E, 2I, H]`, gemm2: w2 `[E, H, I]`, every expert; int8
+Per shape, scheme and GEMM (gemm1: w1 `[E, W, H]` with W the gate's rows, 2I for a gated one;
+gemm2: w2 `[E, H, I]`; every expert, the model's sizes as the layer's floor counts them; int8
 codes are fp8's bytes), timed as the layer is (CUDA graph replay, L2 flushed before each call):
 
 - ``floor_us``: the bytes at ``copy_gbps`` (bytes read + written per second: the layer's floor);
@@ -36,6 +37,8 @@ import _configs  # noqa: E402
 import _report  # noqa: E402
 import _timing  # noqa: E402
 
+import epmoe  # noqa: E402
+
 # (rows a tile, bytes of K a step, pipeline stages): the masked GEMMs' weight tiles
 TILES = ((128, 128, 4), (64, 256, 4))
 
@@ -62,6 +65,9 @@ def stream_us(w: torch.Tensor, linear: bool) -> float:
     best = float("inf")
     for bn, bk_bytes, stages in TILES:
         bk = bk_bytes // w.element_size()
+        if w.shape[1] % bn or w.shape[2] % bk:  # (the kernel reads whole tiles only)
+            raise ValueError(f"stream_us: w expected [E, R, K] of R % {bn} == K % {bk} == 0, "
+                             f"got {list(w.shape)}")  # fmt: skip
         v = w.view(w.shape[0], -1, bk) if linear else w
         E, R, K = v.shape
         out = torch.empty(E * (R // bn) * 16, device=w.device)
@@ -77,7 +83,7 @@ def stream_us(w: torch.Tensor, linear: bool) -> float:
 
 def case(cfg, scheme: str, gemm: str, gbps: float) -> dict:
     E, H, I = cfg.local_experts, cfg.hidden, cfg.intermediate  # noqa: E741
-    shape = (E, 2 * I, H) if gemm == "gemm1" else (E, H, I)
+    shape = (E, epmoe.gate.get(cfg.gate).width(I), H) if gemm == "gemm1" else (E, H, I)
     dtype = torch.bfloat16 if scheme == "bf16" else torch.float8_e4m3fn
     w = torch.randn(shape, device="cuda").to(dtype)
     nbytes = w.numel() * w.element_size()
