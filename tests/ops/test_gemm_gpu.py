@@ -559,12 +559,16 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     }
 
 
-# the Gluon kernels (int8: asynchronous wgmma) write the Triton kernel's bytes in int8 (the same
-# tiles' int32 sums and float ops; bf16: its float32 sums, in an order the two need not share, so
-# against the reference); three multiprocessors, so each program loops over many tiles (stages
-# and barrier phases carried across tiles), K = 576 a partial last step for K tiles of 128
+# the Gluon kernels (int8: asynchronous wgmma) write the Triton kernel's bytes in int8 (the
+# same tiles' int32 sums and float ops) and fp8 (the same per-step wgmma sums and float ops;
+# bf16: its float32 sums, in an order the two need not share, so against the reference); three
+# multiprocessors, so each program loops over many tiles (stages and barrier phases carried
+# across tiles), K = 576 a partial last step for K tiles of 128
+_CODES = {"bf16": 0, "fp8": 1, "int8": 2}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16"])
 def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     from epmoe.ops.gemm import _triton
 
@@ -575,10 +579,10 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     live = m_idx >= 0
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
-    code = 2 if scheme == "int8" else 0
+    code = _CODES[scheme]
     gluon = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
-    assert len(gluon) >= 4
+    assert len(gluon) >= 3
     for cfg in gluon:
         y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
         triton_cfg = {k: v for k, v in cfg.items() if k not in _triton._GLUON_KEYS}
@@ -587,13 +591,13 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
         assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
 
 
-# the masked Gluon kernel: the Triton masked kernel's bytes on every live row (int8; bf16: the
-# reference's values, as above), its count check set, and a CUDA-graph replay; three
+# the masked Gluon kernel: the Triton masked kernel's bytes on every live row (int8, fp8; bf16:
+# the reference's values, as above), its count check set, and a CUDA-graph replay; three
 # multiprocessors, so each program loops over many tiles. Slots of T = 200 rows (a multiple of
 # neither row tile): rows past each count never written (a TMA-store config stores from
 # registers); T = 256: a TMA-store config writes whole live row blocks, never a dead one
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("T", [200, 256])
 def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
     from epmoe.ops.gemm import _triton
@@ -602,14 +606,14 @@ def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
     gen = torch.Generator().manual_seed(42)
     E, N, K = 5, 448, 576
     a, as_, w, ws = _operands(scheme, (E, T), E, N, K, dev, gen)
-    same = torch.equal if scheme == "int8" else lambda y, x: rel_l2(y, x) < GEMM_VS_QUANT_AWARE
+    same = torch.equal if scheme != "bf16" else lambda y, x: rel_l2(y, x) < GEMM_VS_QUANT_AWARE
     mm = torch.tensor([T, 0, 1, 129, 64], dtype=torch.int32, device=dev)
     rows = torch.arange(T, device=dev)[None, :]
     live = rows < mm[:, None]
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16, device=dev)
-    code = 2 if scheme == "int8" else 0
+    code = _CODES[scheme]
     gluon = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, 0, 16)]  # fmt: skip
     assert len(gluon) >= 3 and any(c.get("STORE_TMA") for c in gluon)

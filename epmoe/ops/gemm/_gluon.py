@@ -1,4 +1,4 @@
-"""The int8 and bf16 grouped GEMMs for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
+"""The int8, fp8 and bf16 grouped GEMMs for sm90 in Gluon: Triton keeps an int32 wgmma synchronous.
 
 Triton 3.6 makes a wgmma asynchronous only with a float32 accumulator, so each int8 K step of
 :mod:`epmoe.ops.gemm._triton` waits for its own MMA before the next is issued. These kernels are
@@ -7,7 +7,11 @@ the same tiles with the MMA of step k in flight while step k + 1's is issued
 `[BLOCK_M, BLOCK_N]` output tiles, the next tile's first K steps loaded during the current one's
 epilogue; int32 sums scaled per token x per channel (float32), out bf16. bf16 operands (float32
 sums, out bf16 unscaled) take the same loops for what Triton does not give them: warp
-specialization and the cooperative 128x256 tile. Two layouts, one loop:
+specialization and the cooperative 128x256 tile. fp8 (1x128 / 128x128 block scales; the loop
+without WS, tiles of at most 128 columns) takes what Triton's fp8 loop lacks: TMA stages fed
+through mbarriers ahead of the MMAs across tiles, persistent over the live tiles; each K step (one
+128-wide scale group) sums into its own float32 accumulator, scaled into the tile's once done (its
+scales loaded while the MMA runs). Two layouts, one loop:
 
 - contiguous: a `[M, K]` of expert-contiguous rows (a block's expert is its first row's; -1
   blocks never load), out `[M, N]` through a TMA store or from registers;
@@ -20,9 +24,9 @@ Either loop runs as one warpgroup or two (num_warps 8) on each tile, or warp-spe
 TMA warp and two MMA warpgroups that take the tiles in turn, each one's epilogue under the other's
 MMAs, or (COOP) share each tile's halves (the tuner picks per shape).
 
-w `[E * N, K]` (a's dtype) through a TMA descriptor. int8's bytes equal the Triton kernels' (the
-same integer sums, the same float ops). GPU only: under the interpreter a Gluon config runs the
-Triton kernel (:func:`epmoe.ops.gemm._triton._runnable`).
+w `[E * N, K]` (a's dtype) through a TMA descriptor. int8's and fp8's bytes equal the Triton
+kernels' (the same integer sums or per-step MMAs, the same float ops). GPU only: under the
+interpreter a Gluon config runs the Triton kernel (:func:`epmoe.ops.gemm._triton._runnable`).
 """
 
 import functools
@@ -215,7 +219,7 @@ def _epilogue(acc, out, o_smem, a_scale_ptr, w_scale_ptr, rows_ptr, tile_at, M, 
     row in the expert's frame, column block); ``strides``: a scales' expert and row, w scales'
     expert and column, out's expert, row and column."""
     expert, row_a, t0, pid_n = tile_at
-    stride_ase, stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on = strides
+    stride_ase, stride_asm, stride_wse, stride_wsn, stride_oe, stride_om, stride_on, _, _ = strides
     rows = gl.minimum(gl.load(rows_ptr + expert), T) if MASKED else M  # (live rows)
     y, offs_m, offs_n = _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N,
                                     stride_ase, stride_asm, stride_wse, stride_wsn, acc_layout,
@@ -240,6 +244,64 @@ def _gate_epilogue(acc_g, acc_u, out, o_smem, row, pid_n, BLOCK_N: gl.constexpr)
     o_smem.store(h.to(gl.bfloat16))
     fence_async_shared()
     _tma_store(out, [row, pid_n * BLOCK_N], o_smem)
+
+
+@gluon.jit
+def _tile_scales(a_scale_ptr, w_scale_ptr, rows_ptr, tile_at, M, T, strides,
+                 acc_layout: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):  # fmt: skip
+    """fp8: (a's scale pointers of the tile's rows, w's of its 128-row block: BLOCK_N divides
+    128, the K strides of both), each K step's group added by :func:`_step_scales`; rows past
+    the live ones wrap onto valid scales (their sums are never stored)."""
+    expert, row_a, t0, pid_n = tile_at
+    stride_ase, stride_asm, stride_wse, stride_wsn, _, _, _, stride_ask, stride_wsk = strides
+    rows = gl.minimum(gl.load(rows_ptr + expert), T) if MASKED else M  # (live rows)
+    offs_m = t0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
+    e64 = expert.to(gl.int64)
+    a_s = a_scale_ptr + e64 * stride_ase + (offs_m % rows) * stride_asm
+    w_s = w_scale_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    return a_s, w_s, stride_ask, stride_wsk
+
+
+@gluon.jit
+def _step_scales(scales, kb, BLOCK_K: gl.constexpr):
+    """fp8: float32 `[BLOCK_M]` scales of K step ``kb``'s sums (its 128-wide group): a's per row
+    times w's block scale (the Triton kernel's float ops)."""
+    a_s, w_s, stride_ask, stride_wsk = scales
+    g = kb * BLOCK_K // 128
+    return gl.load(a_s + g * stride_ask) * gl.load(w_s + g * stride_wsk)
+
+
+@gluon.jit
+def _k_steps(a_desc, w_desc, a_bufs, w_bufs, ready, used, loads, row_a, row_w, k_tiles, scales,
+             acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """A tile's K steps from the ring, each stage refilled with the step STAGES - 1 ahead once
+    its MMA is done; (acc, used, loads). int8 / bf16: one MMA in flight, the last one still at
+    return. fp8: each step's sum into its own accumulator, scaled into acc once it is done
+    (scaling step k - 1's while step k's MMA runs made ptxas serialize every wgmma: it cannot
+    tell the two sums' registers apart across ``warpgroup_mma_wait(1)``)."""
+    acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_desc.dtype), acc_layout)
+    part = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)  # (fp8: a step's sum)
+    for kb in range(k_tiles):
+        s = used % STAGES
+        a_s, w_s = a_bufs.index(s), w_bufs.index(s).permute((1, 0))
+        mbarrier.wait(ready.index(s), (used // STAGES) & 1)
+        if a_desc.dtype == gl.float8e4nv:
+            part = warpgroup_mma(a_s, w_s, part, use_acc=False, is_async=True)
+            sc = _step_scales(scales, kb, BLOCK_K)  # (loaded while the MMA runs)
+            part, _, _ = warpgroup_mma_wait(0, deps=(part, a_s, w_s))
+            acc = acc + part * sc[:, None]
+        else:
+            acc = warpgroup_mma(a_s, w_s, acc, is_async=True)
+            # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
+            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_s, w_s))
+        used += 1
+        if kb + STAGES - 1 < k_tiles:
+            _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
+                       kb + STAGES - 1, BLOCK_K)  # fmt: skip
+            loads += 1
+    return acc, used, loads
 
 
 @gluon.jit
@@ -270,20 +332,12 @@ def _persistent(
     loads = _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, tile < num_tiles, row_a,
                          expert * N + pid_n * BLOCK_N, k_tiles, BLOCK_K, STAGES)  # fmt: skip
     while tile < num_tiles:
-        row_w = expert * N + pid_n * BLOCK_N
-        acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_desc.dtype), acc_layout)
-        for kb in range(k_tiles):
-            s = used % STAGES
-            mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
-            # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
-            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
-            used += 1
-            if kb + STAGES - 1 < k_tiles:
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
-                           kb + STAGES - 1, BLOCK_K)  # fmt: skip
-                loads += 1
+        scales = _tile_scales(a_scale_ptr, w_scale_ptr, rows_ptr, (expert, row_a, t0, pid_n), M,
+                              T, strides, acc_layout, MASKED, BLOCK_M, BLOCK_N)  # fmt: skip
+        acc, used, loads = _k_steps(
+            a_desc, w_desc, a_bufs, w_bufs, ready, used, loads, row_a,
+            expert * N + pid_n * BLOCK_N, k_tiles, scales, acc_layout, BLOCK_M, BLOCK_N, BLOCK_K,
+            STAGES)  # fmt: skip
         # the next tile's first steps load during this one's last MMA and epilogue (every stage
         # but the last step's is free)
         this = (expert, row_a, t0, pid_n)
@@ -507,7 +561,8 @@ def _contiguous_gluon_kernel(
     GLUON: gl.constexpr, STAGES: gl.constexpr, STORE_TMA: gl.constexpr, num_warps: gl.constexpr,
     WS: gl.constexpr = False, COOP: gl.constexpr = False,
 ):  # fmt: skip
-    strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on)
+    strides = (0, stride_asm, stride_wse, stride_wsn, 0, stride_om, stride_on, stride_ask,
+               stride_wsk)  # fmt: skip
     if WS:
         _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, out, M, N, K, E, 1, strides,
             False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, STORE_TMA, COOP,
@@ -540,7 +595,8 @@ def _masked_gluon_kernel(
             n_bad = gl.sum(((c < 0) | (c > T)).to(gl.int32), axis=0)
             gl.store(ok_ptr + ex, (ex * 0 + n_bad) == 0, mask=ex < 1)
     # (counts clamped to T: a bad count never reads past its expert's slot)
-    strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on)
+    strides = (stride_ase, stride_ast, stride_wse, stride_wsn, stride_oe, stride_ot, stride_on,
+               stride_ask, stride_wsk)  # fmt: skip
     if WS:
         _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, masked_m_ptr, out_ptr, E * T, N, K, E, T,
             strides, True, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, STORE_TMA, COOP,
@@ -573,8 +629,8 @@ def _gate_gluon_kernel(
     gl.static_assert(ACT == 0 and ALPHA == 1.0 and LIMIT == 0.0 and UP_OFFSET == 0.0 and GLU)
     gl.static_assert(GATE_SOFTCAP == 0.0 and UP_SOFTCAP == 0.0)
     _ws(a_desc, w_desc, a_scale_ptr, w_scale_ptr, m_indices_ptr, h_desc, M, I, K, E, 1,
-        (0, 0, 0, 0, 0, 0, 0), False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, True,
-        True)  # fmt: skip
+        (0, 0, 0, 0, 0, 0, 0, 0, 0), False, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True,
+        True, True)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -591,10 +647,11 @@ def _acc_dtype(dtype):
 @gluon.constexpr_function
 def _acc_layout(block_m, block_n, num_warps, dtype):
     """The wgmma accumulator's layout of a `[block_m, block_n]` tile over num_warps, operands of
-    ``dtype`` (int8: K 32 an instruction; bf16: 16)."""
+    ``dtype`` (int8 / fp8: K 32 an instruction; bf16: 16)."""
     n = _instr_n(block_m, block_n, num_warps, 224 if _is_int(dtype) else 256)
+    k = 32 if dtype.primitive_bitwidth == 8 else 16
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                     instr_shape=[16, n, 32 if _is_int(dtype) else 16])  # fmt: skip
+                                     instr_shape=[16, n, k])  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -608,7 +665,7 @@ def _instr_n(block_m, block_n, num_warps, widest):
     return n
 
 
-_GL_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}  # (the operands it takes)
+_GL_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @functools.cache  # (per call otherwise: the descriptors are made at every launch)

@@ -608,7 +608,7 @@ def _cfg(num_warps, num_stages, **kw):
 
 def _gluon_cfg(num_warps, num_stages, block_m, block_n, block_k, persistent, store_tma=False,
                ws=False, coop=False, masked=False):  # fmt: skip
-    """A Gluon (int8 / bf16) config (``store_tma``: out staged for a TMA store, else from
+    """A Gluon (int8 / fp8 / bf16) config (``store_tma``: out staged for a TMA store, else from
     registers; ``ws``: warp-specialized, num_warps and num_stages per MMA warpgroup, of which
     there are two; ``coop``: WS with the two on the halves of each tile, one ring of num_stages;
     ``masked``: the masked kernel's, without GROUP_M, STORE_TMA only where set)."""
@@ -694,6 +694,9 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True),
     _gluon_cfg(4, 4, 128, 256, 128, 1, False, coop=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True),
+    # fp8's (two float32 tiles live: at most 64 a thread, columns within one weight block)
+    _gluon_cfg(8, 4, 128, 128, 128, 1, True),
+    _gluon_cfg(8, 3, 128, 128, 128, 2, False),
     # (bf16's two-byte operands: the tiles above with fewer stages, within shared memory)
     _gluon_cfg(8, 3, 128, 256, 64, 1, True),
     _gluon_cfg(4, 3, 128, 128, 64, 1, False, ws=True),
@@ -741,6 +744,11 @@ _MASKED_CONFIGS = [
     _gluon_cfg(4, 5, 128, 128, 64, 1, True, ws=True, masked=True),
     _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True, masked=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True, masked=True),
+    # fp8's (two float32 tiles live: at most 64 a thread, columns within one weight block)
+    _gluon_cfg(8, 4, 128, 128, 128, 1, masked=True),
+    _gluon_cfg(8, 4, 128, 128, 128, 1, True, masked=True),
+    _gluon_cfg(4, 6, 64, 128, 128, 1, masked=True),
+    _gluon_cfg(4, 6, 64, 64, 128, 2, masked=True),
     # (bf16's two-byte operands)
     _gluon_cfg(4, 4, 64, 256, 64, 1, masked=True),
     _gluon_cfg(8, 4, 128, 256, 64, 1, masked=True),
@@ -825,8 +833,13 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     bm = config["BLOCK_M"] if row_block else \
         (config.get("BLOCK_M") or block_m or _MASKED_MAX_BLOCK_M)  # fmt: skip
     if config.get("GLUON") and quant_code == 1:
-        return False  # (the Gluon kernels take int8 and bf16)
-    if quant_code == 1:
+        # (the loop without WS, one scale group a K step, a tile within one 128-row weight
+        # block; two float32 tiles live, the sum and a step's: at most 64 floats a thread each)
+        per_thread = bm * config["BLOCK_N"] // (32 * config.get("num_warps", 4))
+        if config.get("WS") or quant.FP8_GROUP % config["BLOCK_N"] or per_thread > 64 or \
+                quant.FP8_GROUP % config["BLOCK_K"]:  # fmt: skip
+            return False
+    elif quant_code == 1:
         if quant.FP8_GROUP % config["BLOCK_K"]:
             return False  # one scale group per K step
         # two float32 tiles live at once: more than 64 outputs a thread, or tiles past 64x128
