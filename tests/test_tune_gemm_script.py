@@ -167,14 +167,15 @@ def test_candidates_are_the_fitting_configs():
     assert any(c.get("GLUON") for c in bf16)  # (the Gluon kernels take every scheme)
     fp8 = tg.candidates("contiguous", "fp8", 128)
     assert fp8 and all(c["BLOCK_K"] <= 128 for c in fp8)  # (one scale group per K step)
-    # fp8 through Gluon: the loop without WS, tiles within one 128-row weight block, at most 64
-    # outputs a thread
+    # fp8 through Gluon: no COOP, tiles within one 128-row weight block, at most 64 outputs a
+    # thread
     gluon_fp8 = [c for c in fp8 if c.get("GLUON")]
-    assert gluon_fp8 and not any(c.get("WS") for c in gluon_fp8)
+    assert gluon_fp8 and not any(c.get("COOP") for c in gluon_fp8)
     assert all(c["BLOCK_N"] <= 128 and c["BLOCK_M"] * c["BLOCK_N"] <= 64 * 32 * c["num_warps"]
                for c in gluon_fp8)  # fmt: skip
     masked_fp8 = [c for c in tg.candidates("masked", "fp8", 64) if c.get("GLUON")]
     assert len(masked_fp8) >= 4 and any(c.get("STORE_TMA") for c in masked_fp8)
+    assert any(c.get("WS") for c in masked_fp8)
     assert len(fp8) < len(_triton._CONTIGUOUS_CONFIGS)
     assert len(tg.candidates("masked", "int8", 32)) == len(_triton._MASKED_CONFIGS)
 

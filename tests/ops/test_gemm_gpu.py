@@ -563,8 +563,9 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
 # same tiles' int32 sums and float ops) and fp8 (the same per-step wgmma sums and float ops;
 # bf16: its float32 sums, in an order the two need not share, so against the reference); three
 # multiprocessors, so each program loops over many tiles (stages and barrier phases carried
-# across tiles), K = 576 a partial last step for K tiles of 128
+# across tiles), K = 576 a partial last step for K tiles of 128 (fp8: whole 128 x 128 blocks)
 _CODES = {"bf16": 0, "fp8": 1, "int8": 2}
+_FP8_NK = {"fp8": (384, 640)}
 
 
 @pytest.mark.gpu
@@ -575,7 +576,8 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(41)
     m_idx = _layout([700, 0, 1, 257, 130], ALIGN, trailing_blocks=3).to(dev)
-    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 5, 448, 576, dev, gen)
+    a, as_, w, ws = _operands(scheme, (m_idx.numel(),), 5, *_FP8_NK.get(scheme, (448, 576)), dev,
+                              gen)  # fmt: skip
     live = m_idx >= 0
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
@@ -604,7 +606,7 @@ def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(42)
-    E, N, K = 5, 448, 576
+    E, (N, K) = 5, _FP8_NK.get(scheme, (448, 576))
     a, as_, w, ws = _operands(scheme, (E, T), E, N, K, dev, gen)
     same = torch.equal if scheme != "bf16" else lambda y, x: rel_l2(y, x) < GEMM_VS_QUANT_AWARE
     mm = torch.tensor([T, 0, 1, 129, 64], dtype=torch.int32, device=dev)

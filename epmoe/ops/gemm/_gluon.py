@@ -8,10 +8,10 @@ the same tiles with the MMA of step k in flight while step k + 1's is issued
 epilogue; int32 sums scaled per token x per channel (float32), out bf16. bf16 operands (float32
 sums, out bf16 unscaled) take the same loops for what Triton does not give them: warp
 specialization and the cooperative 128x256 tile. fp8 (1x128 / 128x128 block scales; the loop
-without WS, tiles of at most 128 columns) takes what Triton's fp8 loop lacks: TMA stages fed
-through mbarriers ahead of the MMAs across tiles, persistent over the live tiles; each K step (one
-128-wide scale group) sums into its own float32 accumulator, scaled into the tile's once done (its
-scales loaded while the MMA runs). Two layouts, one loop:
+and WS without COOP, tiles of at most 128 columns) takes what Triton's fp8 loop lacks: TMA stages
+fed through mbarriers ahead of the MMAs across tiles, persistent over the live tiles; each K step
+(one 128-wide scale group) sums into its own float32 accumulator, scaled into the tile's once
+done (its scales loaded while the MMA runs). Two layouts, one loop:
 
 - contiguous: a `[M, K]` of expert-contiguous rows (a block's expert is its first row's; -1
   blocks never load), out `[M, N]` through a TMA store or from registers;
@@ -273,29 +273,38 @@ def _step_scales(scales, kb, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
+def _mma_step(acc, part, a_s, w_s, scales, kb, BLOCK_K: gl.constexpr):
+    """K step ``kb``'s MMA of stages a_s x w_s into acc; (acc, part). int8 / bf16: issued, step
+    kb - 1's done at return. fp8: into ``part`` (its own accumulator), done and scaled into acc
+    at return, its scales loaded while it runs (scaling step kb - 1's under step kb's MMA made
+    ptxas serialize every wgmma: it cannot tell the two sums' registers apart across
+    ``warpgroup_mma_wait(1)``)."""
+    if a_s.dtype == gl.float8e4nv:
+        part = warpgroup_mma(a_s, w_s, part, use_acc=False, is_async=True)
+        sc = _step_scales(scales, kb, BLOCK_K)
+        part, _, _ = warpgroup_mma_wait(0, deps=(part, a_s, w_s))
+        acc = acc + part * sc[:, None]
+    else:
+        acc = warpgroup_mma(a_s, w_s, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_s, w_s))
+    return acc, part
+
+
+@gluon.jit
 def _k_steps(a_desc, w_desc, a_bufs, w_bufs, ready, used, loads, row_a, row_w, k_tiles, scales,
              acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """A tile's K steps from the ring, each stage refilled with the step STAGES - 1 ahead once
-    its MMA is done; (acc, used, loads). int8 / bf16: one MMA in flight, the last one still at
-    return. fp8: each step's sum into its own accumulator, scaled into acc once it is done
-    (scaling step k - 1's while step k's MMA runs made ptxas serialize every wgmma: it cannot
-    tell the two sums' registers apart across ``warpgroup_mma_wait(1)``)."""
+    """A tile's K steps from the ring (:func:`_mma_step`), each stage refilled with the step
+    STAGES - 1 ahead once its MMA is done; (acc, used, loads), int8 / bf16's last MMA still in
+    flight."""
     acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_desc.dtype), acc_layout)
     part = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)  # (fp8: a step's sum)
     for kb in range(k_tiles):
         s = used % STAGES
-        a_s, w_s = a_bufs.index(s), w_bufs.index(s).permute((1, 0))
         mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-        if a_desc.dtype == gl.float8e4nv:
-            part = warpgroup_mma(a_s, w_s, part, use_acc=False, is_async=True)
-            sc = _step_scales(scales, kb, BLOCK_K)  # (loaded while the MMA runs)
-            part, _, _ = warpgroup_mma_wait(0, deps=(part, a_s, w_s))
-            acc = acc + part * sc[:, None]
-        else:
-            acc = warpgroup_mma(a_s, w_s, acc, is_async=True)
-            # step kb - 1's MMA is done: its stage takes step kb + STAGES - 1
-            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_s, w_s))
+        # (then step kb - 1's MMA is done: its stage takes step kb + STAGES - 1)
+        acc, part = _mma_step(acc, part, a_bufs.index(s), w_bufs.index(s).permute((1, 0)),
+                              scales, kb, BLOCK_K)  # fmt: skip
         used += 1
         if kb + STAGES - 1 < k_tiles:
             _load_step(a_desc, w_desc, a_bufs, w_bufs, ready, loads % STAGES, row_a, row_w,
@@ -407,22 +416,31 @@ def _ws_mma(a_bufs, w_bufs, ready, empty, o_smem, a_scale_ptr, w_scale_ptr, rows
     o_buf = o_smem.index(PART) if STORE_TMA else o_smem
     k_tiles, ends, num_tiles, step, first = _walk(rows_ptr, M, N, K, E, T, MASKED, E_PAD, BLOCK_M,
                                                   BLOCK_N, BLOCK_K, GROUP_M, 4)  # fmt: skip
+    FP8: gl.constexpr = a_bufs.dtype == gl.float8e4nv
     tile, expert, row_a, t0, pid_n = first
     j = 0
     while tile < num_tiles:
         if j % 2 == PART:
+            scales = _tile_scales(a_scale_ptr, w_scale_ptr, rows_ptr, (expert, row_a, t0, pid_n),
+                                  M, T, strides, acc_layout, MASKED, BLOCK_M, BLOCK_N)  # fmt: skip
             acc = gl.zeros((BLOCK_M, BLOCK_N), _acc_dtype(a_bufs.dtype), acc_layout)
+            part = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)  # (fp8: a step's sum)
             for kb in range(k_tiles):
                 c, s = _ws_slot(PART, j, kb, k_tiles, STAGES, 2)
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), w_bufs.index(s)))
-                # step kb - 1's MMA is done: its stage is free
-                mbarrier.arrive(empty.index(PART * STAGES + (c + STAGES - 1) % STAGES),
-                                pred=kb > 0)  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(PART * STAGES + (j // 2 * k_tiles + k_tiles - 1) % STAGES))
+                acc, part = _mma_step(acc, part, a_bufs.index(s),
+                                      w_bufs.index(s).permute((1, 0)), scales, kb,
+                                      BLOCK_K)  # fmt: skip
+                # the stage whose MMA is done is free: fp8 this step's, else step kb - 1's
+                if FP8:
+                    mbarrier.arrive(empty.index(PART * STAGES + c % STAGES))
+                else:
+                    mbarrier.arrive(empty.index(PART * STAGES + (c + STAGES - 1) % STAGES),
+                                    pred=kb > 0)  # fmt: skip
+            if not FP8:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                last = (j // 2 * k_tiles + k_tiles - 1) % STAGES
+                mbarrier.arrive(empty.index(PART * STAGES + last))
             _epilogue(acc, out, o_buf, a_scale_ptr, w_scale_ptr, rows_ptr,
                       (expert, row_a, t0, pid_n), M, N, T, strides, acc_layout, MASKED,
                       STORE_TMA, BLOCK_M, BLOCK_N)  # fmt: skip

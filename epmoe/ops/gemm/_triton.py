@@ -833,10 +833,10 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     bm = config["BLOCK_M"] if row_block else \
         (config.get("BLOCK_M") or block_m or _MASKED_MAX_BLOCK_M)  # fmt: skip
     if config.get("GLUON") and quant_code == 1:
-        # (the loop without WS, one scale group a K step, a tile within one 128-row weight
-        # block; two float32 tiles live, the sum and a step's: at most 64 floats a thread each)
+        # (no COOP, one scale group a K step, a tile within one 128-row weight block; two
+        # float32 tiles live, the sum and a step's: at most 64 floats a thread each)
         per_thread = bm * config["BLOCK_N"] // (32 * config.get("num_warps", 4))
-        if config.get("WS") or quant.FP8_GROUP % config["BLOCK_N"] or per_thread > 64 or \
+        if config.get("COOP") or quant.FP8_GROUP % config["BLOCK_N"] or per_thread > 64 or \
                 quant.FP8_GROUP % config["BLOCK_K"]:  # fmt: skip
             return False
     elif quant_code == 1:
