@@ -694,9 +694,6 @@ _CONTIGUOUS_CONFIGS = [
     _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True),
     _gluon_cfg(4, 4, 128, 256, 128, 1, False, coop=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True),
-    # fp8's (two float32 tiles live: at most 64 a thread, columns within one weight block)
-    _gluon_cfg(8, 4, 128, 128, 128, 1, True),
-    _gluon_cfg(8, 3, 128, 128, 128, 2, False),
     # (bf16's two-byte operands: the tiles above with fewer stages, within shared memory)
     _gluon_cfg(8, 3, 128, 256, 64, 1, True),
     _gluon_cfg(4, 3, 128, 128, 64, 1, False, ws=True),
@@ -744,11 +741,6 @@ _MASKED_CONFIGS = [
     _gluon_cfg(4, 5, 128, 128, 64, 1, True, ws=True, masked=True),
     _gluon_cfg(4, 3, 128, 256, 128, 1, True, coop=True, masked=True),
     _gluon_cfg(4, 6, 128, 256, 64, 1, True, coop=True, masked=True),
-    # fp8's (two float32 tiles live: at most 64 a thread, columns within one weight block)
-    _gluon_cfg(8, 4, 128, 128, 128, 1, masked=True),
-    _gluon_cfg(8, 4, 128, 128, 128, 1, True, masked=True),
-    _gluon_cfg(4, 6, 64, 128, 128, 1, masked=True),
-    _gluon_cfg(4, 6, 64, 64, 128, 2, masked=True),
     # (bf16's two-byte operands)
     _gluon_cfg(4, 4, 64, 256, 64, 1, masked=True),
     _gluon_cfg(8, 4, 128, 256, 64, 1, masked=True),
