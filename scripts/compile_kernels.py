@@ -17,9 +17,13 @@ see how many programs fit on an SM. A kernel that asks for more shared memory th
 may take is a failure (it compiles, then fails OutOfResources at its first launch on the GPU).
 With --sass it prints each kernel's SASS instruction count and its most frequent opcodes
 (``nvdisasm``): the fused SiLU kernels were issue-limited enough that cutting instructions was the
-gain.
+gain. With --wgmma it runs ptxas -v on the PTX of each build that issues wgmma and marks the
+builds whose wgmmas ptxas serializes (its C7510-C7519 "Potential Performance Loss" notes: each
+wgmma then waits for the one before, whatever the kernel's waits say), e.g. an accumulator read
+between an MMA's issue and its wait (not a failure: two masked bf16 COOP builds have it).
 
-  python scripts/compile_kernels.py [--resources] [--sass] [--dump-ptx DIR] [--only SUBSTRING]
+  python scripts/compile_kernels.py [--resources] [--sass] [--wgmma] [--dump-ptx DIR]
+      [--only SUBSTRING]
 (do not set TRITON_INTERPRET; --only: the cases whose name contains SUBSTRING, e.g. "ll_")
 
 Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
@@ -576,6 +580,25 @@ def sass_summary(compiled, top: int = 8) -> str:
     return f"{sum(ops.values())} instructions ({common})"
 
 
+def wgmma_serialized(compiled) -> str:
+    """ptxas's notes that it serializes the build's wgmmas (C751x), '' if none (or no wgmma)."""
+    import re
+    import subprocess
+    import tempfile
+
+    ptx = compiled.asm["ptx"]
+    if "wgmma.mma_async" not in ptx:
+        return ""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", src, "-o",
+               os.path.join(d, "k.cubin")]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    return " | ".join(sorted(set(re.findall(r"\(C751\d\)[^']*", out.stderr))))
+
+
 def strip_ptx(ptx: str) -> str:
     """ptx without source locations (``.loc``, ``.file``, debug sections, and the file path and
     line number a device assert reports): the code alone."""
@@ -601,6 +624,8 @@ def main() -> int:
     argv = sys.argv[1:]
     show = "--resources" in argv
     sass = "--sass" in argv
+    wgmma = "--wgmma" in argv
+    serialized = 0
     ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
     only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     failed = 0
@@ -640,7 +665,11 @@ def main() -> int:
                     dump_ptx(ptx_dir, kname, key, compiled)
                 extra = f"  [{resources(compiled)}]" if show else ""
                 extra += f"  [{sass_summary(compiled)}]" if sass else ""
-                print(f"ok    {name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
+                note = wgmma_serialized(compiled) if wgmma else ""
+                serialized += bool(note)
+                extra += f"  [wgmma serialized: {note}]" if note else ""
+                status = "SER   " if note else "ok    "
+                print(f"{status}{name}: {kname} {dict(sorted(kwargs.items()))}{extra}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every kernel that fails
                 failed += 1
                 # (a CompilationError's reason: the innermost of its chain, the excerpt last)
@@ -648,6 +677,8 @@ def main() -> int:
                     e = e.__cause__
                 msg = str(e).strip().splitlines()
                 print(f"FAIL  {name}: {kname}: {type(e).__name__}: {' | '.join(msg[-12:])}")
+    if wgmma:
+        print(f"compile_kernels: {serialized} build(s) whose wgmmas ptxas serializes")
     print(f"compile_kernels: {failed} failure(s)")
     return 1 if failed else 0
 
