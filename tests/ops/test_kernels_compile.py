@@ -16,6 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return ""
+    return triton.__version__
+
+
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -30,3 +38,28 @@ def test_kernels_compile_for_sm90():
         pytest.skip("this Triton build has no CUDA backend")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 failure(s)" in proc.stdout
+
+
+# the masked GEMM builds whose wgmmas ptxas serializes (compile_kernels --wgmma): only the bf16
+# COOP tile stored from registers; an fp8 Gluon loop that reads a step's sum before its wait
+# (or any new build that trips ptxas) fails here. With the device's Triton (3.6) and its ptxas
+# only: Triton 3.9's builds (CI's) trip none of these notes, the known ones included.
+@pytest.mark.skipif(not triton_version().startswith("3.6."), reason="the device's Triton: 3.6")
+def test_masked_gemm_wgmmas_not_serialized():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--wgmma", "--only",
+         "masked GEMMs with"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    if "No module named" in proc.stderr and "triton.backends" in proc.stderr:
+        pytest.skip("this Triton build has no CUDA backend")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    built = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok ", "SER "))]
+    serial = [ln for ln in built if ln.startswith("SER ")]
+    assert any("'QUANT': 1" in ln and "'GLUON': True" in ln for ln in built)
+    assert all("'COOP': True" in ln and "'QUANT': 0" in ln for ln in serial), serial
