@@ -184,9 +184,10 @@ def _first_steps(a_desc, w_desc, a_bufs, w_bufs, ready, loads, live, row_a, row_
 def _scaled_out(acc, a_scale_ptr, w_scale_ptr, expert, t0, pid_n, rows, N, stride_ase,
                 stride_asm, stride_wse, stride_wsn, acc_layout: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """bf16 of a tile's int32 sums times its per-token x per-channel scales (bf16 operands: of
-    its float32 sums), with its rows (in the expert's frame of ``rows`` rows) and columns; rows
-    past ``rows`` and columns past N wrap onto valid scales and are never stored."""
+    """bf16 of a tile's int32 sums times its per-token x per-channel scales (bf16 and fp8
+    operands: of its float32 sums, fp8's scaled per K step), with its rows (in the expert's frame
+    of ``rows`` rows) and columns; rows past ``rows`` and columns past N wrap onto valid scales
+    and are never stored."""
     offs_m = t0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
     if not _is_int(acc.dtype):
@@ -693,10 +694,10 @@ def _layout(shape, dtype):
 
 def descriptors(a, w, out, block_m: int, block_n: int, block_k: int, store_tma: bool,
                 out_rows: int = 0):  # fmt: skip
-    """The kernels' a int8 or bf16 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w `[E, N, K]` of
-    a's dtype (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out: the
-    tensor itself without ``store_tma``; its tile ``out_rows`` rows, else block_m: COOP stores half
-    tiles)."""
+    """The kernels' a int8, fp8 or bf16 `[M, K]` (masked: `[E, T, K]`, as `[E * T, K]`), w `[E, N,
+    K]` of a's dtype (as `[E * N, K]`) and out bf16 `[M, N]`: TMA descriptors of their tiles (out:
+    the tensor itself without ``store_tma``; its tile ``out_rows`` rows, else block_m: COOP stores
+    half tiles)."""
     k, dtype = a.shape[-1], _GL_DTYPES[a.dtype]
     a_d = TensorDescriptor(a, [a.numel() // k, k], [a.stride(-2), 1], [block_m, block_k],
                            _layout((block_m, block_k), dtype))  # fmt: skip
