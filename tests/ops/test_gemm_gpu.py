@@ -584,7 +584,7 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     code = _CODES[scheme]
     gluon = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
-    assert len(gluon) >= 3
+    assert len(gluon) >= (1 if scheme == "fp8" else 4)  # (fp8: the 64x128 tile two an SM)
     for cfg in gluon:
         y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
         triton_cfg = {k: v for k, v in cfg.items() if k not in _triton._GLUON_KEYS}
