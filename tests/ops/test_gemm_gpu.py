@@ -564,7 +564,6 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
 # bf16: its float32 sums, in an order the two need not share, so against the reference); three
 # multiprocessors, so each program loops over many tiles (stages and barrier phases carried
 # across tiles), K = 576 a partial last step for K tiles of 128 (fp8: whole 128 x 128 blocks)
-_CODES = {"bf16": 0, "fp8": 1, "int8": 2}
 _FP8_NK = {"fp8": (384, 640)}
 
 
@@ -581,7 +580,7 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     live = m_idx >= 0
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
-    code = _CODES[scheme]
+    code = quant.get(scheme).kernel_code
     gluon = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
     assert len(gluon) >= (1 if scheme == "fp8" else 4)  # (fp8: the 64x128 tile two an SM)
@@ -615,7 +614,7 @@ def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16, device=dev)
-    code = _CODES[scheme]
+    code = quant.get(scheme).kernel_code
     gluon = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
              if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, 0, 16)]  # fmt: skip
     assert len(gluon) >= 3 and any(c.get("STORE_TMA") for c in gluon)
