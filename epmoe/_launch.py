@@ -17,6 +17,13 @@ range, a TMA tensor descriptor's dtype and tile, and the type of any other argum
 scalar passed by keyword is keyed by its value (a runtime tensor by keyword is never cached).
 Profiler launch hooks, when set, send every launch through Triton's own path.
 
+Programmatic dependent launch (PDL, sm90+): a kernel with a ``PDL`` constexpr starts with
+:func:`pdl`, and its direct launches set ``PDL`` and Triton's ``launch_pdl``. Its programs then
+become resident while the kernel before it in the stream runs its last wave, and wait there
+(``griddepcontrol.wait``) until that kernel has finished and its writes are visible: the launch
+gap between the layer's kernels goes. Traced launches (Inductor's) and the interpreter keep
+``PDL`` off.
+
 :func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts.
 :func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
 those are Triton constexpr functions, which unwrap every argument on each call.
@@ -28,6 +35,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 import triton
+import triton.language as tl
 from torch._library import triton as _triton_lib
 from torch.library import wrap_triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -45,6 +53,29 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _SCALARS = (int, float, bool)
 # TMA descriptor classes kernels take (Triton's; epmoe.ops.gemm._gluon adds Gluon's on import)
 DESCRIPTORS = {TensorDescriptor}
+_PDL = dict(PDL=True, launch_pdl=True)  # (a direct launch's keywords of a kernel with PDL)
+
+
+@triton.jit
+def pdl(ON: tl.constexpr):
+    """The first statement of a kernel with a ``PDL`` constexpr (see the module doc), run by every
+    program before any load or store: with ON, lets the next kernel launch
+    (griddepcontrol.launch_dependents) and waits for the kernels before this one
+    (griddepcontrol.wait): every program waits, so the chain of waits keeps the stream's order."""
+    if ON:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\ngriddepcontrol.wait; // $0",
+                                  "=r", [], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+def _has_pdl(fn) -> bool:
+    """Whether JITFunction ``fn`` takes a ``PDL`` constexpr (starts with :func:`pdl`)."""
+    return any(p.name == "PDL" and p.is_constexpr for p in getattr(fn, "params", ()))
+
+
+@functools.cache
+def _pdl_device(dev: int) -> bool:
+    """Whether CUDA device ``dev`` takes PDL launches (sm90 and later)."""
+    return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def pow2(n):
@@ -109,13 +140,14 @@ class _Plain:
 class _Direct:
     """Cached launches of one JITFunction (see the module doc)."""
 
-    __slots__ = ("fn", "cache", "runtime", "defaults")
+    __slots__ = ("fn", "cache", "runtime", "defaults", "pdl")
 
     def __init__(self, fn):
         self.fn = fn
         self.cache: Dict[Tuple, Any] = {}
         self.runtime = {p.name for p in fn.params if not p.is_constexpr}
         self.defaults = {p.name: p.default for p in fn.params}
+        self.pdl = _has_pdl(fn)
 
     def __getitem__(self, grid) -> Callable:
         if callable(grid):  # (a grid of the meta-parameters: Triton's own launch)
@@ -123,10 +155,12 @@ class _Direct:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid, args, meta) -> None:
+        dev = torch._C._cuda_getDevice()
+        if self.pdl and "PDL" not in meta and _pdl_device(dev):  # (a caller's own PDL stands)
+            meta = {**meta, **_PDL}
         if _hooked():
             self.fn[grid](*args, **meta)
             return
-        dev = torch._C._cuda_getDevice()
         key = _key(dev, args, meta)
         hit = self.cache.get(key)
         if hit is None:
@@ -172,7 +206,7 @@ class Prepared:
     own cache of the compiled kernel, keyed by the device and each tensor's dtype and 16-byte
     alignment (the rest of Triton's specialization is fixed with the tail and meta)."""
 
-    __slots__ = ("fn", "grid", "tail", "meta", "hits")
+    __slots__ = ("fn", "grid", "tail", "meta", "hits", "pdl")
 
     def __init__(self, fn, grid: Tuple, tail: Tuple, meta: Dict[str, Any]):
         self.fn = fn
@@ -180,6 +214,7 @@ class Prepared:
         self.tail = tuple(tail)
         self.meta = meta
         self.hits: Dict[Tuple, Any] = {}
+        self.pdl = _has_pdl(fn) and "PDL" not in meta
 
     def __call__(self, *tensors) -> None:
         self._launch(tensors, _wrap_enabled())
@@ -207,9 +242,10 @@ class Prepared:
         hit = self.hits.get(key)
         if hit is None:
             args = (*tensors, *self.tail)
+            meta = {**self.meta, **_PDL} if self.pdl and _pdl_device(dev) else self.meta
             d = direct(self.fn)
-            d.launch(self.grid, args, self.meta)
-            hit = d.cache.get(_key(dev, args, self.meta)) if isinstance(d, _Direct) else None
+            d.launch(self.grid, args, meta)
+            hit = d.cache.get(_key(dev, args, meta)) if isinstance(d, _Direct) else None
             if hit is not None:
                 self.hits[key] = hit
             return

@@ -141,6 +141,13 @@ def _arg_type(v) -> str:
     raise TypeError(f"unsupported kernel argument {type(v).__name__}")
 
 
+def _pdl_switch(fn) -> bool:
+    """Whether kernel ``fn`` (a Heuristics unwrapped) takes the PDL constexpr _launch sets."""
+    while not hasattr(fn, "params") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return _launch._has_pdl(fn)
+
+
 def compile_launch(fn, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
     opts = ("num_warps", "num_stages", "launch_pdl", "debug", "sanitize_overflow")
@@ -640,7 +647,7 @@ def main() -> int:
         calls += [
             (fn, args, dict(kwargs, PDL=True, launch_pdl=True))
             for fn, args, kwargs in calls
-            if kwargs.get("PDL") is False
+            if kwargs.get("PDL") is False or ("PDL" not in kwargs and _pdl_switch(fn))
         ]
         # permute's copy kernel also with its L2 prefetches (direct sm90 launches may turn them on)
         calls += [

@@ -68,6 +68,7 @@ def cuda_like_host() -> None:
     back). Launches themselves are left as they are."""
     noop = lambda *a, **k: None  # noqa: E731
     _select._cap = lambda device: (9, 0)
+    _launch._pdl_device = lambda dev: True  # (sm90's: kernels with PDL launch with it)
     _select._deps.available = lambda name: True
     importlib.import_module("epmoe.ops.permute")._sm_count = lambda index: 132  # (H200's)
     for cached in (_select._backend, _select.masked_row_block):  # (cached per process)

@@ -78,6 +78,87 @@ def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
     assert launched[-1][-3:] == (3, 5, 8)  # positional n, then dist and BLOCK in signature order
 
 
+def _pdl_probe(monkeypatch, sm90: bool):
+    """A JITFunction with a PDL constexpr, its Triton run recording the keywords it is given."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def body(x_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pass
+
+    k, seen = JITFunction(body), []
+
+    class Compiled:
+        function, packed_metadata = "f", "p"
+
+        @staticmethod
+        def run(*a):
+            pass
+
+    def triton_run(*args, grid, warmup, **meta):
+        seen.append(meta)
+        return Compiled()
+
+    monkeypatch.setattr(k, "run", triton_run)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    monkeypatch.setattr(_launch, "_hooked", lambda: False)
+    monkeypatch.setattr(_launch, "_pdl_device", lambda dev: sm90)
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_CACHED", True)
+    _launch._DIRECT.pop(id(k), None)
+    return k, seen
+
+
+@pytest.mark.parametrize("sm90", [True, False])
+def test_direct_launches_of_a_pdl_kernel_set_pdl_on_sm90(monkeypatch, sm90):
+    """A kernel with a PDL constexpr is launched directly with PDL and launch_pdl (sm90+ only),
+    through a Prepared (its cached launches keep the compiled kernel's PDL launch) or a direct
+    launch; a caller's own PDL stands (permute's first kernel must launch in stream
+    order); a traced launch (wrap_triton) sets neither."""
+    k, seen = _pdl_probe(monkeypatch, sm90)
+    want = {"BLOCK": 8, "PDL": True, "launch_pdl": True} if sm90 else {"BLOCK": 8}
+    p = _launch.Prepared(k, (2,), (), {"BLOCK": 8})
+    x = torch.zeros(4)
+    p.untraced(x)
+    _launch.direct(k)[(2,)](x, BLOCK=8)
+    _launch.direct(k)[(2,)](x, BLOCK=16, PDL=False)
+    assert seen == [want, {"BLOCK": 16, "PDL": False}]  # (the second launch: the first's cache)
+    assert len(p.hits) == 1 and p.meta == {"BLOCK": 8}
+    wrapped = []
+    monkeypatch.setattr(
+        _launch, "wrap_triton", lambda fn: {(2, 1, 1): lambda *a, **m: wrapped.append(m)}
+    )
+    p(x)  # (the wrap_triton flag is on outside a triton op)
+    assert wrapped == [{"BLOCK": 8}]
+
+
+def test_every_pdl_kernel_waits_before_anything_else():
+    """A kernel launched with PDL may start while the kernel before it runs: each one with a
+    PDL constexpr defaulting to False (the ones _launch sets) starts with pdl(PDL), the docstring
+    aside, so no program loads or stores before the wait."""
+    import ast
+    import importlib
+    import inspect
+
+    mods = ("epmoe.ops.gemv", "epmoe.ops.gemm._triton", "epmoe.ops.quantize",
+            "epmoe.ops._activation_kernels", "epmoe.kernels.scatter",
+            "epmoe.kernels.gather")  # fmt: skip
+    found = []
+    for name in mods:
+        tree = ast.parse(inspect.getsource(importlib.import_module(name)))
+        for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+            names, values = [a.arg for a in fn.args.args], fn.args.defaults
+            defaults = dict(zip(names[len(names) - len(values) :], values, strict=True))
+            if "PDL" not in defaults:
+                continue
+            assert ast.literal_eval(defaults["PDL"]) is False, fn.name
+            body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+            assert ast.unparse(body[0]) == "pdl(PDL)", f"{name}.{fn.name}"
+            found.append(fn.name)
+    assert len(found) == 13, found
+
+
 def test_memo_caches_ints_and_recomputes_symbolic_sizes():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

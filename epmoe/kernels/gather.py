@@ -26,6 +26,7 @@ import triton.language as tl
 
 from epmoe import _checks, _launch
 from epmoe._jit import _bad_rows, round_float  # by name: Inductor copies @triton.jit callees
+from epmoe._launch import pdl
 
 GATHER_BYTES = 4096  # ll_gather's output bytes per program: 2048 bf16 columns, 16 a thread
 
@@ -42,7 +43,7 @@ def _topk_gather_kernel(
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
     HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, ASSERT: tl.constexpr, CHECK: tl.constexpr,
-    MSG: tl.constexpr,
+    MSG: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (t, c): column chunk c of out[t] (out `[T, H]`, contiguous). Row r is y_ptr + r *
     stride_yc, or with SLOTS (the masked layout) slot r % C of expert r // C; without HAS_W every
@@ -50,6 +51,7 @@ def _topk_gather_kernel(
     else m_ptr[r] (permute's m_indices). With CHECK, chunk 0 also checks t's rows: it clears ok on
     a row outside [0, R) other than -1, or with ASSERT (a debug=True build) asserts them instead,
     with message MSG (ok unused)."""
+    pdl(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK_H + tl.arange(0, BLOCK_H)

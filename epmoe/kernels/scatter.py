@@ -25,6 +25,7 @@ from epmoe._jit import (  # by name: Inductor copies @triton.jit callees
     _quant_fp8_groups,
     _quant_int8,
 )
+from epmoe._launch import pdl
 from epmoe.kernels.ids import _id_offsets
 from epmoe.kernels.scales import alloc_scales
 
@@ -102,8 +103,7 @@ def _ll_scatter_kernel(
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, HIST_N: tl.constexpr,
-    NUM_BINS: tl.constexpr,
-    ASSERT: tl.constexpr, PAD: tl.constexpr,
+    NUM_BINS: tl.constexpr, ASSERT: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
     W = 128 channels; bf16 / int8: one row piece of W), to each of its slots; a slot is the
@@ -111,6 +111,7 @@ def _ll_scatter_kernel(
     itself from the ids (a few KiB, read from L2), so no program waits on another. With PAD the
     slots are WD wide (x's H columns, then zeros). Chunk 0 also writes rows[t]. The last program
     writes masked_m and checks the ids and capacities (_finish_counts)."""
+    pdl(PDL)
     pid = tl.program_id(0)
     sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
     if pid >= T * CHUNKS:

@@ -9,6 +9,7 @@ import triton.language as tl
 
 # jit helpers by name: Inductor copies the source of @triton.jit callees it finds in a kernel's
 # globals (a module attribute such as ``_q._quant_int8`` would not be found)
+from epmoe._launch import pdl
 from epmoe.gate import gate_h
 from epmoe.ops.quantize import _fp8_tile, _int8_scale, _quant_fp8_groups, _quant_int8, round_float
 
@@ -92,8 +93,9 @@ def _silu_mul_kernel(
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     slot = tl.program_id(0)
     e = tl.program_id(1)
     cols = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -141,8 +143,9 @@ def _silu_mul_fp8_kernel(
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     slot = tl.program_id(0)
     e = tl.program_id(1)
     rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
@@ -193,8 +196,9 @@ def _silu_mul_int8_kernel(
     # the gate
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK)[None, :]

@@ -56,6 +56,7 @@ from epmoe import _checks, _config, _launch, quant, reference
 from epmoe import gate as _gate
 from epmoe._contract import Case, Contract, Let, Multiple, Rule, Shape, Tensor
 from epmoe._jit import _int8_scale, _quant_fp8_groups, _quant_int8, round_float
+from epmoe._launch import pdl
 from epmoe._stage import stage
 from epmoe.gate import gate_h  # by name: Inductor copies the @triton.jit callees it finds
 from epmoe.ops.gemm import _tuned
@@ -308,9 +309,8 @@ def _fp8_scaled(q, s, s_w, K_PAD: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    # tensors
+    # tensors, then sizes
     x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, ok_ptr,
-    # sizes
     T, H, I, E,
     # strides (elements)
     stride_xt, stride_xh, stride_it, stride_ik, stride_we, stride_wn, stride_wh,
@@ -320,10 +320,11 @@ def _gemv_gate_up_kernel(
     CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr, FAST: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (c, n): columns [n * BLOCK_N, +BLOCK_N) of h for choice c = t * K + k, over x's H
     channels (GLU: gate rows, then up rows); with CHECK program (T * K, 0) checks every id."""
+    pdl(PDL)
     pid, nb = tl.program_id(0), tl.program_id(1)
     if pid >= T * K:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:
@@ -401,11 +402,12 @@ def _gemv_down_kernel(
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, CHECK_IDS: tl.constexpr, CHECK: tl.constexpr, ASSERT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of out[t]. A step loads the weight tiles
     of all K choices (`[K_PAD, BLOCK_N, BLOCK_K]`): a token's K weight streams in flight together;
     the K results are summed in k order. With CHECK program (T, 0) checks every id."""
+    pdl(PDL)
     t, nb = tl.program_id(0), tl.program_id(1)
     if t >= T:  # only launched with CHECK (the store only exists in that build)
         if CHECK and nb == 0:

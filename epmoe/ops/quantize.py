@@ -54,6 +54,7 @@ from epmoe._jit import (  # noqa: F401 (re-exported for the stage modules)
     _quant_int8,
     round_float,
 )
+from epmoe._launch import pdl
 from epmoe._stage import stage
 from epmoe.kernels.scales import alloc_scales, as_layout  # noqa: F401 (stages import them here)
 
@@ -121,9 +122,10 @@ def _quant_fp8_kernel(
     stride_se, stride_st, stride_sg,
     # meta
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """NUM_GROUPS groups of q's row; with PAD (q wider than x) x's H columns read, the rest 0."""
+    pdl(PDL)
     slot = tl.program_id(0)
     e = tl.program_id(1)
     rows, groups, inner, cols = _fp8_tile(GROUP, BLOCK_G, GROUPS_PER_PROG, BLOCK_M)
@@ -158,9 +160,10 @@ def _quant_int8_kernel(
     stride_xe, stride_xt, stride_xh, stride_qe, stride_qt, stride_se, stride_st,
     # meta
     BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    HAS_MASK: tl.constexpr, PAD: tl.constexpr,
+    HAS_MASK: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Rows of H values; with PAD (q wider than x: WD columns, else None) codes past H are 0."""
+    pdl(PDL)
     slot = tl.program_id(0)
     e = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)

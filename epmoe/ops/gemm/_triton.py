@@ -18,6 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from epmoe import _launch, quant
 from epmoe import gate as _gate
 from epmoe._jit import _quant_fp8_groups, round_float
+from epmoe._launch import pdl
 from epmoe.ops._activation_kernels import _gate_rounded
 from epmoe.ops.gemm import _tuned
 
@@ -233,7 +234,9 @@ def _contiguous_kernel(
     QUANT: tl.constexpr, SCALE_K: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     # TMA: programs loop over the tiles (persistent when fewer than the tiles); else one tile each
     if TMA:
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N),
@@ -442,8 +445,9 @@ def _contiguous_gate_kernel(
     # the gate (epmoe.gate.Gate.meta)
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
-    UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr = False,
+    UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     # TMA: programs loop over the tiles (persistent when fewer than the tiles); else one tile each
     if TMA:
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(I, BLOCK_N),
@@ -483,8 +487,9 @@ def _masked_kernel(
     QUANT: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, CHECK: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr = False,
-    SWAP: tl.constexpr = False,
+    SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     # (the M_SPLIT programs of one weight tile are adjacent in launch order: they stream the same
     # weights at the same time, the later ones from L2)
     pid_s = tl.program_id(0)
@@ -554,7 +559,9 @@ def _masked_gate_kernel(
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, CLAMP_AFTER: tl.constexpr,
     UP_OFFSET: tl.constexpr, GLU: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
     UP_SOFTCAP: tl.constexpr, TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl(PDL)
     # The masked kernel's grid and row loop (pid_s, column tile, expert), each tile's gate and up
     # sums then the GEMM1 + gate kernel's epilogue (_gate_store) on the slot's live rows.
     pid_s = tl.program_id(0)
