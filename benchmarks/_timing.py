@@ -168,14 +168,20 @@ def per_kernel_us(calls: list) -> Dict[str, float]:
     """{key: median µs over ``calls``} (each call a list of (name, start, end) activities in
     launch order). The key is the name cut to KERNEL_NAME_CHARS, and for the n-th launch of that
     cut name in a call (n >= 2) the cut name + " #n": GEMM1 and GEMM2 of one kernel template stay
-    apart. A call without a key counts 0."""
+    apart. An activity counts from its start or, if later, the end of the ones before it: a
+    kernel launched with PDL starts while the one before it runs, and waits (the call's µs then
+    sum to its span less the gaps). A call without a key counts 0."""
     per_key: Dict[str, list] = {}
     for call in calls:
         seen: Dict[str, int] = {}
+        done = float("-inf")
         for name, start, end in call:
             cut = name[:KERNEL_NAME_CHARS]
             n = seen[cut] = seen.get(cut, 0) + 1
-            per_key.setdefault(cut if n == 1 else f"{cut} #{n}", []).append(end - start)
+            per_key.setdefault(cut if n == 1 else f"{cut} #{n}", []).append(
+                max(end - max(start, done), 0.0)
+            )
+            done = max(done, end)
     return {k: round(statistics.median(v + [0.0] * (len(calls) - len(v))), 1)
             for k, v in per_key.items()}  # fmt: skip
 

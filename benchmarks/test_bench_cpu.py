@@ -177,3 +177,6 @@ def test_per_kernel_us():
     got = _timing.per_kernel_us(calls)
     assert got == {"a": 2.0, "a #2": 1.0, cut: 4.0, cut + " #2": 1.0, "b": 0.0}
     assert _timing.per_kernel_us([]) == {}
+    # PDL: a kernel that starts before the one ahead ends counts from that end
+    pdl = [[("a", 0.0, 5.0), ("b", 1.0, 7.0), ("c", 2.0, 6.5), ("d", 9.0, 10.0)]]
+    assert _timing.per_kernel_us(pdl) == {"a": 5.0, "b": 2.0, "c": 0.0, "d": 1.0}

@@ -63,7 +63,8 @@ def pdl(ON: tl.constexpr):
     (griddepcontrol.launch_dependents) and waits for the kernels before this one
     (griddepcontrol.wait): every program waits, so the chain of waits keeps the stream's order."""
     if ON:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\ngriddepcontrol.wait; // $0",
+        # (one line: Inductor re-emits this source, where an escaped newline would end the string)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; // $0",
                                   "=r", [], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
@@ -212,9 +213,10 @@ class Prepared:
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = tuple(tail)
-        self.meta = meta
-        self.hits: Dict[Tuple, Any] = {}
         self.pdl = _has_pdl(fn) and "PDL" not in meta
+        # (PDL given off: Inductor's kernel wrapper wants every argument, defaults included)
+        self.meta = {**meta, "PDL": False} if self.pdl else meta
+        self.hits: Dict[Tuple, Any] = {}
 
     def __call__(self, *tensors) -> None:
         self._launch(tensors, _wrap_enabled())

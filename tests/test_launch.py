@@ -115,22 +115,24 @@ def test_direct_launches_of_a_pdl_kernel_set_pdl_on_sm90(monkeypatch, sm90):
     """A kernel with a PDL constexpr is launched directly with PDL and launch_pdl (sm90+ only),
     through a Prepared (its cached launches keep the compiled kernel's PDL launch) or a direct
     launch; a caller's own PDL stands (permute's first kernel must launch in stream
-    order); a traced launch (wrap_triton) sets neither."""
+    order); a traced launch (wrap_triton) gives PDL off (Inductor's wrapper wants every
+    argument)."""
     k, seen = _pdl_probe(monkeypatch, sm90)
-    want = {"BLOCK": 8, "PDL": True, "launch_pdl": True} if sm90 else {"BLOCK": 8}
+    want = {"BLOCK": 8, "PDL": sm90, **({"launch_pdl": True} if sm90 else {})}
     p = _launch.Prepared(k, (2,), (), {"BLOCK": 8})
     x = torch.zeros(4)
     p.untraced(x)
     _launch.direct(k)[(2,)](x, BLOCK=8)
     _launch.direct(k)[(2,)](x, BLOCK=16, PDL=False)
-    assert seen == [want, {"BLOCK": 16, "PDL": False}]  # (the second launch: the first's cache)
-    assert len(p.hits) == 1 and p.meta == {"BLOCK": 8}
+    assert seen[0] == want and seen[-1] == {"BLOCK": 16, "PDL": False}
+    assert len(seen) == 3 - sm90  # (sm90: the second launch is the first's, cached)
+    assert len(p.hits) == 1 and p.meta == {"BLOCK": 8, "PDL": False}
     wrapped = []
     monkeypatch.setattr(
         _launch, "wrap_triton", lambda fn: {(2, 1, 1): lambda *a, **m: wrapped.append(m)}
     )
     p(x)  # (the wrap_triton flag is on outside a triton op)
-    assert wrapped == [{"BLOCK": 8}]
+    assert wrapped == [{"BLOCK": 8, "PDL": False}]
 
 
 def test_every_pdl_kernel_waits_before_anything_else():
