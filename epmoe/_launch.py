@@ -226,14 +226,21 @@ class Prepared:
         direct whatever the wrap_triton flag, which is on by default outside a triton op."""
         self._launch(tensors, False)
 
+    def _direct_meta(self, dev: int) -> Dict[str, Any]:
+        """The keywords of a direct launch on device ``dev``: PDL on where the kernel takes it."""
+        return {**self.meta, **_PDL} if self.pdl and _pdl_device(dev) else self.meta
+
     def _launch(self, tensors, wrap: bool) -> None:
         if _INTERPRET or wrap:
             kernel(self.fn)[self.grid](*tensors, *self.tail, **self.meta)
             return
-        if not _CACHED or _hooked():
+        if not _CACHED:
             direct(self.fn)[self.grid](*tensors, *self.tail, **self.meta)
             return
         dev = torch._C._cuda_getDevice()
+        if _hooked():
+            direct(self.fn)[self.grid](*tensors, *self.tail, **self._direct_meta(dev))
+            return
         key = [dev]
         for t in tensors:
             if t.__class__ in DESCRIPTORS:  # (its tile is the meta's: fixed here)
@@ -244,7 +251,7 @@ class Prepared:
         hit = self.hits.get(key)
         if hit is None:
             args = (*tensors, *self.tail)
-            meta = {**self.meta, **_PDL} if self.pdl and _pdl_device(dev) else self.meta
+            meta = self._direct_meta(dev)
             d = direct(self.fn)
             d.launch(self.grid, args, meta)
             hit = d.cache.get(_key(dev, args, meta)) if isinstance(d, _Direct) else None

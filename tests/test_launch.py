@@ -114,9 +114,9 @@ def _pdl_probe(monkeypatch, sm90: bool):
 def test_direct_launches_of_a_pdl_kernel_set_pdl_on_sm90(monkeypatch, sm90):
     """A kernel with a PDL constexpr is launched directly with PDL and launch_pdl (sm90+ only),
     through a Prepared (its cached launches keep the compiled kernel's PDL launch) or a direct
-    launch; a caller's own PDL stands (permute's first kernel must launch in stream
-    order); a traced launch (wrap_triton) gives PDL off (Inductor's wrapper wants every
-    argument)."""
+    launch, with a profiler's launch hooks too; a caller's own PDL stands (permute's first
+    kernel must launch in stream order); a traced launch (wrap_triton) gives PDL off
+    (Inductor's wrapper wants every argument)."""
     k, seen = _pdl_probe(monkeypatch, sm90)
     want = {"BLOCK": 8, "PDL": sm90, **({"launch_pdl": True} if sm90 else {})}
     p = _launch.Prepared(k, (2,), (), {"BLOCK": 8})
@@ -127,6 +127,9 @@ def test_direct_launches_of_a_pdl_kernel_set_pdl_on_sm90(monkeypatch, sm90):
     assert seen[0] == want and seen[-1] == {"BLOCK": 16, "PDL": False}
     assert len(seen) == 3 - sm90  # (sm90: the second launch is the first's, cached)
     assert len(p.hits) == 1 and p.meta == {"BLOCK": 8, "PDL": False}
+    monkeypatch.setattr(_launch, "_hooked", lambda: True)  # (a profiler's hooks: Triton's run)
+    p.untraced(x)
+    assert seen[-1] == want
     wrapped = []
     monkeypatch.setattr(
         _launch, "wrap_triton", lambda fn: {(2, 1, 1): lambda *a, **m: wrapped.append(m)}
