@@ -42,18 +42,13 @@ def test_key_separates_what_triton_specializes_on():
     assert _launch._key(0, (p, 7), {"BLOCK": 16}) == base
 
 
-def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
-    """A runtime int given by keyword (permute's PF_DIST) is cached per value: before, such a
-    launch never hit the cache and went through Triton's own run on every call."""
-    import triton.language as tl
+def _recorded_kernel(monkeypatch, body):
+    """JITFunction ``body`` on a CUDA-like CPU host (not triton.jit: under TRITON_INTERPRET=1
+    that is no JITFunction): its Triton run records the keywords it is given (``tuned``), its
+    compiled kernel's launches their arguments (``launched``)."""
     from triton.runtime.jit import JITFunction
 
-    def body(x_ptr, n, dist, BLOCK: tl.constexpr):
-        pass
-
-    k = JITFunction(body)  # (not triton.jit: under TRITON_INTERPRET=1 that is no JITFunction)
-
-    launched, tuned = [], []
+    k, tuned, launched = JITFunction(body), [], []
 
     class Compiled:
         function, packed_metadata = "f", "p"
@@ -70,6 +65,18 @@ def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
     monkeypatch.setattr(_launch, "_hooked", lambda: False)
+    return k, tuned, launched
+
+
+def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
+    """A runtime int given by keyword (permute's PF_DIST) is cached per value: before, such a
+    launch never hit the cache and went through Triton's own run on every call."""
+    import triton.language as tl
+
+    def body(x_ptr, n, dist, BLOCK: tl.constexpr):
+        pass
+
+    k, tuned, launched = _recorded_kernel(monkeypatch, body)
     d = _launch._Direct(k)
     x = torch.zeros(4)
     for dist in (5, 5, 5, 6):
@@ -81,28 +88,11 @@ def test_direct_caches_a_runtime_scalar_passed_by_keyword(monkeypatch):
 def _pdl_probe(monkeypatch, sm90: bool):
     """A JITFunction with a PDL constexpr, its Triton run recording the keywords it is given."""
     import triton.language as tl
-    from triton.runtime.jit import JITFunction
 
     def body(x_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         pass
 
-    k, seen = JITFunction(body), []
-
-    class Compiled:
-        function, packed_metadata = "f", "p"
-
-        @staticmethod
-        def run(*a):
-            pass
-
-    def triton_run(*args, grid, warmup, **meta):
-        seen.append(meta)
-        return Compiled()
-
-    monkeypatch.setattr(k, "run", triton_run)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
-    monkeypatch.setattr(_launch, "_hooked", lambda: False)
+    k, seen, _ = _recorded_kernel(monkeypatch, body)
     monkeypatch.setattr(_launch, "_pdl_device", lambda dev: sm90)
     monkeypatch.setattr(_launch, "_INTERPRET", False)
     monkeypatch.setattr(_launch, "_CACHED", True)
