@@ -45,7 +45,8 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   epmoe's eager fast path takes the dispatcher route; both launch the same kernels.)
 - ``graph_ms``: a plain ``torch.cuda.CUDAGraph`` of one call (after ``layer.warmup([T])`` and
   warm-up calls), replayed after an L2 flush (``_timing.time_cuda``); ``kernel_us``: the same
-  replay's device µs per kernel launch (``_timing.kernel_us``: where the time goes).
+  replay's device µs per kernel launch (``_timing.kernel_us``: where the time goes; a kernel
+  launched with PDL counts from the end of the one before it, not from its early start).
 - ``--routings R`` (R > 1): ``graph_ms`` again on R routings of the case's T (the case's own
   first, then seeds ``seed + ROUTING_SEED_STEP * i``), each call's time and floor in
   ``graph_ms_routings`` / ``floor_ms_routings`` and their medians in ``graph_median_ms`` /
