@@ -21,7 +21,7 @@ gain. With --wgmma it runs ptxas -v on the PTX of each build that issues wgmma a
 builds whose wgmmas ptxas serializes (its C7510-C7519 "Potential Performance Loss" notes: each
 wgmma then waits for the one before, whatever the kernel's waits say), e.g. an accumulator read
 between an MMA's issue and its wait, or too few registers (not a failure: 13 builds have it
-under Triton 3.6, CONTRIBUTING.md says which).
+under Triton 3.6, 24 with their PDL-on twins, CONTRIBUTING.md says which).
 
   python scripts/compile_kernels.py [--resources] [--sass] [--wgmma] [--dump-ptx DIR]
       [--only SUBSTRING]
