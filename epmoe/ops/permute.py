@@ -294,7 +294,7 @@ def _launch_chain(x, x_scales, topk_ids, outs, ok, E: int, A: int, m_sum, direct
     # first one is launched in stream order: it may not start before the work ahead of permute
     # (the producer of x and topk_ids, the last user of the memory it is given) is done
     use_pdl = direct
-    pdl = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
+    pdl = _launch._PDL if use_pdl else dict(PDL=False)
     _launch.kernel(_count_tokens_kernel)[(nb,)](
         topk_ids, counts, bad, M, K, sit, sik, E, nb,
         TB=tb, K_PAD=k_pad, NUM_BINS=_launch.pow2(E + 1), PDL=use_pdl, num_warps=4,
