@@ -105,16 +105,16 @@ def _ll_scatter_kernel(
     W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, HIST_N: tl.constexpr,
     NUM_BINS: tl.constexpr, ASSERT: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Programs t * CHUNKS + c (t < T): chunk c of token t's row, an [R, W] tile (fp8: R groups of
-    W = 128 channels; bf16 / int8: one row piece of W), to each of its slots; a slot is the
-    number of entries of the same expert before it in flat (t, k) order, counted by the program
-    itself from the ids (a few KiB, read from L2), so no program waits on another. With PAD the
-    slots are WD wide (x's H columns, then zeros). Chunk 0 also writes rows[t]. The last program
-    writes masked_m and checks the ids and capacities (_finish_counts)."""
+    """Program 0 writes masked_m and checks ids and capacities (_finish_counts); it reads all T x K
+    ids, as the last token's does, so it starts first. Program 1 + t * CHUNKS + c (t < T) copies
+    chunk c of token t's row, an [R, W] tile (fp8: R groups of W = 128 channels; bf16 / int8: one
+    row piece of W), to each of its slots; a slot is the number of entries of the same expert
+    before it in flat (t, k) order, counted by the program itself from the ids (read from L2), so
+    no program waits on another. PAD: slots WD wide (x's H, then zeros). Chunk 0 writes rows[t]."""
     pdl(PDL)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) - 1
     sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
-    if pid >= T * CHUNKS:
+    if pid < 0:
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
         n_bad = tl.zeros([HIST_N], dtype=tl.int32)
         for b0 in range(0, T * K_PAD, HIST_N):
