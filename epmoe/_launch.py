@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch._library import triton as _triton_lib
 from torch.library import wrap_triton
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter
@@ -63,9 +64,8 @@ def pdl(ON: tl.constexpr):
     (griddepcontrol.launch_dependents) and waits for the kernels before this one
     (griddepcontrol.wait): every program waits, so the chain of waits keeps the stream's order."""
     if ON:
-        # (one line: Inductor re-emits this source, where an escaped newline would end the string)
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; // $0",
-                                  "=r", [], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def _has_pdl(fn) -> bool:
