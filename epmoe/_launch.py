@@ -24,7 +24,8 @@ become resident while the kernel before it in the stream runs its last wave, and
 gap between the layer's kernels goes. Traced launches (Inductor's) and the interpreter keep
 ``PDL`` off.
 
-:func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts.
+:func:`imin` / :func:`imax` are ``min`` / ``max`` that stay symbolic on SymInts; :func:`at_least`
+/ :func:`at_most` compare a size that may be symbolic.
 :func:`pow2` and :func:`cdiv` replace ``triton.next_power_of_2`` / ``triton.cdiv`` on the host:
 those are Triton constexpr functions, which unwrap every argument on each call.
 """
@@ -103,6 +104,21 @@ def imax(a, b):
 def cdiv(a, b):
     """ceil(a / b) for ints or SymInts."""
     return (a + b - 1) // b
+
+
+def at_least(n, lo: int) -> bool:
+    """n >= lo. A symbolic n (torch.compile) is guarded on when backed; an unbacked one (exact-size
+    HT dispatch) gives False instead of a data-dependent error (callers take either answer)."""
+    if type(n) is int:
+        return n >= lo
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
+
+
+def at_most(n, hi: int) -> bool:
+    """n <= hi, like :func:`at_least` (an unbacked n gives False)."""
+    if type(n) is int:
+        return n <= hi
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(n <= hi)
 
 
 def kernel(k):

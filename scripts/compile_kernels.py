@@ -237,6 +237,14 @@ def cases() -> Dict[str, Callable[[], object]]:
             )
             for q in ("bf16", "fp8", "int8")
         ],  # fmt: skip
+        # past SCAN_IDS ids: the block count kernel, then the scatter's blocked slot counts
+        "ll_scatter with blocked slot counts": lambda: [
+            KS._ll_scatter_triton(
+                xx, torch.zeros((1200, 4), dtype=torch.int64), 8, 1200, q, 0, None, "deepgemm"
+            )  # fmt: skip
+            for xx in (torch.empty((1200, 512), dtype=torch.bfloat16),)
+            for q in ("bf16", "fp8", "int8")
+        ],
         "ll_scatter / ll_gather, asserting": lambda: [
             (
                 KS._ll_scatter_triton(bf, ids, 8, 128, "fp8", 0, None, "deepgemm"),

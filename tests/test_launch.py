@@ -151,7 +151,7 @@ def test_every_pdl_kernel_waits_before_anything_else():
             body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
             assert ast.unparse(body[0]) == "pdl(PDL)", f"{name}.{fn.name}"
             found.append(fn.name)
-    assert len(found) == 13, found
+    assert len(found) == 14, found
 
 
 def test_memo_caches_ints_and_recomputes_symbolic_sizes():

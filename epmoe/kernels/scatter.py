@@ -44,6 +44,11 @@ TILE = 4096  # elements per scatter program and token: 8 KiB of bf16, 32 a threa
 INT8_SINGLE_MAX = 8192  # int8 rows up to this many elements in one program (one read for amax)
 BLOCK_N = 256  # ids per step of a program's slot count (K_PAD x BLOCK_N counts in registers)
 HIST_N = 512  # ids per step of the masked_m program's histogram
+# Past SCAN_IDS ids (T x K_PAD) a program's slot count would scan up to T x K_PAD ids (T² x K work
+# in all): a count kernel first writes per-expert counts of blocks of SCAN_IDS ids, and each program
+# adds its block's prefix of them (BLOCK_B blocks a step) to a scan of its own block only
+SCAN_IDS = 4096
+BLOCK_B = 64
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -78,6 +83,55 @@ def _finish_counts(tot, n_bad, mm_ptr, ok_ptr, E, C, NUM_BINS: tl.constexpr, ASS
 
 
 @triton.jit
+def _flat_ids(b0, N: tl.constexpr, T, K, K_PAD: tl.constexpr, sit, stride_ik):
+    """(flat (t, k) positions b0 + [0, N) of topk_ids, their row and column offsets, in-bounds
+    mask)."""
+    pos = b0 + tl.arange(0, N)
+    ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
+    return pos, ro, co, inb
+
+
+@triton.jit
+def _bins(v, inb, LO, E, NG, NUM_BINS: tl.constexpr):
+    """(entries per local expert among loaded ids v, bin E and above the skipped ones; int32 bad-id
+    flags)."""
+    e, bad = _local_ids(v, inb, LO, E, NG)
+    return tl.histogram(tl.where(e >= 0, e, E), NUM_BINS), bad.to(tl.int32)
+
+
+@triton.jit
+def _quantize_tile(v, amax, QUANT: tl.constexpr):
+    """(codes, scales) of a token's tile v: itself (QUANT 0; scales unused), fp8 per 128-group,
+    int8 with the row's amax (a tile of the whole row, or the row's amax from its second read)."""
+    if QUANT == 0:
+        return v, 0.0
+    elif QUANT == 1:
+        return _quant_fp8_groups(v.to(tl.float32))
+    else:
+        s = _int8_scale(amax)
+        return _quant_int8(v.to(tl.float32), s), s
+
+
+@triton.jit
+def _block_counts_kernel(
+    ids_ptr, cnt_ptr, T, K, E, LO, NG, stride_it, stride_ik,
+    TB: tl.constexpr, K_PAD: tl.constexpr, HIST_N: tl.constexpr, NUM_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """cnt[b, e] (int32 `[NB, E]`) <- entries of local expert e among tokens [b * TB, (b + 1) * TB)
+    (the scatter's blocked slot count)."""
+    pdl(PDL)
+    b = tl.program_id(0)
+    sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
+    tot = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for b0 in range(b * TB * K_PAD, (b + 1) * TB * K_PAD, HIST_N):
+        _, ro, co, inb = _flat_ids(b0, HIST_N, T, K, K_PAD, sit, stride_ik)
+        tot += _bins(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG, NUM_BINS)[0]
+    bins = tl.arange(0, NUM_BINS)
+    tl.store(cnt_ptr + b.to(tl.int64) * E + bins, tot, mask=bins < E)
+
+
+@triton.jit
 def _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se, stride_sc,
                  stride_sg, K: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     """Stores a token's tile q (and its scales s) to each of its slots rows (-1: none), rows of
@@ -92,10 +146,16 @@ def _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, H, C, G, stride_se
             tl.store(s_ptr + s_off, s, mask=groups < tl.where(live, G, 0))
 
 
+# A slot is the number of entries of the same expert before it in flat (t, k) order, counted by
+# each program from the ids (read from L2), so no program waits on another: from the start, or
+# (TB > 0, past SCAN_IDS ids) from its block of TB tokens plus the counts of the blocks before
+# (cnt, _block_counts_kernel's). Program 0 reads all T x K ids, the longest scan: it starts first.
+# Tiles: fp8 R groups of W = 128 channels, bf16 / int8 one row piece of W. PAD: slots WD wide
+# (x's H columns, then zeros).
 @triton.jit
 def _ll_scatter_kernel(
     # tensors
-    x_ptr, ids_ptr, xo_ptr, s_ptr, mm_ptr, rows_ptr, ok_ptr,
+    x_ptr, ids_ptr, xo_ptr, s_ptr, mm_ptr, rows_ptr, ok_ptr, cnt_ptr,
     # sizes
     T, H, C, E, LO, NG, G, CHUNKS, WD,
     # strides (elements)
@@ -103,14 +163,12 @@ def _ll_scatter_kernel(
     # meta
     K: tl.constexpr, K_PAD: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     W: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, HIST_N: tl.constexpr,
-    NUM_BINS: tl.constexpr, ASSERT: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False,
+    NUM_BINS: tl.constexpr, ASSERT: tl.constexpr, PAD: tl.constexpr, TB: tl.constexpr,
+    BLOCK_B: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program 0 writes masked_m and checks ids and capacities (_finish_counts); it reads all T x K
-    ids, as the last token's does, so it starts first. Program 1 + t * CHUNKS + c (t < T) copies
-    chunk c of token t's row, an [R, W] tile (fp8: R groups of W = 128 channels; bf16 / int8: one
-    row piece of W), to each of its slots; a slot is the number of entries of the same expert
-    before it in flat (t, k) order, counted by the program itself from the ids (read from L2), so
-    no program waits on another. PAD: slots WD wide (x's H, then zeros). Chunk 0 writes rows[t]."""
+    """Program 0: masked_m and the id / capacity checks (_finish_counts). Program 1 + t * CHUNKS +
+    c (t < T): chunk c of token t's row, an [R, W] tile, to each of its slots (chunk 0 also writes
+    rows[t]). See the comment above."""
     pdl(PDL)
     pid = tl.program_id(0) - 1
     sit = tl.cast(stride_it, tl.int64)  # (int64 row offsets)
@@ -118,11 +176,10 @@ def _ll_scatter_kernel(
         tot = tl.zeros([NUM_BINS], dtype=tl.int32)
         n_bad = tl.zeros([HIST_N], dtype=tl.int32)
         for b0 in range(0, T * K_PAD, HIST_N):
-            pos = b0 + tl.arange(0, HIST_N)
-            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
-            e, bad = _local_ids(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG)
-            tot += tl.histogram(tl.where(e >= 0, e, E), NUM_BINS)  # bin E: skipped entries
-            n_bad += bad.to(tl.int32)
+            _, ro, co, inb = _flat_ids(b0, HIST_N, T, K, K_PAD, sit, stride_ik)
+            h, bad = _bins(tl.load(ids_ptr + ro + co, mask=inb, other=-1), inb, LO, E, NG, NUM_BINS)
+            tot += h
+            n_bad += bad
         _finish_counts(tot, n_bad, mm_ptr, ok_ptr, E, C, NUM_BINS, ASSERT)
     else:
         t = pid // CHUNKS
@@ -139,38 +196,37 @@ def _ll_scatter_kernel(
         hi = tl.where(any_live, H, 0)
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         v = tl.load(x_row + cols * stride_xh, mask=cols < hi, other=0.0)
-        # slot of each own entry: equal raw ids earlier in flat (t, k) order (a non-local own entry
+        # slot of each own entry: cnt's counts of the blocks before token t's (TB > 0), plus equal
+        # raw ids earlier in flat (t, k) order from its block's start (a non-local own entry
         # matches nothing: -2; unread positions load -3), summed element-wise, reduced once
         own = t * K_PAD + kk
         end = t * K_PAD + K_PAD  # (the program's own entries end its scan)
         match = tl.where(e >= 0, v_t, -2)
+        base = tl.zeros([K_PAD], dtype=tl.int32)
+        blk = t // TB if TB > 0 else 0
+        if TB > 0:  # (cnt is int32 counts only then)
+            for b0 in range(0, blk, BLOCK_B):
+                bb = (b0 + tl.arange(0, BLOCK_B))[None, :]
+                m = (bb < blk) & (e[:, None] >= 0)
+                base += tl.sum(tl.load(cnt_ptr + bb * E + e[:, None], mask=m, other=0), axis=1)
         hits = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
-        for b0 in range(0, end, BLOCK_N):
-            pos = b0 + tl.arange(0, BLOCK_N)
-            ro, co, inb = _id_offsets(pos // K_PAD, pos % K_PAD, T, K, sit, stride_ik)
+        for b0 in range(blk * TB * K_PAD, end, BLOCK_N):
+            pos, ro, co, inb = _flat_ids(b0, BLOCK_N, T, K, K_PAD, sit, stride_ik)
             vb = tl.load(ids_ptr + ro + co, mask=inb & (pos < end), other=-3)
             hits += ((vb[None, :] == match[:, None]) & (pos[None, :] < own[:, None])).to(tl.int32)
-        cnt = tl.sum(hits, axis=1)
+        cnt = base + tl.sum(hits, axis=1)
         kept = (e >= 0) & (cnt < C)  # past capacity: never written (an error, checked above)
         rows = tl.where(kept, e * C + cnt, -1)
         tl.store(rows_ptr + t.to(tl.int64) * K + kk, rows, mask=kk < tl.where(c == 0, K, 0))
-        if QUANT == 0:
-            q, s = v, 0.0  # (s unused: no scales)
-        elif QUANT == 1:
-            q, s = _quant_fp8_groups(v.to(tl.float32))
-        else:
-            xf = v.to(tl.float32)
-            if SINGLE:
-                amax = tl.max(tl.abs(xf), axis=1)
-            else:  # the rest of the row too (a second read, from L2): one scale per token
-                m = tl.zeros([R, W], dtype=tl.float32)
-                for h0 in range(0, H, W):
-                    cc = h0 + cols - c * W
-                    xc = tl.load(x_row + cc * stride_xh, mask=cc < hi, other=0.0)
-                    m = tl.maximum(m, tl.abs(xc.to(tl.float32)))
-                amax = tl.max(m, axis=1)
-            s = _int8_scale(amax)
-            q = _quant_int8(xf, s)
+        amax = tl.max(tl.abs(v.to(tl.float32)), axis=1)  # (int8's scale; unused otherwise)
+        if QUANT == 2 and not SINGLE:  # the rest of the row too (a second read, from L2)
+            m = tl.zeros([R, W], dtype=tl.float32)
+            for h0 in range(0, H, W):
+                cc = h0 + cols - c * W
+                xc = tl.load(x_row + cc * stride_xh, mask=cc < hi, other=0.0)
+                m = tl.maximum(m, tl.abs(xc.to(tl.float32)))
+            amax = tl.max(m, axis=1)
+        q, s = _quantize_tile(v, amax, QUANT)
         _store_slots(xo_ptr, s_ptr, q, s, rows, kk, cols, groups, WD if PAD else H, C, G,
                      stride_se, stride_sc, stride_sg, K, QUANT)  # fmt: skip
 
@@ -197,26 +253,36 @@ def _warps(elements: int) -> int:
 @_launch.memo
 def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
                     width, in_kernel):  # fmt: skip
-    """The scatter kernel's launch for these sizes, strides and options (width: the layout's
-    columns when wider than x, else None)."""
+    """(the block count launch or None, the scatter kernel's launch, tokens a block or 0) for these
+    sizes, strides and options (width: the layout's columns when wider than x, else None)."""
     qs = _quant.get(quant, "ll_scatter")
     wd = H if width is None else width
     G = qs.act_scale_cols(wd)
     R, W, chunks = scatter_tiling(wd, qs)
     k_pad = _launch.pow2(max(K, 1))
-    # no `if` on sizes (T may be symbolic under torch.compile): T = 0 still launches the
-    # masked_m program
-    return _launch.Prepared(
+    bins, hist_n = _launch.pow2(E + 1), max(HIST_N, k_pad)
+    # blocked slot counts past SCAN_IDS ids (an unbacked T under torch.compile: not blocked, a
+    # longer scan); tb: tokens a block. No other `if` on sizes (T may be symbolic): T = 0 still
+    # launches the masked_m program
+    tb = max(SCAN_IDS // k_pad, 1) if _launch.at_least(T * k_pad, SCAN_IDS + 1) else 0
+    counts = None
+    if tb:
+        counts = _launch.Prepared(
+            _block_counts_kernel, (_launch.cdiv(T, tb),), (T, K, E, expert_lo, NG, *id_strides),
+            dict(TB=tb, K_PAD=k_pad, HIST_N=hist_n, NUM_BINS=bins, num_warps=4),
+        )  # fmt: skip
+    scatter = _launch.Prepared(
         _ll_scatter_kernel,
         (T * chunks + 1,),
         (T, H, C, E, expert_lo, NG, G, chunks, width, *x_strides, *id_strides, *s_strides),
         dict(
             K=K, K_PAD=k_pad, QUANT=qs.kernel_code, R=R, W=W, SINGLE=chunks == 1,
-            BLOCK_N=max(BLOCK_N, k_pad), HIST_N=max(HIST_N, k_pad), NUM_BINS=_launch.pow2(E + 1),
-            ASSERT=in_kernel, PAD=width is not None, num_warps=_warps(R * W),
+            BLOCK_N=max(BLOCK_N, k_pad), HIST_N=hist_n, NUM_BINS=bins, ASSERT=in_kernel,
+            PAD=width is not None, TB=tb, BLOCK_B=BLOCK_B, num_warps=_warps(R * W),
             **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
+    return counts, scatter, tb
 
 
 def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
@@ -263,11 +329,15 @@ def _ll_scatter_triton(
     ok = (
         topk_ids if in_kernel else torch.empty((1,), dtype=torch.int32, device=x.device)
     )  # (unused)
-    launch = _scatter_launch(
+    counts, scatter, tb = _scatter_launch(
         T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
         None if width is None or width == H else width, in_kernel,  # (xo's columns when wider)
     )  # fmt: skip
-    launch(xk, topk_ids, xok, s, masked_m, rows, ok)
+    cnt = topk_ids  # (unused unless blocked; read only: no written tensor passed twice)
+    if counts is not None:
+        cnt = torch.empty((_launch.cdiv(T, tb), E), dtype=torch.int32, device=x.device)
+        counts(topk_ids, cnt)
+    scatter(xk, topk_ids, xok, s, masked_m, rows, ok, cnt)
     if not in_kernel:
         _checks.check_codes(ok, "ll_scatter", "topk_ids", (
             (f"ids in [0, {NG}) or -1", "values outside it"),

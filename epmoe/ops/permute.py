@@ -110,25 +110,11 @@ class PermuteResult(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- host-side launch
-def _at_least(n, lo: int) -> bool:
-    """n >= lo. A symbolic n (torch.compile) is guarded on when backed; an unbacked one (exact-size
-    HT dispatch) gives False instead of a data-dependent error (either answer is correct)."""
-    if isinstance(n, int):
-        return n >= lo
-    return torch.fx.experimental.symbolic_shapes.guard_or_false(n >= lo)
-
-
-def _at_most(n, hi: int) -> bool:
-    """n <= hi, like _at_least (an unbacked n gives False)."""
-    if isinstance(n, int):
-        return n <= hi
-    return torch.fx.experimental.symbolic_shapes.guard_or_false(n <= hi)
-
-
 def _by_row(S: int, scale_layout: str, n, cfg: PermuteConfig) -> bool:
     """DeepGEMM-layout scales go per destination row block from cfg.scales_by_row_min_entries
-    entries (an unbacked n under torch.compile takes the per-token path: see _at_least)."""
-    return S > 0 and scale_layout == "deepgemm" and _at_least(n, cfg.scales_by_row_min_entries)
+    entries (an unbacked n under torch.compile takes the per-token path: see _launch.at_least)."""
+    by_row = scale_layout == "deepgemm" and _launch.at_least(n, cfg.scales_by_row_min_entries)
+    return S > 0 and by_row
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -367,7 +353,7 @@ def _permute_triton(
     # the id check's flag ([1]: Inductor fills a 0-d empty); asserted in the kernel, none: an
     # input as the placeholder the kernel never writes
     ok = topk_ids if in_kernel else torch.empty((1,), dtype=torch.bool, device=x.device)
-    if not by_row and _at_most(M * _launch.pow2(K), cfg.small_entries):
+    if not by_row and _launch.at_most(M * _launch.pow2(K), cfg.small_entries):
         _launch_one_kernel(x, x_scales, topk_ids, outs, ok, E, A, m_sum, in_kernel, cfg)
     else:
         _launch_chain(x, x_scales, topk_ids, outs, ok, E, A, m_sum, direct, in_kernel, by_row,

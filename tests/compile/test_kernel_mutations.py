@@ -47,6 +47,7 @@ OUTPUTS = {
     "_topk_gather_kernel": {"out_ptr", "ok_ptr"},
     "_range_kernel": {"ok_ptr"},
     "_ll_scatter_kernel": {"xo_ptr", "s_ptr", "mm_ptr", "rows_ptr", "ok_ptr"},
+    "_block_counts_kernel": {"cnt_ptr"},
     "_gemv_gate_up_kernel": {"h_ptr", "ok_ptr"},
     "_gemv_down_kernel": {"out_ptr", "ok_ptr"},
 }  # fmt: skip

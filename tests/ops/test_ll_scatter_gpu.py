@@ -36,6 +36,8 @@ def _inputs(T, K, H, NG, seed, dtype=torch.int64, col_major=False, p_none=0.2):
         (128, 8, 7168, 128, 2, "row", torch.int32, True),  # rank 1 of 2, column-major ids
         (37, 6, 2176, 16, 1, "row", torch.int64, True),  # K padded to 8, partial column chunks
         (512, 8, 1024, 8, 1, "deepgemm", torch.int32, False),  # 4096 entries: long slot counts
+        (2100, 8, 1024, 64, 1, "deepgemm", torch.int32, False),  # 5 blocks of 512 tokens counted
+        (5000, 1, 512, 4, 2, "row", torch.int64, True),  # one id a token: 2 blocks of 4096
     ],
 )
 def test_scatter_matches_contract(quant, T, K, H, E, P, layout, dtype, col_major):
@@ -55,20 +57,21 @@ def test_scatter_matches_contract(quant, T, K, H, E, P, layout, dtype, col_major
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_dispatcher_and_compiled_give_the_same_bytes(quant):
-    x, topk, w = _inputs(64, 8, 2048, 32, seed=1)
-    eager = ll_scatter(x, topk, 32, 64, quant)
-    disp = torch.ops.epmoe.ll_scatter.default(x, topk, 32, 64, quant, 0, None, "row")
+@pytest.mark.parametrize("T", [64, 600])  # 600 x 8 ids: the blocked slot count
+def test_dispatcher_and_compiled_give_the_same_bytes(quant, T):
+    x, topk, w = _inputs(T, 8, 2048, 32, seed=1)
+    eager = ll_scatter(x, topk, 32, T, quant)
+    disp = torch.ops.epmoe.ll_scatter.default(x, topk, 32, T, quant, 0, None, "row")
 
     def step(x, topk, w):
-        xo, s, mm, rows = ll_scatter(x, topk, 32, 64, quant)
+        xo, s, mm, rows = ll_scatter(x, topk, 32, T, quant)
         return xo, s, mm, rows
 
     torch._dynamo.reset()
     comp = torch.compile(step, fullgraph=True)(x, topk, w)
     for other in (disp, comp):
         assert torch.equal(other[2], eager[2]) and torch.equal(other[3], eager[3])
-        live = torch.arange(64, device="cuda")[None, :] < eager[2][:, None]
+        live = torch.arange(T, device="cuda")[None, :] < eager[2][:, None]
         assert torch.equal(L.as_bytes(other[0])[live], L.as_bytes(eager[0])[live])
         assert torch.equal(other[1][live], eager[1][live])
 
