@@ -240,9 +240,9 @@ def cases() -> Dict[str, Callable[[], object]]:
         # past SCAN_IDS ids: the block count kernel, then the scatter's blocked slot counts
         "ll_scatter with blocked slot counts": lambda: [
             KS._ll_scatter_triton(
-                xx, torch.zeros((1200, 4), dtype=torch.int64), 8, 1200, q, 0, None, "deepgemm"
+                xx, torch.zeros((2400, 4), dtype=torch.int64), 8, 2400, q, 0, None, "deepgemm"
             )  # fmt: skip
-            for xx in (torch.empty((1200, 512), dtype=torch.bfloat16),)
+            for xx in (torch.empty((2400, 512), dtype=torch.bfloat16),)
             for q in ("bf16", "fp8", "int8")
         ],
         "ll_scatter / ll_gather, asserting": lambda: [

@@ -25,16 +25,16 @@ QUANTS = ("bf16", "fp8", "int8")
 def blocks(request, monkeypatch):
     """Default tiling, and tiny blocks: the slot count and masked_m loop over several id blocks,
     rows span several chunks (fp8: 2 groups a program; int8: the two-read path for the token's
-    scale); blocked: the same, with the slot count over blocks of 16 ids (the count kernel first,
-    its prefix over the blocks before one at a time)."""
+    scale); blocked: the same, with the slot count over blocks of 8 ids past 16 (the count kernel
+    first; its prefix over the blocks before one at a time, its own block 4 ids a step)."""
     memos = (KS._scatter_launch, KG._ll_gather_plan)  # (launches planned from these constants)
     for memo in memos:
         memo.cache_clear()
     if request.param == "blocked":
-        monkeypatch.setattr(KS, "SCAN_IDS", 16)
+        monkeypatch.setattr(KS, "SCAN_IDS", 8)
         monkeypatch.setattr(KS, "BLOCK_B", 1)
     if request.param != "default":
-        monkeypatch.setattr(KS, "BLOCK_N", 8)
+        monkeypatch.setattr(KS, "BLOCK_N", 8 if request.param == "small_blocks" else 4)
         monkeypatch.setattr(KS, "HIST_N", 16)
         monkeypatch.setattr(KS, "TILE", 256)
         monkeypatch.setattr(KS, "INT8_SINGLE_MAX", 128)
