@@ -237,7 +237,7 @@ def cases() -> Dict[str, Callable[[], object]]:
             )
             for q in ("bf16", "fp8", "int8")
         ],  # fmt: skip
-        # past SCAN_IDS ids: the block count kernel, then the scatter's blocked slot counts
+        # past 2 x SCAN_IDS ids: the block count kernel, then the scatter's blocked slot counts
         "ll_scatter with blocked slot counts": lambda: [
             KS._ll_scatter_triton(
                 xx, torch.zeros((2400, 4), dtype=torch.int64), 8, 2400, q, 0, None, "deepgemm"

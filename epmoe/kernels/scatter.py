@@ -47,8 +47,8 @@ HIST_N = 512  # ids per step of the masked_m program's histogram
 # Past two blocks of SCAN_IDS ids (T x K_PAD > 8192) a program's slot count would scan up to
 # T x K_PAD ids (T² x K work in all): a count kernel first writes per-expert counts of blocks of
 # SCAN_IDS ids, and each program adds its block's prefix of them (BLOCK_B blocks a step) to a scan
-# of its own block only. At two blocks the extra launch costs more than the scan saves (H100,
-# qwen3 fp8 T = 1024: 29.6 blocked vs 25.9 µs; T = 2048: 42.8 vs 62.4)
+# of its own block only. At two blocks the extra launch costs more than the scan saves
+# (docs/kernels.md)
 SCAN_IDS = 4096
 BLOCK_B = 64
 
@@ -207,8 +207,9 @@ def _ll_scatter_kernel(
         end = t * K_PAD + K_PAD  # (the program's own entries end its scan)
         match = tl.where(e >= 0, v_t, -2)
         base = tl.zeros([K_PAD], dtype=tl.int32)
-        blk = t // TB if TB > 0 else 0
+        blk = 0
         if TB > 0:  # (cnt is int32 counts only then)
+            blk = t // TB
             for b0 in range(0, blk, BLOCK_B):
                 bb = (b0 + tl.arange(0, BLOCK_B))[None, :]
                 m = (bb < blk) & (e[:, None] >= 0)
@@ -257,7 +258,7 @@ def _warps(elements: int) -> int:
 @_launch.memo
 def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, s_strides,
                     width, in_kernel):  # fmt: skip
-    """(the block count launch or None, the scatter kernel's launch, tokens a block or 0) for these
+    """(the block count launch or None, the scatter kernel's launch, its blocks or 0) for these
     sizes, strides and options (width: the layout's columns when wider than x, else None)."""
     qs = _quant.get(quant, "ll_scatter")
     wd = H if width is None else width
@@ -269,10 +270,10 @@ def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, 
     # longer scan); tb: tokens a block. No other `if` on sizes (T may be symbolic): T = 0 still
     # launches the masked_m program
     tb = max(SCAN_IDS // k_pad, 1) if _launch.at_least(T * k_pad, 2 * SCAN_IDS + 1) else 0
-    counts = None
+    counts, nb = None, _launch.cdiv(T, tb) if tb else 0
     if tb:
         counts = _launch.Prepared(
-            _block_counts_kernel, (_launch.cdiv(T, tb),), (T, K, E, expert_lo, NG, *id_strides),
+            _block_counts_kernel, (nb,), (T, K, E, expert_lo, NG, *id_strides),
             dict(TB=tb, K_PAD=k_pad, HIST_N=hist_n, NUM_BINS=bins, num_warps=4),
         )  # fmt: skip
     scatter = _launch.Prepared(
@@ -286,7 +287,7 @@ def _scatter_launch(T, K, H, C, E, expert_lo, NG, quant, x_strides, id_strides, 
             **_checks.assert_build(in_kernel),
         ),
     )  # fmt: skip
-    return counts, scatter, tb
+    return counts, scatter, nb
 
 
 def outputs(x, topk_ids, num_experts, capacity, quant="bf16", expert_lo=0,
@@ -333,13 +334,13 @@ def _ll_scatter_triton(
     ok = (
         topk_ids if in_kernel else torch.empty((1,), dtype=torch.int32, device=x.device)
     )  # (unused)
-    counts, scatter, tb = _scatter_launch(
+    counts, scatter, nb = _scatter_launch(
         T, K, H, C, E, expert_lo, NG, quant, x.stride(), topk_ids.stride(), s.stride(),
         None if width is None or width == H else width, in_kernel,  # (xo's columns when wider)
     )  # fmt: skip
     cnt = topk_ids  # (unused unless blocked; read only: no written tensor passed twice)
     if counts is not None:
-        cnt = torch.empty((_launch.cdiv(T, tb), E), dtype=torch.int32, device=x.device)
+        cnt = torch.empty((nb, E), dtype=torch.int32, device=x.device)
         counts(topk_ids, cnt)
     scatter(xk, topk_ids, xok, s, masked_m, rows, ok, cnt)
     if not in_kernel:

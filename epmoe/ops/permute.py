@@ -113,8 +113,9 @@ class PermuteResult(NamedTuple):
 def _by_row(S: int, scale_layout: str, n, cfg: PermuteConfig) -> bool:
     """DeepGEMM-layout scales go per destination row block from cfg.scales_by_row_min_entries
     entries (an unbacked n under torch.compile takes the per-token path: see _launch.at_least)."""
-    by_row = scale_layout == "deepgemm" and _launch.at_least(n, cfg.scales_by_row_min_entries)
-    return S > 0 and by_row
+    if S <= 0 or scale_layout != "deepgemm":  # (no guard on n then)
+        return False
+    return _launch.at_least(n, cfg.scales_by_row_min_entries)
 
 
 def _aligned16(t: torch.Tensor) -> bool:
