@@ -4,7 +4,10 @@ of every GB/s that ``test_bench_stages.py`` and ``scripts/stage_sweep.py`` repor
 - permute reads each token with a local choice once and its ids; it writes each live copy (row and
   scales), m_indices, inv_perm and expert_offsets;
 - unpermute reads the live rows, inv_perm and the weights, and writes one row per token;
-- quantize / silu_and_mul_quant read the live rows and write their payload and scales.
+- quantize / silu_and_mul_quant read the live rows and write their payload and scales;
+- ll_scatter reads each token with a local choice once and its ids; it writes each live copy
+  (payload and scales), masked_m and the rows; ll_gather moves unpermute's bytes (the live rows,
+  the rows and the weights read, one row per token written).
 """
 
 
@@ -15,6 +18,16 @@ def permute_bytes(
     of one row; m_sum: permuted rows; E: local experts."""
     read = sources * row_bytes + ids_numel * ids_itemsize
     written = copies * row_bytes + 4 * (m_sum + ids_numel + E + 1)
+    return read + written
+
+
+def ll_scatter_bytes(
+    sources: int, copies: int, ids_numel: int, ids_itemsize: int, in_row: int, out_row: int, E: int
+) -> int:
+    """sources: tokens with a local choice; copies: live (t, k) entries; in_row: bytes of one input
+    row; out_row: payload + scales of one slot; E: local experts (int32 masked_m), int32 rows."""
+    read = sources * in_row + ids_numel * ids_itemsize
+    written = copies * out_row + 4 * (E + ids_numel)
     return read + written
 
 

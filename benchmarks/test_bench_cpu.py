@@ -135,6 +135,8 @@ def test_stage_byte_counts():
     assert _bytes.permute_bytes(3, 5, 8, 8, 100, 32, 2) == (300 + 64) + (500 + 4 * (32 + 8 + 3))
     # 5 live rows of H = 4 bf16, 8 entries of (int32 row, float32 weight), 3 output rows
     assert _bytes.unpermute_bytes(5, 3, 4, 8) == 5 * 8 + 64 + 3 * 8
+    # 3 sources of 100 bytes, 8 int64 ids, 5 slots of 60 bytes, 2 masked_m and 8 rows (int32)
+    assert _bytes.ll_scatter_bytes(3, 5, 8, 8, 100, 60, 2) == (300 + 64) + (300 + 4 * (2 + 8))
     # fp8: 2 rows of 256 outputs from bf16 input, 2 float32 scales a row; int8: one scale a row
     assert _bytes.quant_bytes(2, 256, 2, "fp8", 128) == 2 * (512 + 256 + 8)
     assert _bytes.quant_bytes(2, 256, 4, "int8", 128) == 2 * (1024 + 256 + 4)

@@ -1,4 +1,5 @@
-"""Local-stage benchmarks (one GPU): permute, unpermute, quantize, silu_and_mul_quant.
+"""Local-stage benchmarks (one GPU): permute, unpermute, quantize, silu_and_mul_quant, ll_scatter,
+ll_gather.
 
 Every benchmark reports in ``extra_info`` the achieved GB/s (bytes the op must read + write, per
 stage below) next to the HBM copy ceiling measured in the same run (``ceiling_gbps``) and the
@@ -10,13 +11,16 @@ workload W; ``EPMOE_BENCH_CONFIGS=W,small`` for more):
 - prefill: the tokens one rank receives in HT mode (``prefill_tokens`` rows, top-k, about half of
   the choices local), the contiguous layout of ``permuted_rows`` rows, ``alignment`` 128;
 - decode: the LL masked layout ``[E, decode_capacity, *]`` with about ``decode_rows_per_expert``
-  live rows per expert (and, for permute / unpermute, ``decode_capacity`` received tokens).
+  live rows per expert (and, for permute / unpermute / ll_scatter / ll_gather, ``decode_capacity``
+  received tokens, their choices routed as in prefill: the one-rank LL path's two data movers).
 
 Bytes counted: permute reads each token that has a local choice once (+ its scales and the ids)
 and writes each live copy (+ scales, m_indices, inv_perm, offsets); unpermute reads the live rows
 (+ ids, weights) and writes one row per token; quantize / silu_and_mul_quant read the live rows
 and write their payload and scales (rows skipped by masked_m / m_indices are neither read nor
-counted). The eager baseline is charged the same bytes (same work, its time).
+counted); ll_scatter reads each token with a local choice once (+ the ids) and writes each live
+slot (+ scales, masked_m, rows); ll_gather moves unpermute's bytes. The eager baseline is
+charged the same bytes (same work, its time).
 
 Run on the GPU machine (then ``python scripts/record_results.py --gpu h200 stages.json``):
   python -m pytest benchmarks/test_bench_stages.py --benchmark-enable --benchmark-json=stages.json
@@ -31,7 +35,7 @@ import pytest
 import torch
 
 from epmoe import reference
-from epmoe.ops import permute, quantize, silu_and_mul_quant, unpermute
+from epmoe.ops import ll_gather, ll_scatter, permute, quantize, silu_and_mul_quant, unpermute
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,6 +44,7 @@ pytestmark = [
 
 CONFIGS = _configs.selected()
 TARGETS = {"permute": 0.80, "unpermute": 0.75, "quantize": 0.80, "silu_and_mul_quant": 0.75}
+TARGETS.update(ll_scatter=TARGETS["permute"], ll_gather=TARGETS["unpermute"])  # (the LL twins)
 PERMUTE_VS_EAGER = 4.0  # permute must also be >= 4x the eager reference
 SEED = 0
 
@@ -237,4 +242,54 @@ def test_silu_and_mul_quant_decode(benchmark, cfg, scheme):
         shape="decode",
         scheme=scheme,
         rows=rows,
+    )
+
+
+# ------------------------------------------------------------------------ ll_scatter / ll_gather
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
+def test_ll_scatter_decode(benchmark, cfg, scheme):
+    T, E, H = cfg.decode_capacity, cfg.local_experts, cfg.hidden
+    ids = _routing(cfg, T)
+    x, _ = _payload(cfg, T, "bf16")
+    layout = "deepgemm" if scheme == "fp8" else "row"
+    valid = ids >= 0
+    copies, sources = _count(valid), _count(valid.any(dim=1))
+    groups = {"bf16": 0, "fp8": H // 128, "int8": 1}[scheme]
+    slot = H * (2 if scheme == "bf16" else 1) + 4 * groups
+    n_ids = ids.numel()
+    nbytes = _bytes.ll_scatter_bytes(sources, copies, n_ids, ids.element_size(), 2 * H, slot, E)
+    _timing.record(
+        benchmark,
+        lambda: ll_scatter(x, ids, E, T, scheme, scale_layout=layout),
+        nbytes,
+        baseline=lambda: reference.ll_scatter(x, ids, E, T, scheme),
+        target=TARGETS["ll_scatter"],
+        config=cfg.name,
+        shape="decode",
+        scheme=scheme,
+        tokens=T,
+        live_copies=copies,
+    )
+
+
+def test_ll_gather_decode(benchmark, cfg):
+    T, E, H = cfg.decode_capacity, cfg.local_experts, cfg.hidden
+    ids = _routing(cfg, T)
+    x = torch.empty((T, 16), dtype=torch.uint8, device="cuda")
+    rows = ll_scatter(x, ids, E, T)[3]
+    gen = torch.Generator(device="cuda").manual_seed(SEED + 7)
+    y = torch.randn((E, T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.rand(ids.shape, generator=gen, device="cuda")
+    copies = _count(rows >= 0)
+    nbytes = _bytes.unpermute_bytes(copies, T, H, rows.numel())
+    _timing.record(
+        benchmark,
+        lambda: ll_gather(y, rows, w, check=False),
+        nbytes,
+        baseline=lambda: reference.ll_gather(y, rows, w),
+        target=TARGETS["ll_gather"],
+        config=cfg.name,
+        shape="decode",
+        tokens=T,
+        live_copies=copies,
     )
