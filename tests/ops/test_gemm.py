@@ -287,6 +287,25 @@ def test_backend_without_a_table_keeps_the_measured_defaults(sm90):
     assert backend("fp8", "contiguous", dev, 256, 512, 4, 0, 64) == "deep_gemm"  # (0: default)
 
 
+def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
+    """A GPU without deep_gemm: every layout falls to our kernels (the contiguous layout's
+    alignment is deep_gemm's question only where it is installed: no ImportError)."""
+    from epmoe.ops.gemm import _select
+
+    def missing():
+        raise ImportError("deep_gemm is not installed")
+
+    monkeypatch.setattr(_select._deps, "available", lambda name: name != "deep_gemm")
+    monkeypatch.setattr(_select, "_dg_functions", missing)
+    backend, _ = sm90
+    dev = torch.device("cuda", 0)
+    for block in (0, 16, 128):
+        assert backend("fp8", "contiguous", dev, 256, 512, 4, block, 64) == "triton"
+        assert backend("bf16", "contiguous", dev, 256, 512, 4, block, 64) == "grouped_mm"
+    assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "triton"
+    assert _select.contiguous_row_block("fp8", dev) == 128  # (our Triton prefill tiles)
+
+
 def test_backend_follows_the_tuned_table(sm90):
     import json
 

@@ -117,12 +117,12 @@ def _runs(name: str, scheme, layout: str, device, n: int, k: int, row_block: int
     """Whether backend ``name`` runs this problem on the CUDA ``device``."""
     if name == "triton":
         return _triton_ok(scheme, device) and (layout == "masked" or row_block % MIN_ROW_BLOCK == 0)
-    if name == "deep_gemm":
+    if name == "deep_gemm":  # (its alignment asked only where it is installed)
+        if scheme is quant.INT8 or not _dg_role(f"{scheme}_{layout}", device):
+            return False
         # fp8 shapes are validated multiples of 128; bf16 goes to deep_gemm on its 64-wide tiles
         shape_ok = scheme is quant.FP8 or (n % 64 == 0 and k % 64 == 0)
-        aligned = layout == "masked" or row_block % _dg_alignment() == 0
-        return scheme is not quant.INT8 and shape_ok and _dg_role(f"{scheme}_{layout}", device) \
-            and aligned  # fmt: skip
+        return shape_ok and (layout == "masked" or row_block % _dg_alignment() == 0)
     if name == "grouped_mm":
         return scheme is quant.BF16 and layout == "contiguous" and _grouped_mm_ok(device, n, k)
     return name == "bmm" and scheme is quant.BF16 and layout == "masked"
