@@ -254,8 +254,8 @@ def test_ll_scatter_decode(benchmark, cfg, scheme):
     layout = "deepgemm" if scheme == "fp8" else "row"
     valid = ids >= 0
     copies, sources = _count(valid), _count(valid.any(dim=1))
-    groups = {"bf16": 0, "fp8": H // 128, "int8": 1}[scheme]
-    slot = H * (2 if scheme == "bf16" else 1) + 4 * groups
+    xo, s = ll_scatter(x, ids, E, T, scheme, scale_layout=layout)[:2]  # (a slot's bytes)
+    slot = H * xo.element_size() + 4 * s.shape[-1]
     n_ids = ids.numel()
     nbytes = _bytes.ll_scatter_bytes(sources, copies, n_ids, ids.element_size(), 2 * H, slot, E)
     _timing.record(
