@@ -304,6 +304,7 @@ def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
         assert backend("bf16", "contiguous", dev, 256, 512, 4, block, 64) == "grouped_mm"
     assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "triton"
     assert _select.contiguous_row_block("fp8", dev) == 128  # (our Triton prefill tiles)
+    assert _select.masked_row_block("fp8", dev) == 1  # (no slot padding for deep_gemm's blocks)
 
 
 def test_backend_follows_the_tuned_table(sm90):
