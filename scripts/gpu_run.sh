@@ -22,7 +22,8 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
   python3 -m epmoe env
   echo "tree: $(cat .tree-rev 2>/dev/null || echo unknown)"
 } >> "$OUT/env.txt" 2>&1  # (appended: one device call may run this script more than once)
-# without deep_gemm every fp8 / bf16 GEMM runs on our kernels (or torch) and its deep_gemm tests skip: say so first
+# without deep_gemm every fp8 / bf16 GEMM runs on our kernels (or torch) and its deep_gemm tests
+# skip: say so first
 # (e.g. a PYTHONPATH set after `source .whl/install.sh` drops the wheels' site directory)
 python3 -c "import deep_gemm" 2>/dev/null || echo "WARNING: deep_gemm not importable: fp8/bf16 figures and tests are not the real ones" >> "$OUT/summary.txt"
 for step in "$@"; do
