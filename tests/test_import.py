@@ -26,6 +26,14 @@ def test_lean_import():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_old_triton_is_named():
+    """A Triton below the floor: ImportError naming both versions, not a missing name."""
+    code = "import triton; triton.__version__ = '3.5.0'; import epmoe"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ImportError: epmoe needs triton>=3.6, found triton 3.5.0" in out.stderr, out.stderr
+
+
 LAZY_INTEGRATIONS = """
 import sys
 import epmoe
