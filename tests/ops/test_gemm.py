@@ -308,16 +308,15 @@ def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_deep_gemm_runtime_is_made_off_the_stream_before_its_first_gemm(capturing, monkeypatch):
-    """deep_gemm's runtime keeps the workspace its first use allocates: it is made once, before
-    the first GEMM, on a stream of its own (never in a CUDA-graph pool), unless capturing."""
+def test_deep_gemm_runtime_is_made_once_off_the_stream(capturing, monkeypatch):
+    """deep_gemm's runtime keeps the workspace its first use allocates: made once, on a stream of
+    its own (never in a CUDA-graph pool) unless capturing; never for CPU tensors."""
     import contextlib
     import types
 
     from epmoe.ops.gemm import _deepgemm
 
-    events, side = [], object()
-    current = [None]
+    events, side, current = [], object(), [None]
 
     @contextlib.contextmanager
     def on(stream):
@@ -325,24 +324,33 @@ def test_deep_gemm_runtime_is_made_off_the_stream_before_its_first_gemm(capturin
         yield
         current[0] = None
 
-    dg = types.SimpleNamespace(get_num_sms=lambda: events.append(("runtime", current[0])) or 132)
+    dg = types.SimpleNamespace(get_num_sms=lambda: events.append(current[0]) or 132)
     monkeypatch.setattr(_deepgemm, "_RUNTIME_MADE", False)
     monkeypatch.setattr(_deepgemm._deps, "deep_gemm", lambda: dg)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
     monkeypatch.setattr(torch.cuda, "stream", on)
+    _deepgemm._make_runtime(torch.device("cpu"))
+    assert events == []
+    for _ in range(2):
+        _deepgemm._make_runtime(torch.device("cuda", 0))
+    assert events == [None if capturing else side]
+
+
+def test_deep_gemm_calls_make_its_runtime_first(monkeypatch):
+    from epmoe.ops.gemm import _deepgemm
+
+    events = []
+    monkeypatch.setattr(_deepgemm, "_make_runtime", lambda dev: events.append(("runtime", dev)))
 
     def gemm(*args):
-        events.append(("gemm", current[0]))
+        events.append("gemm")
 
     a, w = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)
-    m_idx = torch.zeros(4, dtype=torch.int32)
-    for _ in range(2):
-        _deepgemm._deep_gemm_contiguous(gemm, a, w, m_idx, None, None)
+    _deepgemm._deep_gemm_contiguous(gemm, a, w, torch.zeros(4, dtype=torch.int32), None, None)
     _deepgemm._deep_gemm_masked(gemm, a.view(2, 2, 8), w, torch.ones(2, dtype=torch.int32),
                                 None, None, 0, 1)  # fmt: skip
-    made = ("runtime", None if capturing else side)
-    assert events == [made, ("gemm", None), ("gemm", None), ("gemm", None)]
+    assert events == [("runtime", a.device), "gemm"] * 2
 
 
 def test_backend_follows_the_tuned_table(sm90):

@@ -11,14 +11,14 @@ from epmoe.ops.gemm._select import empty_fp8_act_scales
 _RUNTIME_MADE = False
 
 
-def _make_runtime() -> None:
+def _make_runtime(device: torch.device) -> None:
     """Make deep_gemm's device runtime before its first GEMM, off the current stream. On first use
     it allocates (and keeps) a 32 MiB cuBLASLt workspace: made by a first GEMM inside
     torch.compile's CUDA-graph warmup, that buffer would land in the graph pool, whose check that
     every live allocation there is an output then fails the call. Under a capture it is made in
-    place (no allocation off a capturing stream)."""
+    place (no allocation off a capturing stream). Not for CPU tensors (models of deep_gemm)."""
     global _RUNTIME_MADE
-    if _RUNTIME_MADE:
+    if _RUNTIME_MADE or device.type != "cuda":
         return
     dg = _deps.deep_gemm()
     if torch.cuda.is_current_stream_capturing():
@@ -41,7 +41,7 @@ def _deep_gemm_contiguous(fn, a, w, m_indices, a_scales, w_scales):
     Returns:
         bf16 `[M_sum, N]`; rows of -1 blocks unspecified.
     """
-    _make_runtime()
+    _make_runtime(a.device)
     M, N = a.shape[0], w.shape[1]
     out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
     a, w, m_indices = a.contiguous(), w.contiguous(), m_indices.contiguous()
@@ -87,7 +87,7 @@ def _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m: int, b
     Returns:
         bf16 `[E, T, N]`, contiguous; rows t >= masked_m[e] unspecified.
     """
-    _make_runtime()
+    _make_runtime(a.device)
     E, T, _ = a.shape
     N = w.shape[1]
     em = max(1, min(expected_m or T, T))
