@@ -20,12 +20,12 @@ def _make_runtime(device: torch.device) -> None:
     global _RUNTIME_MADE
     if _RUNTIME_MADE or device.type != "cuda":
         return
-    dg = _deps.deep_gemm()
-    if torch.cuda.is_current_stream_capturing():
-        dg.get_num_sms()
-    else:
+    make = getattr(_deps.deep_gemm(), "get_num_sms", None)  # (any runtime query makes it)
+    if make is not None and torch.cuda.is_current_stream_capturing():
+        make()
+    elif make is not None:
         with torch.cuda.stream(torch.cuda.Stream()):
-            dg.get_num_sms()
+            make()
     _RUNTIME_MADE = True
 
 
