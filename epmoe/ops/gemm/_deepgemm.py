@@ -1,6 +1,7 @@
 """deep_gemm's grouped GEMMs called with static shapes: contiguous as is, masked on row-padded
 copies when T is not a multiple of its row block."""
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -21,10 +22,9 @@ def _make_runtime(device: torch.device) -> None:
     if _RUNTIME_MADE or device.type != "cuda":
         return
     make = getattr(_deps.deep_gemm(), "get_num_sms", None)  # (any runtime query makes it)
-    if make is not None and torch.cuda.is_current_stream_capturing():
-        make()
-    elif make is not None:
-        with torch.cuda.stream(torch.cuda.Stream()):
+    if make is not None:
+        capturing = torch.cuda.is_current_stream_capturing()
+        with contextlib.nullcontext() if capturing else torch.cuda.stream(torch.cuda.Stream()):
             make()
     _RUNTIME_MADE = True
 
