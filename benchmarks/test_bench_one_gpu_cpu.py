@@ -491,15 +491,66 @@ def test_summary_gate_bias_cost_and_targets():
     assert e["eager_ratio"] == pytest.approx(0.2 / 0.19)
     assert cost[("bf16", "auto", 32)]["met"] is False
     assert cost[("bf16", "auto", 32)]["eager_ratio"] is None
-    got = {(t["scheme"], t["T"]): (t["max_ratio"], t["met"]) for t in report["targets"]}
+    oss_targets = [t for t in report["targets"] if t["shape"] == oss]
+    got = {(t["scheme"], t["T"]): (t["max_ratio"], t["met"]) for t in oss_targets}
     assert got == {
         ("fp8", 32): (0.5, True),
         ("bf16", 32): (pytest.approx(1 / 1.3), False),
         ("bf16", 4096): (1.0, True),
     }
-    assert all(t["shape"] == oss and t["mode"] == "auto" for t in report["targets"])
+    assert all(t["mode"] == "auto" and t["against"] == "grouped_mm" for t in oss_targets)
+    # qwen3's fp8 T = 32 record has no floor: its floor target is there, unmeasured
+    (q3,) = [t for t in report["targets"] if t["shape"] != oss]
+    assert (q3["against"], q3["ratio"], q3["met"]) == ("floor", None, None)
     lines = bench.summary_lines(report)
     assert any(line.startswith("gate_bias_cost gpt-oss-20b / gpt-oss-20b-silu") for line in lines)
+
+
+def test_summary_issue_33_targets():
+    """Floor, fp8, fixed-ms and vLLM targets: the median over routings where timed on several,
+    vLLM's figures on an H200 only and at their T only."""
+    q3, mx = "qwen3-30b-a3b", "mixtral-8x7b"
+
+    def rec(shape, scheme, T, g, floor=None, median=None, floor_median=None):
+        r = _rec(shape, scheme, "auto", T, g)
+        r.update(floor_ms=floor, graph_median_ms=median, floor_median_ms=floor_median)
+        return r
+
+    cases = [
+        rec(q3, "bf16", 32, 0.26, floor=0.248),  # 1.048 <= 1.10
+        rec(q3, "fp8", 512, 0.204, floor=0.141),  # 1.447 > 1.25
+        rec(q3, "fp8", 8, 0.070, floor=0.057, median=0.081, floor_median=0.057),  # median: 1.42
+        rec(q3, "int8", 512, 0.197),  # 0.197 / 0.204 <= 1
+        rec(q3, "int8", 16384, 1.655),  # no fp8 case at 16384: unmeasured
+        rec(q3, "bf16", 4096, 0.666),  # <= 0.68 ms
+        rec(mx, "bf16", 512, 0.942),  # vLLM 0.876: behind
+        rec(mx, "fp8", 16, 0.3),  # no vLLM figure at T = 16
+    ]
+    want = {
+        (q3, "bf16", 32, "floor"): (0.26 / 0.248, True),
+        (q3, "fp8", 512, "floor"): (0.204 / 0.141, False),
+        (q3, "fp8", 8, "floor"): (0.081 / 0.057, False),
+        (q3, "int8", 512, "fp8"): (0.197 / 0.204, True),
+        (q3, "int8", 16384, "fp8"): (None, None),
+        (q3, "bf16", 4096, 0.68): (0.666 / 0.68, True),
+    }
+    for device, vllm in (("NVIDIA H100 80GB HBM3", {}), ("NVIDIA H200", {
+        (q3, "bf16", 32, "vllm"): (0.26 / 0.283, True),
+        (q3, "bf16", 4096, "vllm"): (0.666 / 0.752, True),
+        (q3, "fp8", 8, "vllm"): (0.081 / 0.090, True),
+        (q3, "fp8", 512, "vllm"): (0.204 / 0.242, True),
+        (mx, "bf16", 512, "vllm"): (0.942 / 0.876, False),
+    })):  # fmt: skip
+        report = {"device": device, "cases": [dict(c) for c in cases]}
+        bench.summarize(report)
+        got = {
+            (t["shape"], t["scheme"], t["T"], t["against"]): (t["ratio"], t["met"])
+            for t in report["targets"]
+        }
+        expect = {**want, **vllm}
+        assert got == {k: (pytest.approx(r) if r else r, m) for k, (r, m) in expect.items()}
+    lines = bench.summary_lines(report)
+    assert "target mixtral-8x7b bf16 auto T512 graph / vllm <= 1.000: 1.075 False" in lines
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")

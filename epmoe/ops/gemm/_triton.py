@@ -796,6 +796,10 @@ _MASKED_GATE_CONFIGS = [
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True, SWAP=True),
     _cfg(8, 4, BLOCK_N=128, BLOCK_K=128, TMA=True),
+    # fewer stages, two programs a multiprocessor (as the masked candidates'; docs/kernels.md)
+    _cfg(8, 2, BLOCK_N=128, BLOCK_K=64, TMA=True),
+    _cfg(4, 3, BLOCK_N=64, BLOCK_K=64, TMA=True),
+    _cfg(4, 2, BLOCK_N=64, BLOCK_K=128, TMA=True),
 ]
 
 
