@@ -308,33 +308,53 @@ def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_deep_gemm_runtime_is_made_once_off_the_stream(capturing, monkeypatch):
-    """deep_gemm's runtime keeps the workspace its first use allocates: made once, on a stream of
-    its own (never in a CUDA-graph pool) unless capturing; never for CPU tensors."""
+def test_deep_gemm_runtime_is_made_once_on_its_own_thread(capturing, monkeypatch):
+    """deep_gemm's runtime keeps the workspace its first use allocates: made once, on a thread of
+    its own with the GEMM's device current (a CUDA-graph pool takes every allocation of the
+    warming thread) unless capturing; never for CPU tensors; its error reaches the caller."""
     import contextlib
+    import threading
     import types
 
     from epmoe.ops.gemm import _deepgemm
 
-    events, side, current = [], object(), [None]
+    events, current = [], [None]
 
     @contextlib.contextmanager
-    def on(stream):
-        current[0] = stream
+    def on(device):
+        current[0] = device
         yield
         current[0] = None
 
-    dg = types.SimpleNamespace(get_num_sms=lambda: events.append(current[0]) or 132)
+    def query():
+        events.append((threading.get_ident(), current[0]))
+        return 132
+
+    dg = types.SimpleNamespace(get_num_sms=query)
     monkeypatch.setattr(_deepgemm, "_RUNTIME_MADE", False)
     monkeypatch.setattr(_deepgemm._deps, "deep_gemm", lambda: dg)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
-    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "device", on)
     _deepgemm._make_runtime(torch.device("cpu"))
     assert events == []
+    dev = torch.device("cuda", 1)
     for _ in range(2):
-        _deepgemm._make_runtime(torch.device("cuda", 0))
-    assert events == [None if capturing else side]
+        _deepgemm._make_runtime(dev)
+    me = threading.get_ident()
+    if capturing:
+        assert events == [(me, None)]
+    else:
+        ((thread, device),) = events
+        assert thread != me and device == dev
+
+    def broken():
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(_deepgemm, "_RUNTIME_MADE", False)
+    monkeypatch.setattr(dg, "get_num_sms", broken)
+    with pytest.raises(RuntimeError, match="no device"):
+        _deepgemm._make_runtime(dev)
+    assert not _deepgemm._RUNTIME_MADE
 
 
 def test_deep_gemm_calls_make_its_runtime_first(monkeypatch):

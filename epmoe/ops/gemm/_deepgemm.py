@@ -1,7 +1,7 @@
 """deep_gemm's grouped GEMMs called with static shapes: contiguous as is, masked on row-padded
 copies when T is not a multiple of its row block."""
 
-import contextlib
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -13,20 +13,40 @@ _RUNTIME_MADE = False
 
 
 def _make_runtime(device: torch.device) -> None:
-    """Make deep_gemm's device runtime before its first GEMM, off the current stream. On first use
+    """Make deep_gemm's device runtime before its first GEMM, on a thread of its own. On first use
     it allocates (and keeps) a 32 MiB cuBLASLt workspace: made by a first GEMM inside
-    torch.compile's CUDA-graph warmup, that buffer would land in the graph pool, whose check that
-    every live allocation there is an output then fails the call. Under a capture it is made in
-    place (no allocation off a capturing stream). Not for CPU tensors (models of deep_gemm)."""
+    torch.compile's CUDA-graph warmup, that buffer would land in the graph pool (which takes every
+    allocation of the warming thread, on any stream), whose check that every live allocation
+    there is an output then fails the call. Under a capture it is made in place (no allocation
+    off a capturing stream). Not for CPU tensors (models of deep_gemm)."""
     global _RUNTIME_MADE
     if _RUNTIME_MADE or device.type != "cuda":
         return
     make = getattr(_deps.deep_gemm(), "get_num_sms", None)  # (any runtime query makes it)
     if make is not None:
-        capturing = torch.cuda.is_current_stream_capturing()
-        with contextlib.nullcontext() if capturing else torch.cuda.stream(torch.cuda.Stream()):
+        if torch.cuda.is_current_stream_capturing():
             make()
+        else:
+            _on_own_thread(device, make)
     _RUNTIME_MADE = True
+
+
+def _on_own_thread(device: torch.device, fn) -> None:
+    """Run ``fn`` on a new thread with ``device`` current there; its exception re-raised here."""
+    err = []
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                fn()
+        except BaseException as e:  # (re-raised by the caller's thread)
+            err.append(e)
+
+    t = threading.Thread(target=run, name="epmoe-deep-gemm-runtime")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def _deep_gemm_contiguous(fn, a, w, m_indices, a_scales, w_scales):
