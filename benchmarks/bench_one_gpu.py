@@ -112,12 +112,13 @@ Across cases (recomputed whenever the JSON is written): ``gate_bias_cost``, for 
 ``plain`` twin (``gpt-oss-20b``: ``gpt-oss-20b-silu``) where both ran at the same (scheme, mode,
 T): the layer's graph_ms over the twin's (target: at most GATE_BIAS_MAX), and eager_ms's, and
 per kernel the µs it costs over the twin's (the breakdown of a miss);
-``targets``: TARGETS, the "auto" layer's graph ms (the median over routings where timed on
-several) over a reference: gpt-oss-20b against grouped_mm's graph (fp8 <= 1/2 and bf16 <= 1/1.3
-at T <= 128, neither above 1 beyond; int8 <= 1/2 at T <= 128); issue 33's at qwen3-30b-a3b and W
-against the floor (bf16 <= 1.10 and fp8 <= 1.25 at T = 32..512, fp8 <= 1.4 at T = 8), the same
-case in fp8 (int8 <= 1) and 0.68 ms (qwen3 bf16 T = 4096), and on an H200 against vLLM's fused
-MoE figures (VLLM_H200_MS, qwen3 and Mixtral: <= 1).
+``targets``: TARGETS, the "auto" layer's graph ms over a reference: gpt-oss-20b against
+grouped_mm's graph on the same routing (fp8 <= 1/2 and bf16 <= 1/1.3 at T <= 128, neither above 1
+beyond; int8 <= 1/2 at T <= 128); the others with the median over routings where timed on
+several: issue 33's at qwen3-30b-a3b and W against the floor (bf16 <= 1.10 and fp8 <= 1.25 at
+T = 32..512, fp8 <= 1.4 at T = 8), the same case in fp8 (int8 <= 1) and 0.68 ms (qwen3 bf16
+T = 4096), and on an H200 against vLLM's fused MoE figures (VLLM_H200_MS, qwen3 and Mixtral:
+<= 1).
 
 Robustness: each measurement of a case runs in its own try/except (``errors`` maps the step to
 the error string) and the run goes on; a CUDA error that kills the context stops the run with a
@@ -227,8 +228,6 @@ GROUPED_MM_TOL = 1e-2  # rel L2 of the bf16 layer vs transformers' grouped_mm
 CPU_SMOKE = {"shape": "tiny-1rank", "tokens": (1, 40, 200), "iters": 2, "warmup": 1}
 WEIGHTS = ("w1", "w1_scale", "w2", "w2_scale")
 BIASES = ("b1", "b2")  # bf16 [E, 2I] / [E, H], as created (None without biases)
-# (shape, scheme, T range, the most the layer's graph time may be of grouped_mm's): the layer in
-# mode "auto" against transformers' own experts on the same weights (the gpt-oss issue)
 # vLLM's single-GPU fused MoE Triton path on one H200 (its tuned H200 configs), as issue 33 measured
 # it independently (same weights and routing, CUDA-graph replay, L2 flushed), ms by T: the bar
 # of the "vllm" targets (vLLM is not installed where this runs; compared on an H200 only)
@@ -239,8 +238,8 @@ VLLM_H200_MS = {
     ("mixtral-8x7b", "fp8"): {1: 0.148, 8: 0.332, 32: 0.381, 128: 0.410, 512: 0.836, 4096: 5.411},
 }
 # (shape, scheme, (T lo, T hi: None no bound), max ratio, against): the "auto" layer's graph ms
-# over "grouped_mm" (transformers' graph), "floor" (the touched weights' read), "fp8" (the same
-# case in fp8), "vllm" (VLLM_H200_MS) or a float (ms)
+# over "grouped_mm" (transformers' graph; the gpt-oss issue), "floor" (the touched weights'
+# read), "fp8" (the same case in fp8), "vllm" (VLLM_H200_MS) or a float (ms)
 _Q3, _W = "qwen3-30b-a3b", "W"
 TARGETS = (
     ("gpt-oss-20b", "fp8", (1, 128), 1 / 2, "grouped_mm"),
