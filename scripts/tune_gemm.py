@@ -19,7 +19,8 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 - gate, as contiguous: GEMM1 and the config's gate (and biases) as one kernel
   (``grouped_gemm_gate``; int8: its bf16 h, then the quantize stage on h's rows) against
   "unfused", GEMM1 on the backend the layer picks then the activation stage; N = I (h's
-  channels). The layer fuses where "triton" won.
+  channels). The layer fuses where "triton" won. The pair's GEMM1 is timed alone too
+  ("unfused:gemm1", in the log only: what the activation stage adds).
 - masked_gate (``--layouts masked_gate``, after the others, reading their entries as the layer
   does), as masked GEMM1: the same on the masked layout (``grouped_gemm_masked_gate``) against
   masked GEMM1 on the table's backend then the activation stage.
@@ -129,6 +130,9 @@ PATH_MARGIN = 0.03
 # which the entry's key (the counts) does not hold)
 OTHER_BACKENDS = {"contiguous": ("deep_gemm", "grouped_mm"), "masked": ("deep_gemm",),
                   "gate": ("unfused",)}  # fmt: skip
+# gate / masked_gate problems: the unfused pair's GEMM1 timed alone too, a log line that says how
+# much of the pair the activation stage takes (no entry's backend: the pair is the layer's)
+UNFUSED_GEMM1 = "unfused:gemm1"
 ITERS = 30  # replays per measurement (median)
 SEED = 0
 # each candidate's output, checked on a sample of live rows against dequantized float32 math (the
@@ -722,7 +726,8 @@ class Tuner:
     def gate(self, p: Problem, w, w_s, ids) -> List[Measured]:
         """Every fitting config of the fused GEMM1 + gate kernel of ``p``'s layout ("gate":
         contiguous, "masked_gate": masked), and the unfused pair (GEMM1 on the backend the layer
-        picks, then the activation stage), on one set of operands."""
+        picks, then the activation stage), on one set of operands; then the pair's GEMM1 alone
+        (UNFUSED_GEMM1: in the log only)."""
         scheme, dev, part = quant.get(p.scheme), self.device, functools.partial
         g, layout = _gate.get(p.gate), scheme.cuda_scale_layout
         if p.layout == "gate":
@@ -756,6 +761,7 @@ class Tuner:
                                                  bias=bias, **rows)  # fmt: skip
 
         out.append(self.measure("unfused", unfused))
+        out.append(self.measure(UNFUSED_GEMM1, gemm1))
         return out
 
     def gemv(self, p: Problem, w, w_s) -> List[Measured]:

@@ -392,7 +392,8 @@ def test_gate_entries_time_the_fused_kernel_and_the_unfused_pair(cpu_tuner, bf16
     (p,) = tg.gate_problems(cfg, scheme, (16,), (4,))
     (e,) = tuner.gemm_entries([p])
     n = len(tg.candidates("gate", scheme, 16))
-    assert len(calls) == n + 1 and tuner.errors == 0  # (every config, then the unfused pair)
+    # (every config, the unfused pair, then its GEMM1 alone)
+    assert len(calls) == n + 2 and tuner.errors == 0
     assert set(e["us"]) == {"triton", "unfused"} and e["backend"] == "triton"
     assert e["config"] == tg.candidates("gate", scheme, 16)[0] and e["layout"] == "gate"
 
@@ -407,10 +408,34 @@ def test_masked_gate_entries_time_the_fused_kernel_and_the_unfused_pair(
     (p,) = tg.masked_gate_problems(cfg, scheme, (4,))
     (e,) = tuner.gemm_entries([p])
     n = len(tg.candidates("masked_gate", scheme, p.block))
-    assert n and len(calls) == n + 1 and tuner.errors == 0  # (every config, then the pair)
+    assert n and len(calls) == n + 2 and tuner.errors == 0  # (every config, the pair, its GEMM1)
     assert set(e["us"]) == {"triton", "unfused"} and e["backend"] == "triton"
     assert e["config"] == tg.candidates("masked_gate", scheme, p.block)[0]
     assert (e["layout"], e["gate"], e["bias"]) == ("masked_gate", cfg.gate, True)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("layout", ["gate", "masked_gate"])
+def test_the_unfused_pairs_gemm1_alone_is_logged_and_never_an_entry(
+    cpu_tuner, bf16_dots, monkeypatch, capsys, layout
+):
+    tuner, calls = cpu_tuner
+
+    def time_us(self, fn):  # (later measurements faster: GEMM1 alone, timed last, the fastest)
+        fn()
+        calls.append(fn)
+        return 100.0 - len(calls)
+
+    monkeypatch.setattr(tg.Tuner, "time_us", time_us)
+    cfg = CONFIGS["tiny-1rank"]
+    if layout == "gate":
+        (p,) = tg.gate_problems(cfg, "bf16", (16,), (4,))
+    else:
+        (p,) = tg.masked_gate_problems(cfg, "bf16", (4,))
+    (e,) = tuner.gemm_entries([p])
+    assert e["backend"] == "unfused" and set(e["us"]) == {"triton", "unfused"}
+    log = capsys.readouterr().out.splitlines()
+    assert log[0].split()[1] == tg.UNFUSED_GEMM1 and log[1].split()[1] == "unfused"
 
 
 @pytest.mark.interpret
