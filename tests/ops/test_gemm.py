@@ -373,6 +373,20 @@ def test_deep_gemm_calls_make_its_runtime_first(monkeypatch):
     assert events == [("runtime", a.device), "gemm"] * 2
 
 
+@pytest.mark.parametrize("T, em, hint", [(512, 128, 157), (512, 0, 512), (16, 8, 16), (512, 1, 4)])
+def test_deep_gemm_masked_is_hinted_the_fullest_experts_rows(monkeypatch, T, em, hint):
+    """deep_gemm sizes its row block by expected_m: it gets the fullest expert's rows (the mean
+    plus 2.5 sqrt(mean), at most T), not the mean the layer passes."""
+    from epmoe.ops.gemm import _deepgemm
+
+    monkeypatch.setattr(_deepgemm, "_make_runtime", lambda dev: None)
+    hints = []
+    a, w = torch.zeros(2, T, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)
+    mm = torch.ones(2, dtype=torch.int32)
+    _deepgemm._deep_gemm_masked(lambda *args: hints.append(args[-1]), a, w, mm, None, None, em, 1)
+    assert hints == [hint]
+
+
 def test_backend_follows_the_tuned_table(sm90):
     import json
 

@@ -8,6 +8,7 @@ import torch
 
 from epmoe import _deps
 from epmoe.ops.gemm._select import empty_fp8_act_scales
+from epmoe.ops.gemm._triton import fullest_rows
 
 _RUNTIME_MADE = False
 
@@ -101,7 +102,9 @@ def _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m: int, b
         a: bf16/fp8 `[E, T, Kd]`. w: same dtype `[E, N, Kd]`. masked_m: int32 `[E]`, <= T.
         a_scales: float32 `[E, T, Kd/128]` (fp8) or None. w_scales: float32
             `[E, N/128, Kd/128]` (fp8) or None.
-        expected_m: static hint (0 = T), clamped to [1, T].
+        expected_m: static hint of the mean rows per expert (0 = T); deep_gemm gets
+            :func:`fullest_rows` of it: it sizes its row block by the hint, and at the mean the
+            experts past it take a whole extra block (docs/kernels.md).
         block: the row block T must be a multiple of (:func:`masked_row_block`); otherwise the
             rows are padded to the next multiple of it and the output is sliced back.
     Returns:
@@ -110,7 +113,7 @@ def _deep_gemm_masked(fn, a, w, masked_m, a_scales, w_scales, expected_m: int, b
     _make_runtime(a.device)
     E, T, _ = a.shape
     N = w.shape[1]
-    em = max(1, min(expected_m or T, T))
+    em = fullest_rows(T, expected_m)
     a, w, masked_m = a.contiguous(), w.contiguous(), masked_m.contiguous()
     t_pad = -(-T // block) * block
     if t_pad != T:

@@ -1069,17 +1069,23 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def fullest_rows(t: int, expected_m: int) -> int:
+    """Rows the fullest expert of a masked call holds about, from static sizes: uniform routing
+    spreads the counts like a Poisson law of mean ``expected_m`` (0: t), the max over the experts
+    about 2.5 sqrt(mean) above it; at most the slot's ``t`` rows."""
+    em = max(1, min(expected_m or t, t))
+    return min(t, em + math.ceil(2.5 * math.sqrt(em)))
+
+
 @_launch.memo  # (sizes only: the same for every call of a layer)
 def _masked_tiling(t: int, expected_m: int, max_block_m: int = _MASKED_MAX_BLOCK_M
                    ) -> Tuple[int, int]:  # fmt: skip
     """(BLOCK_M, M_SPLIT) of the masked kernel from static sizes. The row tile holds nearly every
-    expert's count, not just the mean (uniform routing spreads counts like a Poisson law: mean
-    expected_m, max over the experts about 2.5 sqrt(expected_m) above it): a count past the tile
-    costs its program a second pass over the expert's weights, the whole cost of a decode GEMM
+    expert's count (:func:`fullest_rows`), not just the mean: a count past the tile costs its
+    program a second pass over the expert's weights, the whole cost of a decode GEMM
     (docs/kernels.md). At most ``max_block_m`` rows a tile."""
+    block_m = min(max_block_m, max(_MASKED_MIN_BLOCK_M, _launch.pow2(fullest_rows(t, expected_m))))
     em = max(1, min(expected_m or t, t))
-    high = min(t, em + math.ceil(2.5 * math.sqrt(em)))
-    block_m = min(max_block_m, max(_MASKED_MIN_BLOCK_M, _launch.pow2(high)))
     split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
     return block_m, split
 
