@@ -82,7 +82,9 @@ Per case (all ms are medians of ``--iters`` (>= 20) CUDA-event timed calls after
   ``stack_compile_*`` / ``stack_compile_ro_*`` / ``stack_compile_sl_*`` (compile seconds, copies
   and kernels per stack call).
 - ``raw_ms``: deep_gemm GEMM1 + GEMM2 on the same routing in one CUDA graph: LL: the masked entry
-  points on the layer's per-expert counts and `[E, C, H]` slot layout (same C and expected_m);
+  points on the layer's per-expert counts and `[E, C, H]` slot layout (same C; expected_m the
+  layer's mean rows per expert, as a caller of deep_gemm passes it: the layer's own deep_gemm calls
+  are hinted the fullest expert's rows, ``_triton.fullest_rows``);
   HT: the contiguous ones at the same M_sum with the same m_indices (reference permute at the
   layer's alignment). Activations built outside the timing (fp8 scales in deep_gemm's MN-major
   layout, as the layer passes them; x zero-padded to the layer's padded H, GEMM1's rows through
