@@ -14,8 +14,9 @@ Contract:
 - masked gate (:func:`grouped_gemm_masked_gate`): the same on the masked layout, one kernel where
   this GPU's tuned table measured it faster than the two stages: h `[E, T, I]` and its scales.
 - masked: a `[E, T, Kd]`, w `[E, N, Kd]`, masked_m int32 `[E]` -> bf16 `[E, T, N]`; rows
-  t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the typical
-  rows per expert (0 = T); it picks tile shapes, never results.
+  t >= masked_m[e] are unspecified and never read. ``expected_m`` is a static hint of the mean
+  rows per expert (0 = T); tiles are sized for the fullest expert about it
+  (``_triton.fullest_rows``). It picks tile shapes, never results.
 - Schemes, chosen by a.dtype: bf16 (no scales); fp8 e4m3 (a_scales float32 `[.., Kd/128]` per token
   and 128 channels, w_scales float32 `[E, N/128, Kd/128]` per 128x128 block); int8 (a_scales
   float32 `[.., 1]` per token, w_scales float32 `[E, N]` per output channel, int32 accumulation).

@@ -220,7 +220,8 @@ def grouped_gemm_masked(
         masked_m: int32 `[E]` live rows per expert (on the device; rows past it are never read).
             Any T works; with deep_gemm, T a multiple of :func:`masked_row_block` saves a copy.
         a_scales, w_scales: float32 scales for fp8/int8 (see the package docstring).
-        expected_m: static hint of rows per expert (0: T); picks tile shapes, never results.
+        expected_m: static hint of the mean rows per expert (0: T); tiles (ours and deep_gemm's)
+            are sized for the fullest expert about that mean. Picks tile shapes, never results.
         trusted: masked_m comes from a dispatch that clamps the counts to T: the CUDA backends
             skip their value check. The CPU reference always checks.
     Returns:
