@@ -1069,11 +1069,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _mean_rows(t: int, expected_m: int) -> int:
+    """A masked call's mean rows per expert: the hint ``expected_m`` (0: t) within [1, t]."""
+    return max(1, min(expected_m or t, t))
+
+
 def fullest_rows(t: int, expected_m: int) -> int:
     """Rows the fullest expert of a masked call holds about, from static sizes: uniform routing
     spreads the counts like a Poisson law of mean ``expected_m`` (0: t), the max over the experts
     about 2.5 sqrt(mean) above it; at most the slot's ``t`` rows."""
-    em = max(1, min(expected_m or t, t))
+    em = _mean_rows(t, expected_m)
     return min(t, em + math.ceil(2.5 * math.sqrt(em)))
 
 
@@ -1085,8 +1090,7 @@ def _masked_tiling(t: int, expected_m: int, max_block_m: int = _MASKED_MAX_BLOCK
     program a second pass over the expert's weights, the whole cost of a decode GEMM
     (docs/kernels.md). At most ``max_block_m`` rows a tile."""
     block_m = min(max_block_m, max(_MASKED_MIN_BLOCK_M, _launch.pow2(fullest_rows(t, expected_m))))
-    em = max(1, min(expected_m or t, t))
-    split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(em, block_m)))
+    split = max(1, min(_launch.cdiv(t, block_m), _launch.cdiv(_mean_rows(t, expected_m), block_m)))
     return block_m, split
 
 
