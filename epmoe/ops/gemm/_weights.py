@@ -16,6 +16,7 @@ from epmoe.ops.gemm._select import (
     fuses_masked_gate,
     gathers,
 )
+from epmoe.ops.gemm._triton import _mean_rows
 
 
 def prepare_weights(
@@ -158,7 +159,7 @@ def warmup(
                              alignment=row_block, a_rows=rows)  # fmt: skip
     if masked_t is not None and int(masked_t) > 0:
         T = int(masked_t)
-        em = max(1, min(int(expected_m or T), T))
+        em = _mean_rows(T, int(expected_m or 0))
         counts = torch.full((E,), em, dtype=torch.int32, device=device)
         for mn_major in layouts:
             a, a_s = _dummy_acts(scheme, (E, T), K, device, mn_major)
