@@ -4,8 +4,8 @@ format). Run it once per GPU model and again after a Triton upgrade; commit the 
 
     PYTHONPATH=. python scripts/tune_gemm.py [--shapes qwen3-30b-a3b,W] [--schemes bf16,fp8,int8]
         [--row-blocks 16,32,64,128] [--tokens 8,32,128,512,2048,4096,16384]
-        [--layouts contiguous,masked] [--paths | --paths-only] [--resume] [--budget-s 3000]
-        [--iters 30] [--out PATH] [--dry-run]
+        [--layouts contiguous,masked] [--paths | --paths-only] [--resume | --stale] [--list]
+        [--budget-s 3000] [--iters 30] [--out PATH] [--dry-run]
 
 GEMM entries: per shape (``benchmarks/_configs.py``, its ``local_experts``: E), scheme and GEMM of
 the layer (GEMM1: N = the gate's width of I, K = H; GEMM2: N = H, K = I; fp8 at the sizes the layer
@@ -63,16 +63,23 @@ the timed call (~10 us, more than a decode-sized GEMM takes).
 
 The file is rewritten after each shape x scheme (a run cut by its timeout keeps what it measured);
 entries and paths of the same key (problem + m, layer + t) are replaced, the rest kept, all sorted.
-``--budget-s`` stops the run cleanly between measurements; ``--resume`` skips the problems and
-path sizes the file already has (a long tuning in several sessions). Each GEMM problem logs every
-measurement that ran, fastest first, then its entry; a summary table goes to stdout;
-``--dry-run`` prints the merged file instead of writing it.
+``--budget-s`` stops the run cleanly between measurements; ``--resume`` skips the problems and path
+sizes the file already has (a long tuning in several sessions). Each GEMM entry records ``"tried"``,
+a digest of the candidate configs it timed (:func:`tried`); ``--stale`` tunes only the problems
+without an entry or whose entry timed another candidate list than today's (entries from before the
+digest count as stale), and the path sizes the file lacks: a refresh after candidates are added, in
+as many budgeted runs as it takes (then ``--paths-only``). ``--list`` prints the problems a run
+would tune (after ``--resume`` / ``--stale``) and tunes nothing, no GPU needed (the table:
+``--out``, else this GPU's). Each GEMM problem logs every measurement that ran, fastest first, then
+its entry; a summary table goes to stdout; ``--dry-run`` prints the merged file instead of writing
+it.
 """
 
 import argparse
 import contextlib
 import datetime
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -355,11 +362,30 @@ def ranking(measured: Iterable[Measured]) -> List[str]:
             for x in ran]  # fmt: skip
 
 
+def gemv_candidates(p: Problem) -> List[Tuple[int, ...]]:
+    """The GEMV launch configs that fit ``p`` (a gemv_up / gemv_down problem), as timed."""
+    kernel = "up" if p.layout == "gemv_up" else "down"
+    return [c for c in (gemv.UP_CANDIDATES if kernel == "up" else gemv.DOWN_CANDIDATES)
+            if gemv.fits(kernel, p.scheme, c, p.K, p.top_k)]  # fmt: skip
+
+
+def tried(p: Problem) -> str:
+    """A digest of the candidate configs the tuner times on ``p`` (its entry's ``"tried"``; ""
+    for "gather", which has none): a candidate added or removed changes it."""
+    if p.layout == "gather":
+        return ""
+    configs = gemv_candidates(p) if p.layout.startswith("gemv") else \
+        candidates(p.layout, p.scheme, p.block)  # fmt: skip
+    return hashlib.sha1(json.dumps(configs, sort_keys=True).encode()).hexdigest()[:10]
+
+
 def gemm_entry(p: Problem, backend: str, config: Dict, us: Dict[str, float]) -> Dict:
-    """The table entry of problem ``p`` (``_tuned`` module docstring)."""
+    """The table entry of problem ``p`` (``_tuned`` module docstring; "tried": :func:`tried`)."""
     layer = dict(gate=p.gate, bias=p.bias) if p.layout in _tuned._LAYER_KEYED else {}
+    digest = tried(p)
     return dict(layout=p.layout, scheme=p.scheme, N=p.N, K=p.K, E=p.E, block=p.block, m=p.m,
-                **layer, config=config, backend=backend, us=us)  # fmt: skip
+                **layer, config=config, backend=backend, us=us,
+                **(dict(tried=digest) if digest else {}))  # fmt: skip
 
 
 def gemv_cutoff(cfg, scheme: str) -> int:
@@ -425,6 +451,14 @@ def pending(old: Optional[Dict], problems: Iterable[Problem] = (), cfg=None, sch
         return todo, list(tokens)
     sizes = layer_sizes(cfg, scheme)
     return todo, [t for t in tokens if path_key(dict(sizes, t=t)) not in paths]
+
+
+def stale(old: Optional[Dict], problems: Iterable[Problem]) -> List[Problem]:
+    """--stale: the ``problems`` without an entry in ``old``, or whose entry timed another
+    candidate list (its "tried" digest, missing on entries from before it, differs from today's)."""
+    have = {entry_key(e): e.get("tried", "") for e in (old or {}).get("entries", [])}
+    return [p for p in problems
+            if have.get(entry_key(gemm_entry(p, "", {}, {})), None) != tried(p)]  # fmt: skip
 
 
 def merge(old: Optional[Dict], entries: Iterable[Dict], paths: Iterable[Dict],
@@ -797,10 +831,9 @@ class Tuner:
         with gemv.override():  # (what the launch takes without an entry)
             default = gemv.launch_config(kernel, p.scheme, p.tokens, p.N, p.K, p.E, p.top_k, dev,
                                          p.gate, p.bias)  # fmt: skip
-        tried = [c for c in (gemv.UP_CANDIDATES if up else gemv.DOWN_CANDIDATES)
-                 if gemv.fits(kernel, p.scheme, c, p.K, p.top_k)]  # fmt: skip
+        fitting = gemv_candidates(p)
         out = []
-        for c in tried + ([] if default in tried else [default]):
+        for c in fitting + ([] if default in fitting else [default]):
             pinned = {field: c if up else (*c, p.top_k)}  # (down: the step as launched)
 
             def run(fn, pinned=pinned):
@@ -809,8 +842,8 @@ class Tuner:
 
             config = dict(block_n=c[0], block_k=c[1], num_warps=c[2])
             runs = [part(run, fn) for fn in calls]
-            out.append(self.measure("triton" if c in tried else "default", runs, config, check))
-            if c == default and c in tried:  # (its measurement is the default's too)
+            out.append(self.measure("triton" if c in fitting else "default", runs, config, check))
+            if c == default and c in fitting:  # (its measurement is the default's too)
                 out.append(out[-1]._replace(backend="default"))
         return out
 
@@ -996,11 +1029,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=ITERS)
     ap.add_argument("--out", help="the file to merge into (default: the table of this GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the merged file, write nothing")
-    ap.add_argument(
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument(
         "--resume",
         action="store_true",
         help="skip the problems and path sizes the file already has (a run in parts)",
     )
+    which.add_argument(
+        "--stale",
+        action="store_true",
+        help="only the problems without an entry or tuned on another candidate list",
+    )
+    ap.add_argument("--list", action="store_true", help="print the problems to tune, tune none")
     a = ap.parse_args(argv)
     a.shapes = _names(a.shapes, _configs.CONFIGS, "shape")
     a.schemes = _names(a.schemes, quant.SCHEMES, "scheme")
@@ -1011,6 +1051,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.list:
+        if a.out is None and not torch.cuda.is_available():
+            print("tune_gemm: --list without a GPU needs --out (the table)", file=sys.stderr)
+            return 2
+        name = None if a.out else torch.cuda.get_device_name()
+        out = Path(a.out) if a.out else _tuned.DIR / _tuned.file_name(name)
+        print(listing(a, json.loads(out.read_text()) if out.is_file() else None))
+        return 0
     if not torch.cuda.is_available():
         print("tune_gemm: needs a CUDA GPU (it times kernels)", file=sys.stderr)
         return 2
@@ -1019,6 +1067,50 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else _tuned.DIR / _tuned.file_name(name)
     run(a, Tuner(device, a.iters, time.monotonic() + a.budget_s), name, out)
     return 0
+
+
+def selected(a: argparse.Namespace, old: Optional[Dict], cfg, scheme: str
+             ) -> Tuple[List[Problem], List[Tuple[str, List[Problem]]]]:  # fmt: skip
+    """The GEMM problems ``a`` selects for ``cfg`` x ``scheme`` (after --resume / --stale against
+    ``old``): (those timed first, GEMVs last, one GEMM's together: its weights are made once;
+    [(layout, problems)] of the layouts timed after them, reading their entries: "gather",
+    "masked_gate"), or none with --paths-only."""
+    if a.paths_only:
+        return [], []
+
+    def keep(problems: Iterable[Problem]) -> List[Problem]:
+        if a.stale:
+            return stale(old, problems)
+        return pending(old, problems)[0] if a.resume else list(problems)
+
+    first: List[Problem] = []
+    if "contiguous" in a.layouts:
+        first += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
+    if "masked" in a.layouts:
+        first += masked_problems(cfg, scheme, a.tokens)
+    if "gate" in a.layouts:
+        first += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
+    first = keep(first + list(gemv_problems(cfg, scheme, a.layouts)))
+    order: Dict[Tuple[int, int], int] = {}
+    first.sort(key=lambda p: order.setdefault((p.N, p.K), len(order)))
+    later = [("gather", gather_problems(cfg, scheme, a.row_blocks, a.tokens)),
+             ("masked_gate", masked_gate_problems(cfg, scheme, a.tokens))]  # fmt: skip
+    return first, [(layout, keep(ps)) for layout, ps in later if layout in a.layouts]
+
+
+def listing(a: argparse.Namespace, old: Optional[Dict]) -> str:
+    """--list: the problems a run of ``a`` would tune against the table ``old``, one a line."""
+    lines = [f"{'shape':<16}{'layout':<12}{'scheme':<7}{'N':>6}{'K':>6}{'E':>5}{'block':>6}"
+             f"{'m':>8}{'T':>7}"]  # fmt: skip
+    n = 0
+    for shape in a.shapes:
+        for scheme in a.schemes:
+            first, later = selected(a, old, _configs.CONFIGS[shape], scheme)
+            for p in first + [p for _, ps in later for p in ps]:
+                lines.append(f"{shape:<16}{p.layout:<12}{p.scheme:<7}{p.N:>6}{p.K:>6}{p.E:>5}"
+                             f"{p.block:>6}{p.m:>8}{p.tokens:>7}")  # fmt: skip
+                n += 1
+    return "\n".join(lines + [f"{n} problems"])
 
 
 def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
@@ -1042,43 +1134,25 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
         # by its budget leaves whole shapes, paths included
         for shape, scheme in work:
             cfg = _configs.CONFIGS[shape]
+            first, later = selected(a, old, cfg, scheme)
             if not a.paths_only:
                 print(f"== {shape} {scheme}", flush=True)
-                problems = []
-                if "contiguous" in a.layouts:
-                    problems += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
-                if "masked" in a.layouts:
-                    problems += masked_problems(cfg, scheme, a.tokens)
-                if "gate" in a.layouts:
-                    problems += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
-                problems += gemv_problems(cfg, scheme, a.layouts)
-                if a.resume:
-                    problems, _ = pending(old, problems)
-                first = {}  # one GEMM's problems together: its weights are made once
-                problems.sort(key=lambda p: first.setdefault((p.N, p.K), len(first)))
-                for e in tuner.gemm_entries(problems):
+                for e in tuner.gemm_entries(first):
                     entries.append(e)
                 save()
                 # after the GEMMs, reading their entries as the layer does: gathering (GEMM1's
                 # backend), masked GEMM1 + gate (the unfused pair's masked GEMM1)
-                later = (
-                    ("gather", gather_problems(cfg, scheme, a.row_blocks, a.tokens),
-                     tuner.gather_entries),
-                    ("masked_gate", masked_gate_problems(cfg, scheme, a.tokens),
-                     tuner.gemm_entries),
-                )  # fmt: skip
-                for layout, found, measure in later:
-                    todo = list(found) if layout in a.layouts else []
-                    if a.resume:
-                        todo, _ = pending(old, todo)
+                for layout, todo in later:
                     if todo:
+                        measure = tuner.gather_entries if layout == "gather" else \
+                            tuner.gemm_entries  # fmt: skip
                         with reading_table(merge(old, entries, paths, header(name)), name):
                             entries.extend(measure(todo))
                         save()
             if not (a.paths or a.paths_only):
                 continue
             ts = sorted(set(a.tokens))
-            if a.resume:
+            if a.resume or a.stale:  # (paths: no digest; those the file lacks)
                 _, ts = pending(old, (), cfg, scheme, ts)
             if ts:
                 print(f"== paths {shape} {scheme}", flush=True)

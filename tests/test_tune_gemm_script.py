@@ -674,6 +674,63 @@ def test_paths_time_every_variant(cpu_tuner, monkeypatch):
     assert p["us"]["gemv"] == sum(range(17, 20))  # (the fixed timer's 7th-9th µs, summed)
 
 
+def test_entries_record_a_digest_of_the_candidates_they_timed(monkeypatch):
+    """A GEMM entry's "tried" digests the candidate configs timed on its problem: the same list
+    the same digest, a candidate added another; GEMV entries digest the GEMV configs that fit,
+    "gather" entries (no candidates) carry none."""
+    cfg = CONFIGS["qwen3-30b-a3b"]
+    masked = next(iter(tg.masked_problems(cfg, "bf16", (32,))))
+    contiguous = next(iter(tg.contiguous_problems(cfg, "int8", (128,), (4096,))))
+    digest = tg.gemm_entry(masked, "triton", {}, {})["tried"]
+    assert len(digest) == 10 and digest == tg.tried(masked) != tg.tried(contiguous)
+    more = [*_triton._MASKED_CONFIGS, _triton._cfg(4, 2, BLOCK_N=32, BLOCK_K=128)]
+    monkeypatch.setattr(_triton, "_MASKED_CONFIGS", more)
+    assert tg.tried(masked) != digest  # (a candidate added)
+    assert tg.tried(contiguous) == tg.gemm_entry(contiguous, "", {}, {})["tried"]
+    up, down = list(tg.gemv_problems(cfg, "bf16", ("gemv_up", "gemv_down")))[:2]
+    before = tg.tried(down)
+    monkeypatch.setattr(gemv, "DOWN_CANDIDATES", gemv.DOWN_CANDIDATES[:1])
+    assert tg.tried(down) != before and tg.gemm_entry(up, "", {}, {})["tried"] == tg.tried(up)
+    (gather,) = list(tg.gather_problems(cfg, "fp8", (128,), (4096,)))
+    assert "tried" not in tg.gemm_entry(gather, "copy", {}, {})
+
+
+def test_stale_selects_what_is_missing_or_tuned_on_other_candidates():
+    cfg = CONFIGS["qwen3-30b-a3b"]
+    ps = list(tg.contiguous_problems(cfg, "fp8", (16, 128), (32,)))
+    fresh, older, other = (tg.gemm_entry(p, "triton", dict(CFG), {"triton": 1.0}) for p in ps[:3])
+    del older["tried"]  # (an entry from before the digest)
+    other["tried"] = "0123456789"
+    old = dict(entries=[fresh, older, other], paths=[])
+    assert tg.stale(old, ps) == ps[1:] and tg.stale(None, ps) == ps
+    (gather,) = list(tg.gather_problems(cfg, "fp8", (128,), (32,)))
+    assert tg.stale(dict(entries=[tg.gemm_entry(gather, "copy", {}, {})]), [gather]) == []
+
+
+def test_list_prints_the_problems_a_run_would_tune(tmp_path, monkeypatch, capsys):
+    """--list: the selected problems (after --stale / --resume), no GPU and no tuning; without a
+    GPU the table comes from --out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "t.json"
+    argv = ["--list", "--shapes", "mixtral-8x7b", "--schemes", "int8", "--layouts",
+            "contiguous,gather", "--row-blocks", "128", "--tokens", "4096"]  # fmt: skip
+    assert tg.main(argv) == 2 and "--out" in capsys.readouterr().err
+    assert tg.main(argv + ["--out", str(out)]) == 0  # (no table yet: every problem)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "3 problems" and len(lines) == 5
+    assert [ln.split()[1:3] for ln in lines[1:4]] == [["contiguous", "int8"]] * 2 + [
+        ["gather", "int8"]]  # fmt: skip
+    a = tg.parse_args(argv + ["--out", str(out)])
+    first, later = tg.selected(a, None, CONFIGS["mixtral-8x7b"], "int8")
+    e = tg.gemm_entry(first[0], "triton", dict(CFG), {"triton": 1.0})
+    tg.write(out, tg.merge(None, [e], [], HEADER))
+    assert tg.main(argv + ["--out", str(out), "--stale"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "2 problems"
+    assert tg.listing(tg.parse_args(argv + ["--paths-only"]), None).endswith("0 problems")
+    with pytest.raises(SystemExit):
+        tg.parse_args(["--resume", "--stale"])
+
+
 def test_resume_skips_what_the_file_has():
     cfg = CONFIGS["qwen3-30b-a3b"]
     problems = list(tg.contiguous_problems(cfg, "fp8", (16, 128), (32,)))
@@ -714,6 +771,8 @@ def test_a_run_writes_merges_and_resumes(cpu_tuner, tuned_dir, capsys):
     n = len(calls)
     again = tg.run(tg.parse_args(argv + ["--resume"]), tuner, "NVIDIA H200", out)
     assert len(calls) == n and again["entries"] == doc["entries"]
+    again = tg.run(tg.parse_args(argv + ["--stale"]), tuner, "NVIDIA H200", out)
+    assert len(calls) == n and again["entries"] == doc["entries"]  # (every entry's digest: today's)
     before = out.read_text()
     tg.run(tg.parse_args(argv + ["--dry-run", "--layouts", "masked"]), tuner, "NVIDIA H200", out)
     assert out.read_text() == before and len(calls) > n

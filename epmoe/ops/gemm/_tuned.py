@@ -12,7 +12,8 @@ A file holds ``{"device": name, "triton": version, "torch": version, "date": ...
      "config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                 "num_warps": 4, "num_stages": 4},
      "backend": "triton" | "deep_gemm",   # which measured faster ("triton" where deep_gemm
-     "us": {"triton": 41.0, "deep_gemm": 44.5}}   # cannot run the problem)
+     "us": {"triton": 41.0, "deep_gemm": 44.5},   # cannot run the problem)
+     "tried": "3f9c0a1b2d"}   # the tuner's digest of the candidates it timed (not read here)
 
 "gate" entries (GEMM1 and the gate as one kernel, N = h's channels; "backend" "triton" or
 "unfused") also hold the layer's ``"gate"`` (its canonical spec, :attr:`epmoe.gate.Gate.spec`)
