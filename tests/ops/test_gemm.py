@@ -1,11 +1,16 @@
 """grouped_gemm on CPU: contiguous and masked, every scheme, vs a per-row loop; opcheck; errors."""
 
+import json
+
 import pytest
 import torch
 
 from epmoe import ops, reference
+from epmoe.ops.gemm import _tuned
 from tests._opcheck import opcheck
 from tests._tol import GEMM_VS_QUANT_AWARE, rel_l2
+
+_TABLES = sorted(_tuned.DIR.glob("*.json"))  # (the committed tuned tables)
 
 
 def _operands(scheme, lead, E, N, Kd):
@@ -388,7 +393,6 @@ def test_deep_gemm_masked_is_hinted_the_fullest_experts_rows(monkeypatch, T, em,
 
 
 def test_backend_follows_the_tuned_table(sm90):
-    import json
 
     from epmoe.ops.gemm import _tuned
 
@@ -423,7 +427,6 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
     """The fused GEMM1 + gate and the path of a layer are measured per gate spec and biases: a
     gpt-oss layer (clamped SwiGLU, biases) never reads the plain SiLU layer's entries of the same
     sizes; entries without the fields are the plain SiLU, no biases."""
-    import json
 
     from epmoe.ops.gemm import _tuned
 
@@ -455,7 +458,6 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
 def test_reread_drops_every_answer_drawn_from_the_table(sm90):
     """A rewritten table reaches the fused-gate choices once _tuned.reread() has run (the tuner
     re-reads through it between its runs): the masked GEMM1 + gate choice follows the new entry."""
-    import json
 
     from epmoe.ops.gemm import _select, _tuned
     from epmoe.ops.gemm._triton import masked_gate_tiling
@@ -505,7 +507,6 @@ def test_gathers_follows_the_gather_entries(sm90):
     """GEMM1 gathers its rows only where a "gather" entry of this gate and biases measured it
     faster than permute's copy, and only where GEMM1 runs on our Triton kernels (the fused kernel
     or the contiguous backend): deep_gemm reads rows in order."""
-    import json
 
     from epmoe.ops.gemm import _select, _tuned
 
@@ -555,6 +556,42 @@ def test_tuned_file_names():
 
     assert _tuned.file_name("NVIDIA H200") == "nvidia_h200.json"
     assert _tuned.file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in _TABLES))
+def test_committed_tables_hold_what_the_kernels_run(name):
+    """Each committed table: named after its device, entries and paths unique, and every entry's
+    config one its kernel runs at the entry's row block under today's limits (``fits`` rules), so
+    a change to those limits cannot leave a table whose configs fail at launch."""
+    from epmoe import quant
+    from epmoe.ops import gemv
+    from epmoe.ops.gemm import _triton
+
+    doc = json.loads((_tuned.DIR / name).read_text())
+    assert _tuned.file_name(doc["device"]) == name
+    keys = [_tuned.problem(e) + (e["m"],) for e in doc["entries"]]
+    assert len(set(keys)) == len(keys) and doc["entries"]
+    paths = [_tuned.layer_key(p) + (p["t"],) for p in doc["paths"]]
+    assert len(set(paths)) == len(paths)
+    assert all(p["path"] in ("gemv", "ll", "ht") and (p["alignment"] > 0) == (p["path"] == "ht")
+               for p in doc["paths"])  # fmt: skip
+    for e in doc["entries"]:
+        layout, c, block = e["layout"], e["config"], e["block"]
+        code = quant.get(e["scheme"]).kernel_code
+        assert layout in _tuned.LAYOUTS, e
+        if layout == "contiguous":
+            assert _triton.fits(c, code, block), e
+        elif layout == "masked":
+            assert _triton.fits(c, code, 0, block), e
+        elif layout == "gate":
+            assert _triton.fits_gate(c, code, block), e
+        elif layout == "masked_gate":
+            assert _triton.fits_masked_gate(c, code, block), e
+        elif layout in ("gemv_up", "gemv_down"):
+            kernel, launch = layout[5:], (c["block_n"], c["block_k"], c["num_warps"])
+            assert gemv.fits(kernel, e["scheme"], launch, e["K"], block), e
+        else:
+            assert e["backend"] in ("copy", "gather") and c == {}, e
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
