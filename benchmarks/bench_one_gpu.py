@@ -1669,8 +1669,11 @@ def _skip_rest(cases, report, why: str) -> None:
 
 
 def _progress(rec: dict, budget: Budget, compile_only: bool = False) -> str:
-    keys = ("compile_ms", "compile_ro_ms") if compile_only else ("eager_ms", "graph_ms", "raw_ms")
-    vals = " ".join(f"{k}={_fmt(rec.get(k))}" for k in keys)
+    """A case's log line (graph_ms: the case's own routing; graph_median_ms, with --routings: the
+    median over them, what the targets divide)."""
+    keys = ("compile_ms", "compile_ro_ms") if compile_only else \
+        ("eager_ms", "graph_ms", "graph_median_ms", "raw_ms")  # fmt: skip
+    vals = " ".join(f"{k}={_fmt(rec.get(k))}" for k in keys if k in rec or k != "graph_median_ms")
     errs = f" errors={list(rec['errors'])}" if rec.get("errors") else ""
     return f"[{budget.elapsed():6.1f}s] {rec['id']} {rec['status']} {vals}{errs}"
 

@@ -506,6 +506,17 @@ def test_summary_gate_bias_cost_and_targets():
     assert any(line.startswith("gate_bias_cost gpt-oss-20b / gpt-oss-20b-silu") for line in lines)
 
 
+def test_the_log_line_shows_the_routings_median_where_timed():
+    """A case's log line: its own routing's graph_ms and, with --routings, the median the targets
+    divide (a reader copying figures from the log gets both, named)."""
+    budget, case = bench.Budget(60.0), "qwen3-30b-a3b/fp8/auto/T512"
+    one = dict(_rec("qwen3-30b-a3b", "fp8", "auto", 512, 0.2714, eager_ms=0.27), id=case)
+    line = bench._progress(one, budget)
+    assert f"{case} ok eager_ms=0.270 graph_ms=0.271 raw_ms=-" in line
+    line = bench._progress(dict(one, graph_median_ms=0.2652), budget)
+    assert "graph_ms=0.271 graph_median_ms=0.265 raw_ms=-" in line
+
+
 def test_summary_issue_33_targets():
     """Floor, fp8, fixed-ms and vLLM targets: the median over routings where timed on several,
     vLLM's figures on an H200 only and at their T only."""
