@@ -457,8 +457,8 @@ def stale(old: Optional[Dict], problems: Iterable[Problem]) -> List[Problem]:
     """--stale: the ``problems`` without an entry in ``old``, or whose entry timed another
     candidate list (its "tried" digest, missing on entries from before it, differs from today's)."""
     have = {entry_key(e): e.get("tried", "") for e in (old or {}).get("entries", [])}
-    return [p for p in problems
-            if have.get(entry_key(gemm_entry(p, "", {}, {})), None) != tried(p)]  # fmt: skip
+    today = ((p, gemm_entry(p, "", {}, {})) for p in problems)
+    return [p for p, e in today if have.get(entry_key(e)) != e.get("tried", "")]
 
 
 def merge(old: Optional[Dict], entries: Iterable[Dict], paths: Iterable[Dict],
@@ -1055,8 +1055,7 @@ def main(argv=None) -> int:
         if a.out is None and not torch.cuda.is_available():
             print("tune_gemm: --list without a GPU needs --out (the table)", file=sys.stderr)
             return 2
-        name = None if a.out else torch.cuda.get_device_name()
-        out = Path(a.out) if a.out else _tuned.DIR / _tuned.file_name(name)
+        out = Path(a.out) if a.out else _tuned.DIR / _tuned.file_name(torch.cuda.get_device_name())
         print(listing(a, json.loads(out.read_text()) if out.is_file() else None))
         return 0
     if not torch.cuda.is_available():

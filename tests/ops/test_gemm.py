@@ -393,9 +393,6 @@ def test_deep_gemm_masked_is_hinted_the_fullest_experts_rows(monkeypatch, T, em,
 
 
 def test_backend_follows_the_tuned_table(sm90):
-
-    from epmoe.ops.gemm import _tuned
-
     backend, tmp = sm90
     dev = torch.device("cuda", 0)
     entries = [
@@ -427,9 +424,6 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
     """The fused GEMM1 + gate and the path of a layer are measured per gate spec and biases: a
     gpt-oss layer (clamped SwiGLU, biases) never reads the plain SiLU layer's entries of the same
     sizes; entries without the fields are the plain SiLU, no biases."""
-
-    from epmoe.ops.gemm import _tuned
-
     _, tmp = sm90
     dev = torch.device("cuda", 0)
     clamped = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
@@ -458,8 +452,7 @@ def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
 def test_reread_drops_every_answer_drawn_from_the_table(sm90):
     """A rewritten table reaches the fused-gate choices once _tuned.reread() has run (the tuner
     re-reads through it between its runs): the masked GEMM1 + gate choice follows the new entry."""
-
-    from epmoe.ops.gemm import _select, _tuned
+    from epmoe.ops.gemm import _select
     from epmoe.ops.gemm._triton import masked_gate_tiling
 
     _, tmp = sm90
@@ -507,8 +500,7 @@ def test_gathers_follows_the_gather_entries(sm90):
     """GEMM1 gathers its rows only where a "gather" entry of this gate and biases measured it
     faster than permute's copy, and only where GEMM1 runs on our Triton kernels (the fused kernel
     or the contiguous backend): deep_gemm reads rows in order."""
-
-    from epmoe.ops.gemm import _select, _tuned
+    from epmoe.ops.gemm import _select
 
     _, tmp = sm90
     dev = torch.device("cuda", 0)
@@ -552,8 +544,6 @@ def test_gathers_follows_the_gather_entries(sm90):
 
 
 def test_tuned_file_names():
-    from epmoe.ops.gemm import _tuned
-
     assert _tuned.file_name("NVIDIA H200") == "nvidia_h200.json"
     assert _tuned.file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3.json"
 
