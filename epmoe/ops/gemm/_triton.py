@@ -800,6 +800,10 @@ _MASKED_GATE_CONFIGS = [
     _cfg(8, 2, BLOCK_N=128, BLOCK_K=64, TMA=True),
     _cfg(4, 3, BLOCK_N=64, BLOCK_K=64, TMA=True),
     _cfg(4, 2, BLOCK_N=64, BLOCK_K=128, TMA=True),
+    # fp8's 32-row tiles as wgmma's N over 8 warps (unswapped: mma.sync through float16)
+    _cfg(8, 4, BLOCK_N=128, BLOCK_K=128, SWAP=True),
+    _cfg(8, 4, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
+    _cfg(8, 3, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
 ]
 
 
