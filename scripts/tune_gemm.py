@@ -307,16 +307,7 @@ def candidates(layout: str, scheme: str, block: int) -> List[Dict]:
     """The candidate Triton configs that run ``scheme`` on this layout (contiguous: expert blocks
     of ``block`` rows; masked: BLOCK_M = ``block``)."""
     code = quant.get(scheme).kernel_code
-    if layout == "gate":
-        return [config_dict(c) for c in _triton._GATE_CONFIGS
-                if _triton.fits_gate(c.all_kwargs(), code, block)]  # fmt: skip
-    if layout == "masked_gate":
-        return [config_dict(c) for c in _triton._MASKED_GATE_CONFIGS
-                if _triton.fits_masked_gate(c.all_kwargs(), code, block)]  # fmt: skip
-    configs = _triton._CONTIGUOUS_CONFIGS if layout == "contiguous" else _triton._MASKED_CONFIGS
-    row_block, block_m = (block, 0) if layout == "contiguous" else (0, block)
-    return [config_dict(c) for c in configs
-            if _triton.fits(c.all_kwargs(), code, row_block, block_m)]  # fmt: skip
+    return [config_dict(c) for c in _triton.candidates(layout, code, block)]
 
 
 # ------------------------------------------------------------------------------- choices and files

@@ -569,14 +569,8 @@ def test_committed_tables_hold_what_the_kernels_run(name):
         layout, c, block = e["layout"], e["config"], e["block"]
         code = quant.get(e["scheme"]).kernel_code
         assert layout in _tuned.LAYOUTS, e
-        if layout == "contiguous":
-            assert _triton.fits(c, code, block), e
-        elif layout == "masked":
-            assert _triton.fits(c, code, 0, block), e
-        elif layout == "gate":
-            assert _triton.fits_gate(c, code, block), e
-        elif layout == "masked_gate":
-            assert _triton.fits_masked_gate(c, code, block), e
+        if layout in ("contiguous", "masked", "gate", "masked_gate"):
+            assert _triton.fits_layout(layout, c, code, block), e
         elif layout in ("gemv_up", "gemv_down"):
             kernel, launch = layout[5:], (c["block_n"], c["block_k"], c["num_warps"])
             assert gemv.fits(kernel, e["scheme"], launch, e["K"], block), e

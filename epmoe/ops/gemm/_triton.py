@@ -8,7 +8,7 @@ else Triton's autotuner over the candidates below (once per static key, in warmu
 
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -872,26 +872,38 @@ def fits(config: Dict, quant_code: int, row_block: int = 0, block_m: int = 0) ->
     return resident * (ring + staged) <= _MAX_SHARED
 
 
+def fits_layout(layout: str, config: Dict, quant_code: int, block: int) -> bool:
+    """Whether ``config`` runs ``layout``'s kernel ("contiguous" / "gate": expert blocks of
+    ``block`` rows; "masked" / "masked_gate": BLOCK_M = ``block``) for the scheme of kernel code
+    ``quant_code``: :func:`fits`, :func:`fits_gate` or :func:`fits_masked_gate`."""
+    if layout == "gate":
+        return fits_gate(config, quant_code, block)
+    if layout == "masked_gate":
+        return fits_masked_gate(config, quant_code, block)
+    return fits(config, quant_code, block) if layout == "contiguous" else \
+        fits(config, quant_code, 0, block)  # fmt: skip
+
+
+def candidates(layout: str, quant_code: int, block: int) -> List["triton.Config"]:
+    """The candidate configs of ``layout``'s kernel that fit ``block`` (:func:`fits_layout`)."""
+    configs = {"contiguous": _CONTIGUOUS_CONFIGS, "gate": _GATE_CONFIGS, "masked": _MASKED_CONFIGS,
+               "masked_gate": _MASKED_GATE_CONFIGS}[layout]  # fmt: skip
+    return [c for c in configs if fits_layout(layout, c.all_kwargs(), quant_code, block)]
+
+
 @_launch.memo
 def _tuner(layout: str, quant_code: int, row_block: int):
-    """Triton's autotuner over the candidate configs of ``layout`` ("contiguous", "gate",
-    "masked", "masked_gate") that fit (:func:`fits`, :func:`fits_gate`,
-    :func:`fits_masked_gate`) ``row_block`` (masked: the call's BLOCK_M). Its keys are static
+    """Triton's autotuner over the :func:`candidates` of ``layout`` ("contiguous", "gate",
+    "masked", "masked_gate") at ``row_block`` (masked: the call's BLOCK_M). Its keys are static
     dims only (never token counts): it tunes once per weight shape, in warmup()."""
-    test = fits
-    if layout == "contiguous":
-        fn, configs, key = _contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]
-    elif layout == "gate":
-        fn, configs, key, test = _contiguous_gate_kernel, _GATE_CONFIGS, ["I", "K", "E"], fits_gate
-    elif layout == "masked_gate":
-        fn, configs, key = _masked_gate_kernel, _MASKED_GATE_CONFIGS, ["I", "K", "E", "BLOCK_M"]
-        test = fits_masked_gate
-    else:
-        fn, configs, key = _masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]
-        test = lambda config, code, block_m: fits(config, code, 0, block_m)  # noqa: E731
+    fn, configs, key = {
+        "contiguous": (_contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]),
+        "gate": (_contiguous_gate_kernel, _GATE_CONFIGS, ["I", "K", "E"]),
+        "masked": (_masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]),
+        "masked_gate": (_masked_gate_kernel, _MASKED_GATE_CONFIGS, ["I", "K", "E", "BLOCK_M"]),
+    }[layout]  # fmt: skip
     # (TMA configs take descriptors the autotuner cannot build: the tuned table picks those)
-    keep = [c for c in configs if not c.kwargs.get("TMA") and test(c.all_kwargs(), quant_code,
-                                                                     row_block)]  # fmt: skip
+    keep = [c for c in candidates(layout, quant_code, row_block) if not c.kwargs.get("TMA")]
     return triton.autotune(keep or configs[-1:], key=key)(fn)
 
 
