@@ -369,8 +369,7 @@ def cases() -> Dict[str, Callable[[], object]]:
         "contiguous GEMMs (every scheme and candidate config; copied or gathered rows)": lambda: [
             G.contiguous_triton(*args, row_block=128, config=_launch_options(c), **kw)
             for sch in ("bf16", "fp8", "int8")
-            for c in G._CONTIGUOUS_CONFIGS
-            if G.fits(c.all_kwargs(), _code(sch), 128)
+            for c in G.candidates("contiguous", _code(sch), 128)
             for args, kw in (_contiguous_operands(sch, 256, g) for g in (False, True))
         ],  # fmt: skip
         "GEMM1 + gate (every scheme and candidate config; gpt-oss's gate, biases)": lambda: [
@@ -385,8 +384,7 @@ def cases() -> Dict[str, Callable[[], object]]:
                 **kw,
             )
             for sch in ("bf16", "fp8", "int8")
-            for c in G._GATE_CONFIGS
-            if G.fits_gate(c.all_kwargs(), _code(sch), 128)
+            for c in G.candidates("gate", _code(sch), 128)
             for spec, bias, gathered in (
                 ("silu", False, False),
                 ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True, False),
@@ -406,10 +404,9 @@ def cases() -> Dict[str, Callable[[], object]]:
                 config=_launch_options(c),
             )
             for sch in ("bf16", "fp8", "int8")
-            for c in G._MASKED_GATE_CONFIGS
             for t, em in ((16, 0), (64, 32))
-            if G.fits_masked_gate(
-                c.all_kwargs(), _code(sch), G.masked_gate_tiling(t, em, _code(sch))[0]
+            for c in G.candidates(
+                "masked_gate", _code(sch), G.masked_gate_tiling(t, em, _code(sch))[0]
             )
             for spec, bias in (("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True))
         ],  # fmt: skip
@@ -422,9 +419,8 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ok=torch.empty((), dtype=torch.bool),
             )
             for sch in ("bf16", "fp8", "int8")
-            for c in G._MASKED_CONFIGS
             for t, em in ((16, 0), (16, 200), (64, 32))
-            if G.fits(c.all_kwargs(), _code(sch), 0, G._masked_tiling(t, em)[0])
+            for c in G.candidates("masked", _code(sch), G._masked_tiling(t, em)[0])
         ],  # fmt: skip
         # the Gluon int8 masked kernel at 256 experts: its running sum over E_PAD = 256 counts
         "masked Gluon int8 GEMMs at 256 experts": lambda: [

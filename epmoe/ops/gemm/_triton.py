@@ -884,11 +884,16 @@ def fits_layout(layout: str, config: Dict, quant_code: int, block: int) -> bool:
         fits(config, quant_code, 0, block)  # fmt: skip
 
 
+def _layout_configs(layout: str) -> List["triton.Config"]:
+    """Every candidate config of ``layout``'s kernel (the module's lists, read at the call)."""
+    return {"contiguous": _CONTIGUOUS_CONFIGS, "gate": _GATE_CONFIGS, "masked": _MASKED_CONFIGS,
+            "masked_gate": _MASKED_GATE_CONFIGS}[layout]  # fmt: skip
+
+
 def candidates(layout: str, quant_code: int, block: int) -> List["triton.Config"]:
     """The candidate configs of ``layout``'s kernel that fit ``block`` (:func:`fits_layout`)."""
-    configs = {"contiguous": _CONTIGUOUS_CONFIGS, "gate": _GATE_CONFIGS, "masked": _MASKED_CONFIGS,
-               "masked_gate": _MASKED_GATE_CONFIGS}[layout]  # fmt: skip
-    return [c for c in configs if fits_layout(layout, c.all_kwargs(), quant_code, block)]
+    return [c for c in _layout_configs(layout)
+            if fits_layout(layout, c.all_kwargs(), quant_code, block)]  # fmt: skip
 
 
 @_launch.memo
@@ -896,15 +901,15 @@ def _tuner(layout: str, quant_code: int, row_block: int):
     """Triton's autotuner over the :func:`candidates` of ``layout`` ("contiguous", "gate",
     "masked", "masked_gate") at ``row_block`` (masked: the call's BLOCK_M). Its keys are static
     dims only (never token counts): it tunes once per weight shape, in warmup()."""
-    fn, configs, key = {
-        "contiguous": (_contiguous_kernel, _CONTIGUOUS_CONFIGS, ["N", "K", "E"]),
-        "gate": (_contiguous_gate_kernel, _GATE_CONFIGS, ["I", "K", "E"]),
-        "masked": (_masked_kernel, _MASKED_CONFIGS, ["N", "K", "E", "BLOCK_M"]),
-        "masked_gate": (_masked_gate_kernel, _MASKED_GATE_CONFIGS, ["I", "K", "E", "BLOCK_M"]),
+    fn, key = {
+        "contiguous": (_contiguous_kernel, ["N", "K", "E"]),
+        "gate": (_contiguous_gate_kernel, ["I", "K", "E"]),
+        "masked": (_masked_kernel, ["N", "K", "E", "BLOCK_M"]),
+        "masked_gate": (_masked_gate_kernel, ["I", "K", "E", "BLOCK_M"]),
     }[layout]  # fmt: skip
     # (TMA configs take descriptors the autotuner cannot build: the tuned table picks those)
     keep = [c for c in candidates(layout, quant_code, row_block) if not c.kwargs.get("TMA")]
-    return triton.autotune(keep or configs[-1:], key=key)(fn)
+    return triton.autotune(keep or _layout_configs(layout)[-1:], key=key)(fn)
 
 
 class _Plan:
