@@ -51,6 +51,15 @@ def _layout(counts, align, trailing_blocks=1):
     return torch.cat(parts)
 
 
+def _configs(layout, code, block, key=None):
+    """The candidate configs (dicts) of ``layout``'s kernel that fit ``block``, as the tuner and
+    the autotuner take them (``_triton.candidates``); with ``key``, only those setting it."""
+    from epmoe.ops.gemm import _triton
+
+    cands = (dict(c.all_kwargs()) for c in _triton.candidates(layout, code, block))
+    return [c for c in cands if key is None or c.get(key)]
+
+
 def _poison_rows(a, a_scales, rows):
     """Fill ``rows`` (bool mask over the leading dims) with NaN (or int8 +127 and NaN scales)."""
     a = a.clone()
@@ -486,15 +495,13 @@ def test_triton_contiguous_small_row_blocks(scheme, align):
     code = quant.get(scheme).kernel_code
     # every candidate config that runs this alignment (what the autotuner and the tuner pick from)
     ran = 0
-    for c in _triton._CONTIGUOUS_CONFIGS:
-        if _triton.fits(c.all_kwargs(), code, align):
-            cfg = dict(c.all_kwargs())
-            try:
-                y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=align, config=cfg)
-            except triton.runtime.errors.OutOfResources:  # (shared memory: the autotuner drops it)
-                continue
-            ran += 1
-            assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
+    for cfg in _configs("contiguous", code, align):
+        try:
+            y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=align, config=cfg)
+        except triton.runtime.errors.OutOfResources:  # (shared memory: the autotuner drops it)
+            continue
+        ran += 1
+        assert rel_l2(y[live], want[live]) < GEMM_VS_QUANT_AWARE, cfg
     assert ran >= 2
     if align == 16:  # the op at an alignment deep_gemm cannot take: ours (bf16: grouped_mm)
         y2 = grouped_gemm(a, w, m_indices=m_idx, a_scales=as_, w_scales=ws, alignment=align)
@@ -515,8 +522,7 @@ def test_triton_contiguous_tma_configs(scheme, monkeypatch):
     live = m_idx >= 0
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     code = quant.get(scheme).kernel_code
-    tma = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
-           if c.kwargs.get("TMA") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
+    tma = _configs("contiguous", code, ALIGN, "TMA")
     assert tma
     for cfg in tma:
         y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
@@ -581,8 +587,7 @@ def test_gluon_equals_triton_bytes(monkeypatch, scheme):
     want = reference.grouped_gemm_contiguous(a, w, m_idx, as_, ws)
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
     code = quant.get(scheme).kernel_code
-    gluon = [dict(c.all_kwargs()) for c in _triton._CONTIGUOUS_CONFIGS
-             if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, ALIGN)]  # fmt: skip
+    gluon = _configs("contiguous", code, ALIGN, "GLUON")
     assert len(gluon) >= (1 if scheme == "fp8" else 4)  # (fp8: the 64x128 tile two an SM)
     for cfg in gluon:
         y = _triton.contiguous_triton(a, w, m_idx, as_, ws, row_block=ALIGN, config=cfg)
@@ -615,8 +620,7 @@ def test_gluon_masked_equals_triton_bytes(monkeypatch, scheme, T):
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
     sentinel = torch.full((E, T, N), 3.0, dtype=torch.bfloat16, device=dev)
     code = quant.get(scheme).kernel_code
-    gluon = [dict(c.all_kwargs()) for c in _triton._MASKED_CONFIGS
-             if c.kwargs.get("GLUON") and _triton.fits(c.all_kwargs(), code, 0, 16)]  # fmt: skip
+    gluon = _configs("masked", code, 16, "GLUON")
     assert len(gluon) >= 3 and any(c.get("STORE_TMA") for c in gluon)
     x = _triton.masked_triton(a, w, mm, as_, ws, 64, config=dict(BLOCK_N=64, BLOCK_K=128))
     for cfg in gluon:
@@ -706,9 +710,8 @@ def test_triton_masked_tma_and_swap_configs(scheme):
     want = reference.grouped_gemm_masked(a, w, mm, as_, ws)
     code = quant.get(scheme).kernel_code
     # (Gluon's: their own test)
-    tma = [dict(c.all_kwargs(), BLOCK_M=bm) for c in _triton._MASKED_CONFIGS for bm in (32, 16)
-           if (c.kwargs.get("TMA") or c.kwargs.get("SWAP")) and not c.kwargs.get("GLUON") and
-           _triton.fits(c.all_kwargs(), code, 0, bm)]  # fmt: skip
+    tma = [dict(c, BLOCK_M=bm) for bm in (32, 16) for c in _configs("masked", code, bm)
+           if (c.get("TMA") or c.get("SWAP")) and not c.get("GLUON")]  # fmt: skip
     assert any(c.get("SWAP") for c in tma)
     for cfg in tma:
         eager = _triton.masked_triton(a, w, mm, as_, ws, 32, config=cfg)  # (compiles it)
@@ -741,9 +744,7 @@ def test_masked_gate_configs_are_the_unfused_pair(scheme):
     mm = torch.tensor([0, 5, 77, 128], dtype=torch.int32, device=dev)
     live = _live(mm, T)
     code = quant.get(scheme).kernel_code
-    fits = _triton.fits_masked_gate
-    cfgs = [dict(c.all_kwargs(), BLOCK_M=bm) for c in _triton._MASKED_GATE_CONFIGS
-            for bm in (64, 32, 16) if fits(c.all_kwargs(), code, bm)]  # fmt: skip
+    cfgs = [dict(c, BLOCK_M=bm) for bm in (64, 32, 16) for c in _configs("masked_gate", code, bm)]
     assert any(c.get("SWAP") for c in cfgs) and any(c.get("TMA") for c in cfgs)
     h_dtype = torch.bfloat16 if scheme != "fp8" else a.dtype
     for cfg in cfgs:
@@ -787,8 +788,7 @@ def test_gluon_gate_matches_triton(monkeypatch):
     live = m_idx >= 0
     want = g.reference(reference.grouped_gemm_contiguous(a, w, m_idx).float())
     monkeypatch.setattr(_triton, "_multiprocessors", lambda device: 3)
-    gluon = [dict(c.all_kwargs()) for c in _triton._GATE_CONFIGS
-             if c.kwargs.get("GLUON") and _triton.fits_gate(c.all_kwargs(), 0, ALIGN)]  # fmt: skip
+    gluon = _configs("gate", 0, ALIGN, "GLUON")
     assert len(gluon) >= 2
 
     def gate(cfg):
@@ -822,8 +822,7 @@ def test_gemm_gate_tma_configs(scheme):
     b = torch.randn(4, g.width(256), generator=gen).to(dev)
     live = m_idx >= 0
     code = quant.get(scheme).kernel_code
-    tma = [dict(c.all_kwargs()) for c in _triton._GATE_CONFIGS
-           if c.kwargs.get("TMA") and _triton.fits_gate(c.all_kwargs(), code, ALIGN)]  # fmt: skip
+    tma = _configs("gate", code, ALIGN, "TMA")
     assert tma
     for cfg in tma:
         outs = []
