@@ -238,8 +238,7 @@ def test_fits_keeps_row_blocks_inside_an_expert():
     assert _triton.fits(dict(coop, num_stages=4, STORE_TMA=False), 2, 128)
     for quant_code in (0, 1, 2):
         for row_block in (16, 32, 48, 128):
-            assert any(_triton.fits(c.all_kwargs(), quant_code, row_block)
-                       for c in _triton._CONTIGUOUS_CONFIGS)  # fmt: skip
+            assert _triton.candidates("contiguous", quant_code, row_block)
 
 
 # GEMM1 + gate in one kernel: the bytes of our GEMM1 kernel followed by the activation stage
