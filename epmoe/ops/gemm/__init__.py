@@ -26,10 +26,11 @@ Contract:
 
 Backends on CUDA (CPU and other devices run :mod:`epmoe.reference`), chosen per problem (scheme,
 layout, N, Kd, E, alignment, rows: static sizes): the faster one in this GPU's tuned table
-(:mod:`epmoe.ops.gemm._tuned`, measured by scripts/tune_gemm.py) where it has the problem, else
+(:mod:`epmoe.ops.gemm._tuned`, measured by scripts/tune_gemm.py) where it has the problem (of
+the backends it timed, the fastest installed here), else
 - fp8: deep_gemm (sm90, float32 scales, 128-row blocks); else our Triton kernels (sm89+).
 - bf16: deep_gemm bf16 grouped GEMMs (sm90/sm100, 128-row blocks); else torch._grouped_mm
-  (contiguous) / torch.bmm (masked); else our Triton kernels.
+  (contiguous) / our Triton kernels; else torch.bmm (masked).
 - int8: our Triton W8A8 kernels (int8 x int8 -> int32 on tensor cores, then per-token x
   per-channel scales, bf16 out).
 Our Triton kernels (``_triton``) run every scheme at any alignment that is a multiple of 16.
