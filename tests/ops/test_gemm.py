@@ -308,6 +308,7 @@ def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
         assert backend("fp8", "contiguous", dev, 256, 512, 4, block, 64) == "triton"
         assert backend("bf16", "contiguous", dev, 256, 512, 4, block, 64) == "grouped_mm"
     assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "triton"
+    assert backend("bf16", "masked", dev, 256, 512, 4, 128, 8) == "triton"  # (bmm: every slot row)
     assert _select.contiguous_row_block("fp8", dev) == 128  # (our Triton prefill tiles)
     assert _select.masked_row_block("fp8", dev) == 1  # (no slot padding for deep_gemm's blocks)
 
@@ -418,6 +419,30 @@ def test_backend_follows_the_tuned_table(sm90):
     cfg = _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, dev)
     assert cfg == entries[0]["config"]
     assert _tuned.lookup("contiguous", "fp8", 256, 512, 4, 128, 100, torch.device("cpu")) is None
+
+
+def test_backend_of_an_entry_is_its_fastest_that_runs_here(sm90, monkeypatch):
+    """An entry whose winner is not installed here (tuned where deep_gemm was) gives the next
+    fastest backend it timed, not the untuned default (bf16 masked: torch.bmm)."""
+    from epmoe.ops.gemm import _select
+
+    backend, tmp = sm90
+    dev = torch.device("cuda", 0)
+    timed = dict(deep_gemm=1.0, triton=1.25)
+    entries = [
+        dict(_entry("masked", "bf16", 16, 8, "deep_gemm"), us=timed),
+        dict(_entry("contiguous", "fp8", 128, 256, "deep_gemm"), us=timed),
+        dict(_entry("masked", "fp8", 16, 8, "deep_gemm"), us=dict(timed, triton=1.0)),
+    ]
+    (tmp / "nvidia_h200.json").write_text(json.dumps(dict(device="NVIDIA H200", entries=entries)))
+    assert backend("bf16", "masked", dev, 256, 512, 4, 128, 8) == "deep_gemm"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 256) == "deep_gemm"
+    assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "deep_gemm"  # (a tie: by name)
+    monkeypatch.setattr(_select._deps, "available", lambda name: name != "deep_gemm")
+    _tuned.reread()
+    assert backend("bf16", "masked", dev, 256, 512, 4, 128, 8) == "triton"
+    assert backend("fp8", "contiguous", dev, 256, 512, 4, 128, 256) == "triton"
+    assert backend("fp8", "masked", dev, 256, 512, 4, 128, 8) == "triton"
 
 
 def test_gate_and_path_entries_are_per_gate_and_bias(sm90):
