@@ -15,7 +15,8 @@ deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
 - contiguous, per row block (the permute alignment) and T: M = ``permuted_rows(T, K, E, block)``
   rows with the m_indices (and expert offsets) the reference permute builds from that routing;
 - masked (T up to LL_MAX_TOKENS, the LL sizes): slots of C = T rounded up to 128 rows, the routing's
-  counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m);
+  counts, expected_m = ceil(T*K/E); entry block = the kernel's BLOCK_M at (C, expected_m); without
+  --tokens, also one T of each BLOCK_M the default sizes miss (:func:`every_tile`);
 - gate, as contiguous: GEMM1 and the config's gate (and biases) as one kernel
   (``grouped_gemm_gate``; int8: its bf16 h, then the quantize stage on h's rows) against
   "unfused", GEMM1 on the backend the layer picks then the activation stage; N = I (h's
@@ -213,6 +214,29 @@ def contiguous_problems(cfg, scheme: str, row_blocks: Iterable[int],
                     yield p
 
 
+def _masked_tile(layout: str, scheme: str, t: int, K: int, E: int) -> Tuple[int, int, int]:
+    """(C, expected_m, BLOCK_M) of a one-rank LL call of ``t`` tokens on ``layout``'s kernel."""
+    c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
+    if layout == "masked_gate":
+        return c, em, _triton.masked_gate_tiling(c, em, quant.get(scheme).kernel_code)[0]
+    return c, em, _triton._masked_tiling(c, em)[0]
+
+
+def every_tile(cfg, scheme: str, tokens: Iterable[int], layout: str = "masked",
+               max_tokens: int = LL_MAX_TOKENS) -> List[int]:  # fmt: skip
+    """``tokens`` and, for each row tile (BLOCK_M) of ``layout`` that a call of at most
+    ``max_tokens`` tokens gets but none of them does, the most tokens that get it: the table keys
+    its entries by the tile, and a tile without one runs the untuned default (qwen3 bf16 at
+    T = 129-320 on the H100: deep_gemm, or torch.bmm where deep_gemm is not installed)."""
+    E, K = cfg.local_experts, cfg.top_k
+    tokens = list(tokens)
+    have = {_masked_tile(layout, scheme, t, K, E)[2] for t in tokens if t <= max_tokens}
+    most: Dict[int, int] = {}
+    for t in range(1, max_tokens + 1):
+        most[_masked_tile(layout, scheme, t, K, E)[2]] = t
+    return tokens + sorted(t for block, t in most.items() if block not in have)
+
+
 def masked_problems(cfg, scheme: str, tokens: Iterable[int],
                     max_tokens: int = LL_MAX_TOKENS) -> Iterator[Problem]:  # fmt: skip
     """The masked problems of both GEMMs for each T <= ``max_tokens``: slots of C = T rounded up to
@@ -222,8 +246,7 @@ def masked_problems(cfg, scheme: str, tokens: Iterable[int],
         for t in tokens:
             if t > max_tokens:
                 continue
-            c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
-            block_m, _ = _triton._masked_tiling(c, em)
+            c, em, block_m = _masked_tile("masked", scheme, t, K, E)
             p = Problem("masked", scheme, n, k, E, block_m, em, t, c, K)
             if p[:7] not in seen:
                 seen.add(p[:7])
@@ -240,8 +263,7 @@ def masked_gate_problems(cfg, scheme: str, tokens: Iterable[int],
     for t in tokens:
         if t > max_tokens:
             continue
-        c, em = reference.round_up(t, MASKED_SLOT), max(1, -(-t * K // E))
-        block_m, _ = _triton.masked_gate_tiling(c, em, quant.get(scheme).kernel_code)
+        c, em, block_m = _masked_tile("masked_gate", scheme, t, K, E)
         p = Problem("masked_gate", scheme, n, k, E, block_m, em, t, c, K, spec, bool(cfg.bias))
         if p[:7] not in seen:
             seen.add(p[:7])
@@ -1012,7 +1034,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="benchmarks/_configs.py names")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--row-blocks", default=",".join(map(str, ROW_BLOCKS)))
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument(
+        "--tokens",
+        help=f"call sizes (default {','.join(map(str, TOKENS))}, and for the masked layouts one "
+        "size of each row tile those do not reach)",
+    )
     ap.add_argument("--layouts", default=",".join(_tuned.LAYOUTS))
     ap.add_argument("--paths", action="store_true", help="also the path entries (whole layers)")
     ap.add_argument("--paths-only", action="store_true", help="only the path entries")
@@ -1036,7 +1062,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.shapes = _names(a.shapes, _configs.CONFIGS, "shape")
     a.schemes = _names(a.schemes, quant.SCHEMES, "scheme")
     a.layouts = _names(a.layouts, _tuned.LAYOUTS, "layout")
-    a.row_blocks, a.tokens = _ints(a.row_blocks), _ints(a.tokens)
+    a.every_tile = a.tokens is None
+    a.row_blocks, a.tokens = _ints(a.row_blocks), _ints(a.tokens or ",".join(map(str, TOKENS)))
     return a
 
 
@@ -1076,15 +1103,21 @@ def selected(a: argparse.Namespace, old: Optional[Dict], cfg, scheme: str
     first: List[Problem] = []
     if "contiguous" in a.layouts:
         first += contiguous_problems(cfg, scheme, a.row_blocks, a.tokens)
+
+    def ll_tokens(layout: str) -> List[int]:
+        return every_tile(cfg, scheme, a.tokens, layout) if a.every_tile else a.tokens
+
     if "masked" in a.layouts:
-        first += masked_problems(cfg, scheme, a.tokens)
+        first += masked_problems(cfg, scheme, ll_tokens("masked"))
     if "gate" in a.layouts:
         first += gate_problems(cfg, scheme, a.row_blocks, a.tokens)
     first = keep(first + list(gemv_problems(cfg, scheme, a.layouts)))
     order: Dict[Tuple[int, int], int] = {}
     first.sort(key=lambda p: order.setdefault((p.N, p.K), len(order)))
-    later = [("gather", gather_problems(cfg, scheme, a.row_blocks, a.tokens)),
-             ("masked_gate", masked_gate_problems(cfg, scheme, a.tokens))]  # fmt: skip
+    later = [
+        ("gather", gather_problems(cfg, scheme, a.row_blocks, a.tokens)),
+        ("masked_gate", masked_gate_problems(cfg, scheme, ll_tokens("masked_gate"))),
+    ]
     return first, [(layout, keep(ps)) for layout, ps in later if layout in a.layouts]
 
 

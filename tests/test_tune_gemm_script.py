@@ -105,6 +105,31 @@ def test_masked_problems():
     assert by_t[8].block == 16 and by_t[512].block == 64  # (32 rows per expert reach ~46)
 
 
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "W"])
+def test_default_tokens_reach_every_masked_tile(shape):
+    """The table keys masked entries by the row tile: the default run adds one call size for each
+    tile of a one-rank LL call (T <= LL_MAX_TOKENS) that TOKENS miss, the most tokens that get
+    it (qwen3 / Mixtral: BLOCK_M 32 at T = 320 / 80, where expected_m is 20); --tokens as given."""
+    cfg = CONFIGS[shape]
+    for scheme in ("bf16", "fp8", "int8"):
+        for layout, problems in (("masked", tg.masked_problems),
+                                 ("masked_gate", tg.masked_gate_problems)):  # fmt: skip
+            tiles = {tg._masked_tile(layout, scheme, t, cfg.top_k, cfg.local_experts)[2]
+                     for t in range(1, tg.LL_MAX_TOKENS + 1)}  # fmt: skip
+            tokens = tg.every_tile(cfg, scheme, tg.TOKENS, layout)
+            assert tokens[: len(tg.TOKENS)] == list(tg.TOKENS)
+            assert {p.block for p in problems(cfg, scheme, tokens)} == tiles
+    extra = {s: tg.every_tile(CONFIGS[s], "bf16", tg.TOKENS)[len(tg.TOKENS):]
+             for s in ("qwen3-30b-a3b", "mixtral-8x7b")}  # fmt: skip
+    assert extra == {"qwen3-30b-a3b": [320], "mixtral-8x7b": [80]}
+    a = tg.parse_args(["--shapes", shape, "--schemes", "bf16", "--layouts", "masked"])
+    assert a.every_tile and a.tokens == list(tg.TOKENS)
+    first, _ = tg.selected(a, None, cfg, "bf16")
+    assert {p.block for p in first} == tiles
+    a = tg.parse_args(["--shapes", shape, "--layouts", "masked", "--tokens", "512"])
+    assert not a.every_tile and {p.tokens for p in tg.selected(a, None, cfg, "bf16")[0]} == {512}
+
+
 def test_masked_gate_problems():
     """Masked GEMM1 + gate: GEMM1's masked problems with N = h's channels, K = H, the config's gate
     and biases; fp8 candidates of one scale group a tile, none past the accumulators' limit."""
