@@ -603,6 +603,41 @@ def test_committed_tables_hold_what_the_kernels_run(name):
             assert e["backend"] in ("copy", "gather") and c == {}, e
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in _TABLES))
+@pytest.mark.parametrize("deep_gemm", [True, False])
+def test_committed_tables_give_every_ll_call_a_grouped_gemm(name, deep_gemm, monkeypatch):
+    """On each committed table's GPU (an sm90 stand-in), with deep_gemm installed or not, both
+    masked GEMMs of every one-rank LL call of qwen3 / Mixtral (T <= 512) run deep_gemm or ours,
+    never torch.bmm (every slot row: qwen3 bf16 at T = 256 2x slower on an H100 without
+    deep_gemm) nor the reference; without deep_gemm, ours."""
+    from epmoe.ops.gemm import _select
+
+    def missing():
+        raise ImportError("deep_gemm is not installed")
+
+    fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
+    fns["alignment"] = lambda: 128
+    device_name = json.loads((_tuned.DIR / name).read_text())["device"]
+    monkeypatch.setattr(_tuned, "_device_name", lambda index: device_name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
+    monkeypatch.setattr(_select._deps, "available", lambda dep: deep_gemm or dep != "deep_gemm")
+    monkeypatch.setattr(_select, "_dg_functions", (lambda: fns) if deep_gemm else missing)
+    _tuned.reread()
+    dev, want = torch.device("cuda", 0), {"deep_gemm", "triton"} if deep_gemm else {"triton"}
+    try:
+        for E, H, I, K in ((128, 2048, 768, 8), (8, 4096, 14336, 2)):  # noqa: E741
+            for scheme in ("bf16", "fp8", "int8"):
+                slot = _select.masked_row_block(scheme, dev)
+                for t in range(1, 513):
+                    c, em = reference.round_up(t, slot), -(-t * K // E)
+                    got = {_select._backend(scheme, "masked", dev, n, k, E, c, em)
+                           for n, k in ((2 * I, H), (H, I))}  # fmt: skip
+                    assert got <= want, (E, scheme, t, got)
+    finally:
+        _tuned.reread()
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "int8"])
 def test_contiguous_a_rows_reads_the_named_rows(scheme, seed):
     """a_rows (permute's src_rows): the same bytes as the permuted copy, on both GEMM1 ops;
