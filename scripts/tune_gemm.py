@@ -226,8 +226,8 @@ def every_tile(cfg, scheme: str, tokens: Iterable[int], layout: str = "masked",
                max_tokens: int = LL_MAX_TOKENS) -> List[int]:  # fmt: skip
     """``tokens`` and, for each row tile (BLOCK_M) of ``layout`` that a call of at most
     ``max_tokens`` tokens gets but none of them does, the most tokens that get it: the table keys
-    its entries by the tile, and a tile without one runs the untuned default (qwen3 bf16 at
-    T = 129-320 on the H100: deep_gemm, or torch.bmm where deep_gemm is not installed)."""
+    its entries by the tile, and a tile without one runs the untuned default (deep_gemm, else
+    Triton's autotuner)."""
     E, K = cfg.local_experts, cfg.top_k
     tokens = list(tokens)
     have = {_masked_tile(layout, scheme, t, K, E)[2] for t in tokens if t <= max_tokens}

@@ -258,17 +258,28 @@ def test_tuned_launch_goes_direct_after_tuning(which, monkeypatch):
 
 
 # ------------------------------------------------------------------ backend choice, tuned table
+def _stand_in_sm90(monkeypatch, deep_gemm: bool = True):
+    """The backend choice sees an sm90 GPU, with deep_gemm (its entry points never called) or
+    without it (asking for them raises ImportError)."""
+    from epmoe.ops.gemm import _select
+
+    def missing():
+        raise ImportError("deep_gemm is not installed")
+
+    fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
+    fns["alignment"] = lambda: 128
+    monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
+    monkeypatch.setattr(_select._deps, "available", lambda dep: deep_gemm or dep != "deep_gemm")
+    monkeypatch.setattr(_select, "_dg_functions", (lambda: fns) if deep_gemm else missing)
+
+
 @pytest.fixture
 def sm90(monkeypatch, h200_table):
     """CPU stand-in for an H200 with deep_gemm (its entry points never called) and a tuned table
     directory of its own (``h200_table``)."""
     from epmoe.ops.gemm import _select
 
-    monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
-    monkeypatch.setattr(_select._deps, "available", lambda name: True)
-    fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
-    fns["alignment"] = lambda: 128
-    monkeypatch.setattr(_select, "_dg_functions", lambda: fns)
+    _stand_in_sm90(monkeypatch)
     return _select._backend, h200_table
 
 
@@ -297,11 +308,7 @@ def test_backend_without_deep_gemm_takes_ours(sm90, monkeypatch):
     alignment is deep_gemm's question only where it is installed: no ImportError)."""
     from epmoe.ops.gemm import _select
 
-    def missing():
-        raise ImportError("deep_gemm is not installed")
-
-    monkeypatch.setattr(_select._deps, "available", lambda name: name != "deep_gemm")
-    monkeypatch.setattr(_select, "_dg_functions", missing)
+    _stand_in_sm90(monkeypatch, deep_gemm=False)
     backend, _ = sm90
     dev = torch.device("cuda", 0)
     for block in (0, 16, 128):
@@ -612,17 +619,10 @@ def test_committed_tables_give_every_ll_call_a_grouped_gemm(name, deep_gemm, mon
     deep_gemm) nor the reference; without deep_gemm, ours."""
     from epmoe.ops.gemm import _select
 
-    def missing():
-        raise ImportError("deep_gemm is not installed")
-
-    fns = {role: (lambda *a: None) for role in _select._DG_NAMES}
-    fns["alignment"] = lambda: 128
     device_name = json.loads((_tuned.DIR / name).read_text())["device"]
     monkeypatch.setattr(_tuned, "_device_name", lambda index: device_name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_select, "_cap", lambda device: (9, 0))
-    monkeypatch.setattr(_select._deps, "available", lambda dep: deep_gemm or dep != "deep_gemm")
-    monkeypatch.setattr(_select, "_dg_functions", (lambda: fns) if deep_gemm else missing)
+    _stand_in_sm90(monkeypatch, deep_gemm)
     _tuned.reread()
     dev, want = torch.device("cuda", 0), {"deep_gemm", "triton"} if deep_gemm else {"triton"}
     try:

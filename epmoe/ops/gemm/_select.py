@@ -129,8 +129,8 @@ def _runs(name: str, scheme, layout: str, device, n: int, k: int, row_block: int
 
 
 # without a tuned entry, the first backend that runs the problem (the measured choices so far:
-# deep_gemm where it runs; int8 has only ours). bmm multiplies every slot row, padding included
-# (at T = 256 a 2.2x slower qwen3 bf16 layer than ours on an H100): last.
+# deep_gemm where it runs; int8 has only ours). bmm multiplies every slot row, padding included:
+# last.
 _ORDER = ("deep_gemm", "grouped_mm", "triton", "bmm")
 
 
