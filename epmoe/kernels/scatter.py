@@ -215,7 +215,8 @@ def _ll_scatter_kernel(
                 m = (bb < blk) & (e[:, None] >= 0)
                 base += tl.sum(tl.load(cnt_ptr + bb * E + e[:, None], mask=m, other=0), axis=1)
         hits = tl.zeros([K_PAD, BLOCK_N], dtype=tl.int32)
-        for b0 in range(blk * TB * K_PAD, end, BLOCK_N):
+        # unrolled by 4: this scan is the program's critical path
+        for b0 in tl.range(blk * TB * K_PAD, end, BLOCK_N, loop_unroll_factor=4):
             pos, ro, co, inb = _flat_ids(b0, BLOCK_N, T, K, K_PAD, sit, stride_ik)
             vb = tl.load(ids_ptr + ro + co, mask=inb & (pos < end), other=-3)
             hits += ((vb[None, :] == match[:, None]) & (pos[None, :] < own[:, None])).to(tl.int32)
