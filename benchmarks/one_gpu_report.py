@@ -1,6 +1,7 @@
 """Markdown tables from a bench_one_gpu.py JSON (the rows of benchmarks/results/h200/RESULTS.md).
 
     python benchmarks/one_gpu_report.py OUT.json [--mode auto]
+    python benchmarks/one_gpu_report.py benchmarks/results/h100/measurements.jsonl [--mode auto]
 
 One row per (shape, scheme, T) of the given layer mode: CUDA-graph replay of the layer against
 transformers' grouped_mm experts (graph) and raw deep_gemm on the same routing, the weight-read
@@ -8,6 +9,10 @@ floor, eager / torch.compile default / reduce-overhead, host µs and launches pe
 where the run has them, the cost of a gate and biases (a config's graph time over its plain-SiLU
 twin's, e.g. gpt-oss-20b over gpt-oss-20b-silu), the cases timed on several routings
 (``--routings``) and the targets with whether they were met.
+
+Given a results folder's ``measurements.jsonl`` instead: the current page's layer table, one row
+per case of the mode from its latest run (the routings' median where timed, else its one
+routing), with the raw deep_gemm and grouped_mm figures of the latest runs that had them.
 """
 
 import argparse
@@ -119,11 +124,73 @@ TARGET_HEADER = (
 )
 
 
+LATEST_HEADER = (
+    "| shape | scheme | T | path | graph ms | floor ms (graph / floor) | "
+    "raw deep_gemm ms (graph / raw) | grouped_mm graph ms | eager ms | host µs | launches | "
+    "run (UTC), tree |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def latest_rows(lines, mode: str):
+    """The latest figures of each layer case of ``mode`` in measurements.jsonl lines (dicts)."""
+    runs, path = {}, {}  # (case, date, commit) -> {metric: value}; -> the layer's path
+    for r in lines:
+        if r.get("benchmark") != "bench_one_gpu" or r.get("case", "").count("/") != 3:
+            continue
+        k = (r["case"], r["date"], r["commit"])
+        runs.setdefault(k, {})[r["metric"]] = r["value"]
+        if r.get("path"):
+            path[k] = r["path"]
+    latest, raw, gmm = {}, {}, {}
+    for k, m in runs.items():
+        case, date = k[0], k[1]
+        if ("graph_median_ms" in m or "graph_ms" in m) and date >= latest.get(case, ("", ""))[1]:
+            latest[case] = k
+        if m.get("raw_ms", 0) > 0 and date >= raw.get(case, ("", 0))[0]:
+            raw[case] = (date, m["raw_ms"])
+        if "grouped_mm_graph_ms" in m and date >= gmm.get(case, ("", 0))[0]:
+            gmm[case] = (date, m["grouped_mm_graph_ms"])
+
+    def order(case):
+        shape, scheme, _, t = case.split("/")
+        return (shape, scheme, int(t[1:]))
+
+    def other_run(found, date, ratio_to=None):
+        if found is None:
+            return "-"
+        d, v = found
+        cell = _f(v) + (f" ({_x(v, ratio_to)})" if ratio_to is not None else "")
+        return cell + ("" if d == date else f", {d[:16]}")
+
+    for case in sorted(latest, key=order):
+        shape, scheme, m_, t = case.split("/")
+        if m_ != mode:
+            continue
+        k = latest[case]
+        m = runs[k]
+        g = m.get("graph_median_ms", m.get("graph_ms"))
+        f = m.get("floor_median_ms", m.get("floor_ms"))
+        yield (
+            f"| {shape} | {scheme} | {t[1:]} | {path.get(k, '-')} | {_f(g)} | "
+            f"{_f(f)} ({_x(f, g)}) | "
+            f"{other_run(raw.get(case), k[1], g)} | {other_run(gmm.get(case), k[1])} | "
+            f"{_f(m.get('eager_ms'))} | {_f(m.get('host_us'), 0)} | "
+            f"{_f(m.get('launches'), 0)} | {k[1][:16]}, `{k[2]}` |"
+        )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("json")
     p.add_argument("--mode", default="auto")
     a = p.parse_args()
+    if a.json.endswith(".jsonl"):
+        with open(a.json) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        print(LATEST_HEADER)
+        for r in latest_rows(lines, a.mode):
+            print(r)
+        return
     with open(a.json) as f:
         report = json.load(f)
     print(

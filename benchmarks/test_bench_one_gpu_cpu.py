@@ -307,6 +307,37 @@ def test_routings_step_times_the_case_routing_then_others_and_takes_medians():
     sr.close()
 
 
+def test_latest_rows_of_measurements_take_each_case_from_its_latest_run():
+    def line(case, date, commit, metric, value, bench="bench_one_gpu"):
+        return dict(benchmark=bench, case=case, date=date, commit=commit, metric=metric,
+                    value=value, path="ll")  # fmt: skip
+
+    q = "qwen3-30b-a3b/fp8/auto/T32"
+    lines = [
+        line(q, "2026-12-06 08:14:00", "aaa1111", "graph_ms", 0.30),
+        line(q, "2026-12-06 08:14:00", "aaa1111", "floor_ms", 0.15),
+        line(q, "2026-12-06 08:14:00", "aaa1111", "raw_ms", 0.25),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "graph_ms", 0.21),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "graph_median_ms", 0.20),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "floor_median_ms", 0.16),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "eager_ms", 0.206),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "host_us", 194.2),
+        line(q, "2026-12-07 16:05:32", "bbb2222", "launches", 5),
+        line("W/int8/auto/T4096", "2026-12-05 16:59:19", "ccc3333", "graph_ms", 3.918),
+        line("W/int8/auto/T4096", "2026-12-05 16:59:19", "ccc3333", "floor_ms", 1.870),
+        line("qwen3-30b-a3b/fp8/ll/T32", "2026-12-08 00:00:00", "ddd4444", "graph_ms", 9.0),
+        line(q, "2026-12-08 00:00:00", "eee5555", "median_ms", 9.0, bench="pytest_benchmark"),
+    ]
+    w, qr = one_gpu_report.latest_rows(lines, "auto")
+    assert qr == (
+        "| qwen3-30b-a3b | fp8 | 32 | ll | 0.200 | 0.160 (1.25x) | 0.250 (0.80x), 2026-12-06 08:14 "
+        "| - | 0.206 | 194 | 5 | 2026-12-07 16:05, `bbb2222` |"
+    )
+    assert w.startswith("| W | int8 | 4096 | ll | 3.918 | 1.870 (2.10x) | - | - | - |")
+    assert w.endswith("| 2026-12-05 16:59, `ccc3333` |")
+    assert len(list(one_gpu_report.latest_rows(lines, "ll"))) == 1
+
+
 # ------------------------------------------------------------------ gates, biases, other experts
 GPT_OSS = _configs.CONFIGS["tiny-gpt-oss"]
 GEMMA4 = _configs.CONFIGS["tiny-gemma4"]
