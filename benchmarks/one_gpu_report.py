@@ -163,8 +163,8 @@ def latest_rows(lines, mode: str):
         return cell + ("" if d == date else f", {d[:16]}")
 
     for case in sorted(latest, key=order):
-        shape, scheme, m_, t = case.split("/")
-        if m_ != mode:
+        shape, scheme, case_mode, t = case.split("/")
+        if case_mode != mode:
             continue
         k = latest[case]
         m = runs[k]
