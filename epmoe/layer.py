@@ -72,7 +72,7 @@ MODES = ("ht", "ll", "auto")
 AUTO_LL_MAX_TOKENS = 512
 # the per-choice GEMVs read an expert's weights once per choice, the masked GEMM once per touched
 # expert: "auto" keeps the GEMVs while a call's expected choices per touched expert stay within
-# this (H200, scripts/gemv_sweep.py: the GEMVs still won at 1.24, qwen3 T = 8, by 5-10%)
+# this (the measured crossover: docs/kernels.md, "per-choice GEMVs")
 GEMV_MAX_REREADS = 1.25
 # load_weights quantizes this many weight rows at a time (a multiple of the fp8 128-row block):
 # the float32 transient stays below one expert's float32 copy
