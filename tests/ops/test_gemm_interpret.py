@@ -137,6 +137,21 @@ def test_masked_tiling_static():
     assert _triton.masked_gate_tiling(512, 2, 1) == (16, 1)
 
 
+def test_masked_tiling_ignores_capacity_past_the_call():
+    """A layer's slots hold its LL capacity C, the tuner's a call's T rounded up to the slot
+    block: the tiling (so the table entry a call finds) is the same for every C >= that."""
+    for E, K in ((128, 8), (8, 2), (32, 4), (8, 8)):
+        for t in range(1, 1025, 3):
+            em, c = -(-t * K // E), reference.round_up(t, 128)
+            for cap in (c, 1024, 4096):
+                if cap < c:
+                    continue
+                assert _triton._masked_tiling(cap, em) == _triton._masked_tiling(c, em), (t, cap)
+                for code in (0, 1, 2):
+                    got, want = (_triton.masked_gate_tiling(x, em, code) for x in (cap, c))
+                    assert got == want, (E, K, t, cap, code)
+
+
 @pytest.mark.parametrize(
     "counts,want",
     [([0, 7, 20, 16], True), ([0, 21, 3, 1], False), ([-1, 0, 0, 0], False), ([20] * 4, True)],
