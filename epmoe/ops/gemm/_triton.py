@@ -734,6 +734,7 @@ _MASKED_CONFIGS = [
     _cfg(4, 5, BLOCK_N=64, BLOCK_K=128, TMA=True, SWAP=True),
     _cfg(4, 4, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
     _cfg(4, 4, BLOCK_N=64, BLOCK_K=256, TMA=True, SWAP=True),
+    _cfg(4, 3, BLOCK_N=128, BLOCK_K=128, TMA=True, SWAP=True),
     # int8 through the Gluon kernel (its wgmma asynchronous), persistent over the live row blocks
     # of every slot: its own BLOCK_M, for experts of tens to hundreds of rows
     _gluon_cfg(4, 4, 64, 128, 128, 2, masked=True),
