@@ -614,7 +614,7 @@ def test_committed_tables_hold_what_the_kernels_run(name):
 @pytest.mark.parametrize("deep_gemm", [True, False])
 def test_committed_tables_give_every_ll_call_a_grouped_gemm(name, deep_gemm, monkeypatch):
     """On each committed table's GPU (an sm90 stand-in), with deep_gemm installed or not, both
-    masked GEMMs of every one-rank LL call of qwen3 / Mixtral (T <= 512) run deep_gemm or ours,
+    masked GEMMs of every one-rank LL call of qwen3 / Mixtral / W (T <= 512) run deep_gemm or ours,
     never torch.bmm (every slot row: qwen3 bf16 at T = 256 2x slower on an H100 without
     deep_gemm) nor the reference; without deep_gemm, ours."""
     from epmoe.ops.gemm import _select
@@ -626,7 +626,7 @@ def test_committed_tables_give_every_ll_call_a_grouped_gemm(name, deep_gemm, mon
     _tuned.reread()
     dev, want = torch.device("cuda", 0), {"deep_gemm", "triton"} if deep_gemm else {"triton"}
     try:
-        for E, H, I, K in ((128, 2048, 768, 8), (8, 4096, 14336, 2)):  # noqa: E741
+        for E, H, I, K in ((128, 2048, 768, 8), (8, 4096, 14336, 2), (128, 7168, 2048, 8)):  # noqa: E741
             for scheme in ("bf16", "fp8", "int8"):
                 slot = _select.masked_row_block(scheme, dev)
                 for t in range(1, 513):
