@@ -614,9 +614,9 @@ def test_committed_tables_hold_what_the_kernels_run(name):
 @pytest.mark.parametrize("deep_gemm", [True, False])
 def test_committed_tables_give_every_ll_call_a_grouped_gemm(name, deep_gemm, monkeypatch):
     """On each committed table's GPU (an sm90 stand-in), with deep_gemm installed or not, both
-    masked GEMMs of every one-rank LL call of qwen3 / Mixtral / W (T <= 512) run deep_gemm or ours,
-    never torch.bmm (every slot row: qwen3 bf16 at T = 256 2x slower on an H100 without
-    deep_gemm) nor the reference; without deep_gemm, ours."""
+    masked GEMMs of every LL call (T <= 512) on one rank's experts of qwen3 / Mixtral / W run ours,
+    or deep_gemm where it is installed, never torch.bmm (every slot row: qwen3 bf16 at T = 256 2x
+    slower on an H100 without deep_gemm) nor the reference."""
     from epmoe.ops.gemm import _select
 
     device_name = json.loads((_tuned.DIR / name).read_text())["device"]
