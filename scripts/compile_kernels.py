@@ -23,8 +23,13 @@ wgmma then waits for the one before, whatever the kernel's waits say), e.g. an a
 between an MMA's issue and its wait, or too few registers (not a failure: 13 builds have it
 under Triton 3.6, 24 with their PDL-on twins, CONTRIBUTING.md says which).
 
+The GEMM kernels' candidate configs build once each, the sweep's variants (schemes' row copies
+or gathers, gates, biases, PDL) in turn; --every-config builds each config in every variant (about
+twice the builds: the device's test step runs it, tests/ops/test_kernels_compile.py). --shard I/N
+builds every N-th launch from the I-th (0-based): N processes share the work.
+
   python scripts/compile_kernels.py [--resources] [--sass] [--wgmma] [--dump-ptx DIR]
-      [--only SUBSTRING]
+      [--only SUBSTRING] [--every-config] [--shard I/N]
 (do not set TRITON_INTERPRET; --only: the cases whose name contains SUBSTRING, e.g. "ll_")
 
 Use the device's Triton (3.6; `pip install torch==2.13.0 triton==3.6.0` in a separate venv): a
@@ -187,7 +192,7 @@ def compile_launch(fn, args: tuple, kwargs: dict):
     return triton.compile(src, target=TARGET, options=options)
 
 
-def cases() -> Dict[str, Callable[[], object]]:
+def cases(every: bool = False) -> Dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(0)
     bf = torch.randn((64, 512), generator=g).to(torch.bfloat16)
     y3 = torch.randn((4, 16, 512), generator=g).to(torch.bfloat16)
@@ -369,8 +374,8 @@ def cases() -> Dict[str, Callable[[], object]]:
         "contiguous GEMMs (every scheme and candidate config; copied or gathered rows)": lambda: [
             G.contiguous_triton(*args, row_block=128, config=_launch_options(c), **kw)
             for sch in ("bf16", "fp8", "int8")
-            for c in G.candidates("contiguous", _code(sch), 128)
-            for args, kw in (_contiguous_operands(sch, 256, g) for g in (False, True))
+            for c, g in _sweep(G.candidates("contiguous", _code(sch), 128), (False, True), every)
+            for args, kw in [_contiguous_operands(sch, 256, g)]
         ],  # fmt: skip
         "GEMM1 + gate (every scheme and candidate config; gpt-oss's gate, biases)": lambda: [
             G.contiguous_gate_triton(
@@ -384,12 +389,15 @@ def cases() -> Dict[str, Callable[[], object]]:
                 **kw,
             )
             for sch in ("bf16", "fp8", "int8")
-            for c in G.candidates("gate", _code(sch), 128)
-            for spec, bias, gathered in (
-                ("silu", False, False),
-                ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True, False),
-                ("relu2:glu=0", False, False),
-                ("silu", False, True),
+            for c, (spec, bias, gathered) in _sweep(
+                G.candidates("gate", _code(sch), 128),
+                (
+                    ("silu", False, False),
+                    ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True, False),
+                    ("relu2:glu=0", False, False),
+                    ("silu", False, True),
+                ),
+                every,
             )
             for args, kw in [_contiguous_operands(sch, gate.get(spec).width(256), gathered)]
         ],  # fmt: skip
@@ -405,10 +413,11 @@ def cases() -> Dict[str, Callable[[], object]]:
             )
             for sch in ("bf16", "fp8", "int8")
             for t, em in ((16, 0), (64, 32))
-            for c in G.candidates(
-                "masked_gate", _code(sch), G.masked_gate_tiling(t, em, _code(sch))[0]
+            for c, (spec, bias) in _sweep(
+                G.candidates("masked_gate", _code(sch), G.masked_gate_tiling(t, em, _code(sch))[0]),
+                (("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True)),
+                every,
             )
-            for spec, bias in (("silu", False), ("silu:alpha=1.702,limit=7.0,up_offset=1.0", True))
         ],  # fmt: skip
         # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
@@ -419,8 +428,10 @@ def cases() -> Dict[str, Callable[[], object]]:
                 ok=torch.empty((), dtype=torch.bool),
             )
             for sch in ("bf16", "fp8", "int8")
-            for t, em in ((16, 0), (16, 200), (64, 32))
-            for c in G.candidates("masked", _code(sch), G._masked_tiling(t, em)[0])
+            for t, ems in ((16, (0, 200)), (64, (32,)))
+            for c, em in _sweep(
+                G.candidates("masked", _code(sch), G._masked_tiling(t, ems[0])[0]), ems, every
+            )
         ],  # fmt: skip
         # the Gluon int8 masked kernel at 256 experts: its running sum over E_PAD = 256 counts
         "masked Gluon int8 GEMMs at 256 experts": lambda: [
@@ -430,10 +441,35 @@ def cases() -> Dict[str, Callable[[], object]]:
                 config=_launch_options(c),
                 ok=torch.empty((), dtype=torch.bool),
             )
-            for c in G._MASKED_CONFIGS
-            if c.kwargs.get("GLUON")
+            for c in _kinds([c for c in G._MASKED_CONFIGS if c.kwargs.get("GLUON")], every)
         ],
     }
+
+
+def _sweep(configs, variants, every: bool) -> list:
+    """(config, variant) pairs of a candidate sweep: with ``every`` each config in each variant,
+    else each config once, the variants in turn (every config and every variant still builds)."""
+    configs, variants = list(configs), list(variants)
+    if every:
+        return [(c, v) for c in configs for v in variants]
+    n = max(len(configs), len(variants))
+    return [(configs[i % len(configs)], variants[i % len(variants)]) for i in range(n)]
+
+
+def _kinds(configs, every: bool) -> list:
+    """``configs``, or without ``every`` the first of each set of switches (tiles aside)."""
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+    kinds = {
+        tuple(sorted((k, v) for k, v in c.kwargs.items() if k not in tiles)): c
+        for c in configs[::-1]
+    }
+    return list(configs) if every else [c for c in configs if c in kinds.values()]
+
+
+def _gemm_kernel(fn) -> bool:
+    while not hasattr(fn, "params") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__module__", "").startswith("epmoe.ops.gemm.")
 
 
 def _code(scheme: str) -> int:
@@ -640,19 +676,30 @@ def main() -> int:
     serialized = 0
     ptx_dir = argv[argv.index("--dump-ptx") + 1] if "--dump-ptx" in argv else None
     only = argv[argv.index("--only") + 1] if "--only" in argv else ""
-    failed = 0
-    for name, launch in cases().items():
+    every = "--every-config" in argv
+    shard, shards = (
+        map(int, argv[argv.index("--shard") + 1].split("/")) if "--shard" in argv else (0, 1)
+    )
+    failed = built = index = 0
+    for name, launch in cases(every).items():
         if only not in name:
             continue
         # the small permute cases compile the row-block scale kernel too
         with P.override(scales_by_row_min_entries=0):
             calls = record(launch)
-        # kernels with a PDL switch also compile with it on (the recorded CPU launches have it off)
-        calls += [
-            (fn, args, dict(kwargs, PDL=True, launch_pdl=True))
-            for fn, args, kwargs in calls
+        # kernels with a PDL switch also compile with it on (the recorded CPU launches have it
+        # off); a GEMM config sweep's builds take it on where the bits of their index have odd
+        # parity (unless --every-config): on and off in turn within each variant of _sweep
+        twins = [
+            (i, (fn, args, dict(kwargs, PDL=True, launch_pdl=True)))
+            for i, (fn, args, kwargs) in enumerate(calls)
             if kwargs.get("PDL") is False or ("PDL" not in kwargs and _pdl_switch(fn))
         ]
+        for i, twin in twins:
+            if every or not _gemm_kernel(twin[0]):
+                calls.append(twin)
+            elif bin(i).count("1") % 2:
+                calls[i] = twin
         # permute's copy kernel also with its L2 prefetches (direct sm90 launches may turn them on)
         calls += [
             (fn, args, dict(kwargs, PF_SCALES=True, PF_WAVES=2))
@@ -667,6 +714,10 @@ def main() -> int:
             if key in seen:
                 continue
             seen.add(key)
+            index += 1
+            if (index - 1) % shards != shard:
+                continue
+            built += 1
             try:
                 compiled = compile_launch(fn, args, kwargs)
                 # (checked at launch: a kernel over it compiles, then fails OutOfResources)
@@ -691,7 +742,7 @@ def main() -> int:
                 print(f"FAIL  {name}: {kname}: {type(e).__name__}: {' | '.join(msg[-12:])}")
     if wgmma:
         print(f"compile_kernels: {serialized} build(s) whose wgmmas ptxas serializes")
-    print(f"compile_kernels: {failed} failure(s)")
+    print(f"compile_kernels: {built} build(s), {failed} failure(s)")
     return 1 if failed else 0
 
 

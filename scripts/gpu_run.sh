@@ -37,7 +37,7 @@ for step in "$@"; do
       jobs=${EPMOE_TEST_JOBS:-1}
       xdist=(); [ "$jobs" -gt 1 ] && xdist=(-n "$jobs")
       EPMOE_FAILLOG="$OUT/failures.txt" EPMOE_TESTLOG="$OUT/tests.txt" setsid timeout $((t - 10)) \
-        python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu" -q -rfE -p no:cacheprovider \
+        python3 -m pytest ${EPMOE_TEST_PATHS:-tests} -m "gpu or multi_gpu or device_triton" -q -rfE -p no:cacheprovider \
         --timeout 300 "${xdist[@]}" ${EPMOE_TEST_K:+-k "$EPMOE_TEST_K"} > "$OUT/gpu_tests.log" 2>&1 < /dev/null &
       pid=$!; wait "$pid"; rc=$?
       # a run cut by the cap can leave workers running (Inductor's compile pool), which would slow
