@@ -20,8 +20,8 @@ With --sass it prints each kernel's SASS instruction count and its most frequent
 gain. With --wgmma it runs ptxas -v on the PTX of each build that issues wgmma and marks the
 builds whose wgmmas ptxas serializes (its C7510-C7519 "Potential Performance Loss" notes: each
 wgmma then waits for the one before, whatever the kernel's waits say), e.g. an accumulator read
-between an MMA's issue and its wait, or too few registers (not a failure: 13 builds have it
-under Triton 3.6, 24 with their PDL-on twins, CONTRIBUTING.md says which).
+between an MMA's issue and its wait, or too few registers (not a failure: with --every-config
+13 builds have it under Triton 3.6, 24 with their PDL-on twins, CONTRIBUTING.md says which).
 
 The GEMM kernels' candidate configs build once each, the sweep's variants (schemes' row copies
 or gathers, gates, biases, PDL) in turn; --every-config builds each config in every variant (about
