@@ -146,11 +146,16 @@ def _arg_type(v) -> str:
     raise TypeError(f"unsupported kernel argument {type(v).__name__}")
 
 
-def _pdl_switch(fn) -> bool:
-    """Whether kernel ``fn`` (a Heuristics unwrapped) takes the PDL constexpr _launch sets."""
+def _jit_fn(fn):
+    """The jit function a launch's ``fn`` wraps (a Heuristics unwrapped)."""
     while not hasattr(fn, "params") and hasattr(fn, "fn"):
         fn = fn.fn
-    return _launch._has_pdl(fn)
+    return fn
+
+
+def _pdl_switch(fn) -> bool:
+    """Whether kernel ``fn`` takes the PDL constexpr _launch sets."""
+    return _launch._has_pdl(_jit_fn(fn))
 
 
 def compile_launch(fn, args: tuple, kwargs: dict):
@@ -459,17 +464,17 @@ def _sweep(configs, variants, every: bool) -> list:
 def _kinds(configs, every: bool) -> list:
     """``configs``, or without ``every`` the first of each set of switches (tiles aside)."""
     tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-    kinds = {
-        tuple(sorted((k, v) for k, v in c.kwargs.items() if k not in tiles)): c
-        for c in configs[::-1]
-    }
-    return list(configs) if every else [c for c in configs if c in kinds.values()]
+    seen, kept = set(), []
+    for c in configs:
+        kind = tuple(sorted((k, v) for k, v in c.kwargs.items() if k not in tiles))
+        if every or kind not in seen:
+            seen.add(kind)
+            kept.append(c)
+    return kept
 
 
 def _gemm_kernel(fn) -> bool:
-    while not hasattr(fn, "params") and hasattr(fn, "fn"):
-        fn = fn.fn
-    return getattr(fn, "__module__", "").startswith("epmoe.ops.gemm.")
+    return getattr(_jit_fn(fn), "__module__", "").startswith("epmoe.ops.gemm.")
 
 
 def _code(scheme: str) -> int:
