@@ -34,6 +34,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(skip_gpu)
+    # the device_triton builds take minutes each: first, so xdist starts them with the run rather
+    # than leaving them for its tail (the device step's suite must fit one call)
+    items.sort(key=lambda item: "device_triton" not in item.keywords)
 
 
 @pytest.fixture
