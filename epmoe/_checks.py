@@ -78,7 +78,8 @@ def check_ndim(op: str, arg: str, t: torch.Tensor, ndims: Sequence[int]) -> None
 
 
 def check_shape(op: str, arg: str, t: torch.Tensor, shape: Sequence[object]) -> None:
-    """``shape`` entries may be None (any size)."""
+    """``shape`` entries may be None (any size: "any" in the message, where "*" would read as any
+    number of dimensions)."""
     check_tensor(op, arg, t)
     got = t.shape
     ok = len(got) == len(shape)
@@ -88,7 +89,7 @@ def check_shape(op: str, arg: str, t: torch.Tensor, shape: Sequence[object]) -> 
                 ok = False
                 break
     if not ok:
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        want = "[" + ", ".join("any" if s is None else str(s) for s in shape) + "]"
         raise fail(op, arg, f"shape {want}", f"{list(t.shape)}")
 
 

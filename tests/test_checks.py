@@ -13,6 +13,13 @@ def test_check_values_cpu_raises_with_the_op_and_arg():
         _checks.check_values(torch.tensor(False), "permute", "topk_ids", "ids in [0, 4) or -1")
 
 
+def test_check_shape_names_each_dimension():
+    _checks.check_shape("EPMoE", "x", torch.zeros(3, 8), (None, 8))
+    for bad in (torch.zeros(2, 3, 8), torch.zeros(3, 4)):
+        with pytest.raises(ValueError, match=r"EPMoE: x expected shape \[any, 8\], got \["):
+            _checks.check_shape("EPMoE", "x", bad, (None, 8))
+
+
 def test_check_ids_cpu():
     _checks.check_ids(torch.tensor([[-1, 0], [3, 2]]), 4, "unpermute", "inv_perm")
     for bad in ([[4, 0]], [[-2, 0]]):

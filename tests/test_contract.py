@@ -104,11 +104,11 @@ def _cases():
                 ("x", z(4, dtype=bf), r"permute: x expected a 2-D tensor, got shape \(4,\)"),
                 ("scale_layout", "col", r"permute: scale_layout expected one of"),
                 ("topk_ids", ids.float(), r"permute: topk_ids expected dtype torch.int32 or"),
-                ("topk_ids", ids[:3], r"permute: topk_ids expected shape \[4, \*\], got \[3, 2\]"),
+                ("topk_ids", ids[:3], r"permute: topk_ids expected shape \[4, any\], got \[3, 2\]"),
                 ("topk_ids", ids.to(META), r"permute: topk_ids expected device cpu"),
                 ("num_experts", 0, r"permute: num_experts expected a positive int, got 0"),
                 ("alignment", 4.0, r"permute: alignment expected a positive int, got 4.0"),
-                ("x_scales", afs[:3], r"permute: x_scales expected shape \[4, \*\], got \[3, 2\]"),
+                ("x_scales", afs[:3], r"permute: x_scales expected shape \[4, any\], got \[3, 2\]"),
                 ("x_scales", afs[:4].half(), r"permute: x_scales expected dtype torch.float32"),
                 ("x_scales", afs[:4].to(META), r"permute: x_scales expected device cpu"),
             ],
@@ -156,7 +156,7 @@ def _cases():
                 (
                     "bias",
                     b2[:, :128],
-                    r"silu_and_mul: bias expected shape \[\*, 256\], got \[3, 128\]",
+                    r"silu_and_mul: bias expected shape \[any, 256\], got \[3, 128\]",
                 ),
                 ("bias", b2.int(), r"silu_and_mul: bias expected dtype"),
                 ("bias", b2.to(META), r"silu_and_mul: bias expected device cpu"),
@@ -181,7 +181,7 @@ def _cases():
             (y3, mm, None, None, "gelu_tanh:limit=7", b3),
             [
                 ("bias", b2, r"silu_and_mul: bias expected shape \[2, 256\], got \[3, 256\]"),
-                ("bias", b3[0], r"silu_and_mul: bias expected shape \[\*, 256\], got \[256\]"),
+                ("bias", b3[0], r"silu_and_mul: bias expected shape \[any, 256\], got \[256\]"),
                 ("gate", "gelu_tanh:alpha=2", r"silu_and_mul: gate expected a gate spec"),
                 ("masked_m", mm[:1], r"silu_and_mul: masked_m expected shape \[2\], got \[1\]"),
                 ("m_indices", mi, r"silu_and_mul: m_indices expected None for a 3-D y"),
@@ -194,7 +194,7 @@ def _cases():
             (y2, "fp8", None, 128, mi, "row", offs, "silu:alpha=1.702,limit=7,up_offset=1", b2),
             [
                 ("gate", "silu:beta=1", r"silu_and_mul_quant: gate expected a gate spec"),
-                ("bias", z(3, 512), r"silu_and_mul_quant: bias expected shape \[\*, 256\]"),
+                ("bias", z(3, 512), r"silu_and_mul_quant: bias expected shape \[any, 256\]"),
                 ("m_indices", None, r"silu_and_mul_quant: m_indices expected int32"),
                 ("scheme", "int4", r"silu_and_mul_quant: scheme expected one of 'fp8', 'int8'"),
                 ("group_size", 0, r"silu_and_mul_quant: group_size expected a positive int, got 0"),
@@ -275,7 +275,7 @@ def _cases():
             [
                 ("x", x.float(), r"gemv_gate_up: x expected dtype torch.bfloat16, got"),
                 ("x", z(256, dtype=bf), r"gemv_gate_up: x expected a 2-D tensor, got shape"),
-                ("topk_ids", ids[:3], r"gemv_gate_up: topk_ids expected shape \[4, \*\], got"),
+                ("topk_ids", ids[:3], r"gemv_gate_up: topk_ids expected shape \[4, any\], got"),
                 ("topk_ids", ids.float(), r"gemv_gate_up: topk_ids expected dtype torch.int32 or"),
                 ("topk_ids", ids.to(META), r"gemv_gate_up: topk_ids expected device cpu"),
                 ("w1", wf.float(), r"gemv_gate_up: w1 expected dtype torch.bfloat16 or torch.f"),
@@ -323,7 +323,7 @@ def _cases():
                 ("topk_weights", w[:3], r"gemv_down: topk_weights expected shape \[4, 2\], got"),
                 ("topk_weights", w.int(), r"gemv_down: topk_weights expected dtype torch.bfloat16"),
                 ("topk_weights", w.to(META), r"gemv_down: topk_weights expected device cpu"),
-                ("w2", w8[:, :, :64], r"gemv_down: w2 expected shape \[\*, \*, 128\], got"),
+                ("w2", w8[:, :, :64], r"gemv_down: w2 expected shape \[any, any, 128\], got"),
                 ("w2", w8.to(META), r"gemv_down: w2 expected device cpu"),
                 ("w2_scales", None, r"gemv_down: w2_scales expected a float32 tensor for fp8"),
                 ("w2_scales", ws8[:1], r"gemv_down: w2_scales expected shape \[2, 256\], got"),
@@ -354,7 +354,7 @@ def _cases():
                 ("x", x.float(), r"ll_scatter: x expected dtype torch.bfloat16, got torch.float32"),
                 ("x", z(4, dtype=bf), r"ll_scatter: x expected a 2-D tensor"),
                 ("x", x[:, :192], r"ll_scatter: x.shape\[1\] expected a multiple of 128 \(fp8"),
-                ("topk_ids", ids[:3], r"ll_scatter: topk_ids expected shape \[4, \*\]"),
+                ("topk_ids", ids[:3], r"ll_scatter: topk_ids expected shape \[4, any\]"),
                 ("topk_ids", ids.to(META), r"ll_scatter: topk_ids expected device cpu"),
                 ("num_experts", -1, r"ll_scatter: num_experts expected a positive int, got -1"),
                 ("capacity", 0, r"ll_scatter: capacity expected a positive int, got 0"),
@@ -403,13 +403,13 @@ def _cases():
                 ("rows", rows.float(), r"ll_gather: rows expected dtype torch.int32 or"),
                 ("rows", rows.to(META), r"ll_gather: rows expected device cpu"),
                 ("topk_weights", w[:3], r"ll_gather: topk_weights expected shape \[4, 2\]"),
-                ("out", z(3, 256, dtype=bf), r"ll_gather: out expected shape \[4, \*\]"),
+                ("out", z(3, 256, dtype=bf), r"ll_gather: out expected shape \[4, any\]"),
                 ("out", z(4, 257, dtype=bf), r"ll_gather: out expected \[4, Ho\] with 1 <= Ho <="),
                 ("out", z(4, 0, dtype=bf), r"ll_gather: out expected \[4, Ho\] with 1 <= Ho <="),
                 ("out", z(256, 4, dtype=bf).t(), r"ll_gather: out expected a contiguous tensor"),
                 ("out", z(4, 256, dtype=bf, device="meta"), r"ll_gather: out expected device cpu"),
                 ("bias", z(2, 255), r"ll_gather: bias expected at least 256 columns \(the outp"),
-                ("bias", z(3, 256), r"ll_gather: bias expected shape \[2, \*\], got \[3, 256\]"),
+                ("bias", z(3, 256), r"ll_gather: bias expected shape \[2, any\], got \[3, 256\]"),
                 ("bias", z(2, 256, dtype=i8), r"ll_gather: bias expected dtype torch.bfloat16"),
                 ("bias", z(2, 256, device="meta"), r"ll_gather: bias expected device cpu"),
             ],
@@ -432,11 +432,11 @@ def _cases():
             (x, ids, w, afs[:4], 256),
             [
                 ("x", x.half(), r"dispatch: x expected dtype torch.bfloat16 or"),
-                ("x", x[:, :128], r"dispatch: x expected shape \[\*, 256\], got \[4, 128\]"),
+                ("x", x[:, :128], r"dispatch: x expected shape \[any, 256\], got \[4, 128\]"),
                 ("topk_ids", ids.int(), r"dispatch: topk_ids expected dtype torch.int64"),
                 ("topk_weights", w[:, :1], r"dispatch: topk_weights expected shape \[4, 2\]"),
                 ("topk_weights", w.to(META), r"dispatch: topk_weights expected device cpu"),
-                ("x_scales", afs[:3], r"dispatch: x_scales expected shape \[4, \*\]"),
+                ("x_scales", afs[:3], r"dispatch: x_scales expected shape \[4, any\]"),
             ],
         ),
         Case(
@@ -444,14 +444,14 @@ def _cases():
             D.LL,
             (x, ids, True, 256, 8),
             [
-                ("topk_ids", ids[:3], r"ll_dispatch: topk_ids expected shape \[4, \*\]"),
+                ("topk_ids", ids[:3], r"ll_dispatch: topk_ids expected shape \[4, any\]"),
                 ("max_tokens_per_rank", 0, r"ll_dispatch: max_tokens_per_rank expected a positive"),
                 (
                     "max_tokens_per_rank",
                     2,
                     r"ll_dispatch: x expected at most max_tokens_per_rank=2",
                 ),
-                ("x", x[:, :64], r"ll_dispatch: x expected shape \[\*, 256\]"),
+                ("x", x[:, :64], r"ll_dispatch: x expected shape \[any, 256\]"),
             ],
         ),
         Case(
@@ -489,7 +489,7 @@ def _cases():
             (x, ids, w, 256, 2, cpu),
             [
                 ("x", x.float(), r"EPMoE: x expected dtype torch.bfloat16, got torch.float32"),
-                ("x", x[:, :128], r"EPMoE: x expected shape \[\*, 256\]"),
+                ("x", x[:, :128], r"EPMoE: x expected shape \[any, 256\]"),
                 ("device", META, r"EPMoE: x expected device meta \(the layer's\), got cpu"),
                 ("topk_ids", ids[:, :1], r"EPMoE: topk_ids expected shape \[4, 2\], got \[4, 1\]"),
                 ("topk_ids", ids.to(META), r"EPMoE: topk_ids expected device cpu"),
@@ -613,7 +613,7 @@ def test_contract_machinery_in_isolation():
     assert c.ok(z(3, 12), 3, "a") and c.ok(z(3, 5), 3, "b")
     with pytest.raises(ValueError, match=r"op: t.shape\[1\] expected a multiple of 6 \(pairs\)"):
         c.check(z(3, 5), 3, "a")
-    with pytest.raises(ValueError, match=r"op: t expected shape \[2, \*\], got \[3, 5\]"):
+    with pytest.raises(ValueError, match=r"op: t expected shape \[2, any\], got \[3, 5\]"):
         c.check(z(3, 5), 2, "b")
     with pytest.raises(ValueError, match=r"op: mode expected one of 'a', 'b', got 'c'"):
         c.check(z(3, 5), 3, "c")

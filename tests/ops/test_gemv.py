@@ -489,7 +489,7 @@ BAD = [
     (_up, BF, dict(x=BF["x"].float()), "gemv_gate_up: x expected dtype torch.bfloat16, got "
      "torch.float32"),
     (_up, BF, dict(x=BF["x"][0]), r"gemv_gate_up: x expected a 2-D tensor, got shape \(256,\)"),
-    (_up, BF, dict(ids=BF["ids"][:2]), r"gemv_gate_up: topk_ids expected shape \[3, \*\], got "
+    (_up, BF, dict(ids=BF["ids"][:2]), r"gemv_gate_up: topk_ids expected shape \[3, any\], got "
      r"\[2, 2\]"),
     (_up, BF, dict(ids=BF["ids"].float()), "gemv_gate_up: topk_ids expected dtype torch.int32 or "
      "torch.int64, got torch.float32"),
@@ -543,7 +543,7 @@ BAD = [
      r"\[2, 2\]"),
     (_down, BF, dict(tw=BF["tw"].int()), "gemv_down: topk_weights expected dtype torch.bfloat16 "
      "or torch.float16 or torch.float32, got torch.int32"),
-    (_down, BF, dict(w2=BF["w2"][:, :, :64]), r"gemv_down: w2 expected shape \[\*, \*, 128\], got "
+    (_down, BF, dict(w2=BF["w2"][:, :, :64]), r"gemv_down: w2 expected shape \[any, any, 128\], got "
      r"\[4, 256, 64\]"),
     (_down, BF, dict(s2=I8["s2"]), "gemv_down: w2_scales expected None for bf16 weights"),
     (_down, F8, dict(s2=None), "gemv_down: w2_scales expected a float32 tensor for fp8 / int8"),

@@ -46,7 +46,7 @@ def test_gather_errors():
     rows[1, 1] = 1
     for bad, msg in [
         (torch.empty((2, 16)), "ll_gather: out expected dtype torch.bfloat16"),
-        (torch.empty((3, 16), dtype=torch.bfloat16), r"ll_gather: out expected shape \[2, \*\]"),
+        (torch.empty((3, 16), dtype=torch.bfloat16), r"ll_gather: out expected shape \[2, any\]"),
         (torch.empty((2, 17), dtype=torch.bfloat16), r"ll_gather: out expected \[2, Ho\] with 1"),
         (torch.empty((2, 0), dtype=torch.bfloat16), r"Ho <= 16 \(y's columns\), got \[2, 0\]"),
         (torch.empty((16, 2), dtype=torch.bfloat16).t(), "ll_gather: out expected a contiguous"),
@@ -102,8 +102,8 @@ def test_gather_bias_hidden_errors():
     out = torch.empty((2, 8), dtype=torch.bfloat16)
     cases = [
         (lambda: ll_gather(y, rows, bias=b.int()), "ll_gather: bias expected dtype"),
-        (lambda: ll_gather(y, rows, bias=b[:1]), r"ll_gather: bias expected shape \[2, \*\]"),
-        (lambda: ll_gather(y, rows, bias=b[0]), r"ll_gather: bias expected shape \[2, \*\]"),
+        (lambda: ll_gather(y, rows, bias=b[:1]), r"ll_gather: bias expected shape \[2, any\]"),
+        (lambda: ll_gather(y, rows, bias=b[0]), r"ll_gather: bias expected shape \[2, any\]"),
         (lambda: ll_gather(y, rows, bias=b[:, :15]), "ll_gather: bias expected at least 16 col"),
         (lambda: ll_gather(y, rows, bias=b[:, :7], hidden=8), "ll_gather: bias expected at least"),
         (lambda: ll_gather_out(y, rows, None, out, b[:, :7]), "ll_gather: bias expected at least"),
