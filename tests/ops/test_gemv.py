@@ -543,8 +543,8 @@ BAD = [
      r"\[2, 2\]"),
     (_down, BF, dict(tw=BF["tw"].int()), "gemv_down: topk_weights expected dtype torch.bfloat16 "
      "or torch.float16 or torch.float32, got torch.int32"),
-    (_down, BF, dict(w2=BF["w2"][:, :, :64]), r"gemv_down: w2 expected shape \[any, any, 128\], got "
-     r"\[4, 256, 64\]"),
+    (_down, BF, dict(w2=BF["w2"][:, :, :64]),
+     r"gemv_down: w2 expected shape \[any, any, 128\], got \[4, 256, 64\]"),
     (_down, BF, dict(s2=I8["s2"]), "gemv_down: w2_scales expected None for bf16 weights"),
     (_down, F8, dict(s2=None), "gemv_down: w2_scales expected a float32 tensor for fp8 / int8"),
     (_down, F8, dict(s2=F8["s2"][:, :, :0]), r"gemv_down: w2_scales expected shape \[4, 2, 1\], "
