@@ -424,7 +424,8 @@ def cases(every: bool = False) -> Dict[str, Callable[[], object]]:
                 every,
             )
         ],  # fmt: skip
-        # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest)
+        # (row tiles of 16 and, with 64-row slots at 32 rows per expert, of 64: the largest; the
+        # expected_m values of one slot count share its row tile, so one candidate list serves them)
         "masked GEMMs with their count check (bf16 / fp8 / int8, every candidate config)": lambda: [
             G.masked_triton(
                 *_gemm_operands(sch, (4, t), 4, 256, 512, counts=mm),
@@ -474,6 +475,7 @@ def _kinds(configs, every: bool) -> list:
 
 
 def _gemm_kernel(fn) -> bool:
+    """Whether a launch's ``fn`` is a GEMM kernel (:mod:`epmoe.ops.gemm`'s, Triton or Gluon)."""
     return getattr(_jit_fn(fn), "__module__", "").startswith("epmoe.ops.gemm.")
 
 
