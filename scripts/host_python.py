@@ -128,7 +128,7 @@ def stage_calls(layer, tokens: int) -> Dict[str, Callable[[], object]]:
     xq, xs = st.quantize(x, q) if q != "bf16" else (x, None)
     p = st.permute(xq, ids, E, layer.alignment, xs, scale_layout=lay)
     pkw = dict(m_indices=p.m_indices, expert_offsets=p.expert_offsets)
-    ckw = dict(pkw, trusted=True)
+    ckw = dict(pkw, trusted=True, alignment=layer.alignment)  # (as _experts_ht calls them)
     yp1 = torch.zeros(p.x.shape[0], I2, dtype=torch.bfloat16, device=dev)
     hp, hps = layer._act(st, yp1, **pkw)
     yp2 = torch.zeros(p.x.shape[0], H, dtype=torch.bfloat16, device=dev)
