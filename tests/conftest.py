@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(skip_gpu)
     # the device_triton builds take minutes each: first, so xdist starts them with the run rather
-    # than leaving them for its tail (the device step's suite must fit one call)
+    # than leaving them for its tail, where a device call's time cap cuts them off
     items.sort(key=lambda item: "device_triton" not in item.keywords)
 
 

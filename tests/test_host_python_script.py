@@ -44,7 +44,8 @@ for quant in ("bf16", "fp8", "int8"):
     chain = [b for layout, b in seen if layout == "contiguous"]
     stages = hp.stage_calls(layer, 32)
     seen.clear()
-    stages["ht gemm1"](), stages["ht gemm2"]()
+    stages["ht gemm1"]()
+    stages["ht gemm2"]()
     print(quant, *chain, "|", *[b for layout, b in seen if layout == "contiguous"])
     seen.clear()
 """
