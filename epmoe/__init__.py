@@ -17,5 +17,8 @@ from epmoe import gate, ops, reference  # noqa: E402  (registers the ops)
 from epmoe._checks import set_debug  # noqa: E402
 from epmoe.gate import Gate  # noqa: E402
 from epmoe.layer import EPMoE  # noqa: E402
+from epmoe.ops.gemm._tuned import UntunedWarning  # noqa: E402
 
-__all__ = ["EPMoE", "Gate", "gate", "ops", "reference", "set_debug", "__version__"]
+__all__ = [
+    "EPMoE", "Gate", "UntunedWarning", "gate", "ops", "reference", "set_debug", "__version__",
+]  # fmt: skip

@@ -375,6 +375,42 @@ class EPMoE(nn.Module):
         # widen x on entry) and the gathers' output columns (H of the padded rows); else None
         self._width = self.hidden_padded if self._padded and self.local else None
         self._hidden = hidden_size if self._padded and self.local else None
+        # a GPU whose tuned table lacks this layer's GEMMs runs them untuned: said once
+        no_paths = mode == "auto" and self.local and not self._measured
+        _tuned.note_untuned(self._sizes(), self.tuning_problems(), device, self._tune_command(),
+                            paths_missing=no_paths)  # fmt: skip
+
+    def _sizes(self) -> str:
+        """This layer's problem in words (the untuned-table warning's key)."""
+        return (f"{self.quant} experts of H {self.hidden_size}, I {self.intermediate_size}, "
+                f"{self.num_local_experts} on this GPU, top-{self.top_k}"
+                + (f", gate {self._gate_spec}" if not self.gate.is_silu else "")
+                + (", biases" if self.bias else ""))  # fmt: skip
+
+    def tuning_problems(self) -> List[Tuple]:
+        """The tuned table's problems ((layout, scheme, N, K, E, gate, bias) each) this layer's
+        calls look up on a GPU: both GEMMs of each layout its mode runs (HT: contiguous and GEMM1
+        + gate; LL: masked and masked GEMM1 + gate) and, where it takes them, the GEMVs."""
+        w, h, i = self.gate.width(self.inter_padded), self.hidden_padded, self.inter_padded
+        e, q, g = self.num_local_experts, self.quant, (self._gate_spec, self.bias)
+        out: List[Tuple] = []
+        if self.mode != "ll":
+            out += [("contiguous", q, w, h, e, *g), ("contiguous", q, h, i, e, *g),
+                    ("gate", q, i, h, e, *g)]  # fmt: skip
+        if self.ll_max_tokens:
+            out += [("masked", q, w, h, e, *g), ("masked", q, h, i, e, *g),
+                    ("masked_gate", q, i, h, e, *g)]  # fmt: skip
+        if self._gemv_max_tokens:
+            out += [("gemv_up", q, i, h, e, *g), ("gemv_down", q, h, i, e, *g)]
+        return out
+
+    def _tune_command(self) -> str:
+        """The tuner's command line for this layer's entries (scripts/tune_gemm.py --layer)."""
+        return (f"python scripts/tune_gemm.py --layer {self.hidden_size} {self.intermediate_size} "
+                f"{self.num_local_experts} {self.top_k}"
+                + (f" --gate '{self._gate_spec}'" if not self.gate.is_silu else "")
+                + (" --bias" if self.bias else "") + f" --schemes {self.quant}"
+                + (" --paths" if self.mode == "auto" and self.local else ""))  # fmt: skip
 
     def __setattr__(self, name: str, value) -> None:
         # the weights stay buffers (the forward reads the buffer dict), a Parameter assigned too

@@ -3,11 +3,14 @@
 format). Run it once per GPU model and again after a Triton upgrade; commit the written file.
 
     PYTHONPATH=. python scripts/tune_gemm.py [--shapes qwen3-30b-a3b,W] [--schemes bf16,fp8,int8]
+        [--layer H I E K [--gate SPEC] [--bias]]
         [--row-blocks 16,32,64,128] [--tokens 8,32,128,512,2048,4096,16384]
         [--layouts contiguous,masked] [--paths | --paths-only] [--resume | --stale] [--list]
         [--budget-s 3000] [--iters 30] [--out PATH] [--dry-run]
 
-GEMM entries: per shape (``benchmarks/_configs.py``, its ``local_experts``: E), scheme and GEMM of
+GEMM entries: per shape (``benchmarks/_configs.py``, its ``local_experts``: E; or ``--layer``: a
+model of one's own, its hidden and intermediate sizes, experts on the GPU and top-K, with the
+experts' gate spec and biases; without ``--shapes``, that layer only), scheme and GEMM of
 the layer (GEMM1: N = the gate's width of I, K = H; GEMM2: N = H, K = I; fp8 at the sizes the layer
 pads to, multiples of 128), on random operands in the layer's layouts (fp8 activation scales in
 deep_gemm's MN-major layout) and a seeded uniform top-K routing of T tokens:
@@ -1029,9 +1032,40 @@ def _names(s: str, known: Collection[str], what: str) -> List[str]:
     return names
 
 
+def layer_config(hidden: int, inter: int, experts: int, top_k: int, gate: str = "silu",
+                 bias: bool = False) -> _configs.ModelConfig:  # fmt: skip
+    """The one-rank shape of ``--layer``: a layer of these sizes (``experts`` on this GPU), gate
+    spec and biases, named by them (SystemExit on sizes or a gate the layer refuses)."""
+    try:
+        spec = _gate.get(gate, "tune_gemm", "--gate").spec
+        epmoe.EPMoE(experts, hidden, inter, top_k, device="meta", gate=spec, bias=bias)
+    except ValueError as e:
+        raise SystemExit(f"tune_gemm: --layer {hidden} {inter} {experts} {top_k}: {e}") from None
+    name = f"H{hidden}-I{inter}-E{experts}-K{top_k}" + (f"-{spec}" if spec != "silu" else "") + \
+        ("-bias" if bias else "")  # fmt: skip
+    return _configs.ModelConfig(
+        name=name, hidden=hidden, intermediate=inter, num_experts=experts, ranks=1, top_k=top_k,
+        prefill_tokens=max(TOKENS), decode_capacity=LL_MAX_TOKENS, decode_rows_per_expert=1,
+        gate=spec, bias=bias,
+    )  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="benchmarks/_configs.py names")
+    ap.add_argument(
+        "--shapes",
+        help=f"benchmarks/_configs.py names (default {','.join(SHAPES)}; with --layer: none)",
+    )
+    ap.add_argument(
+        "--layer",
+        nargs=4,
+        type=int,
+        metavar=("H", "I", "E", "K"),
+        help="a layer of one's own model: hidden size, intermediate size, experts on this GPU, "
+        "top-k (the entries its EPMoE looks up)",
+    )
+    ap.add_argument("--gate", default="silu", help="--layer's gate (an epmoe.Gate spec)")
+    ap.add_argument("--bias", action="store_true", help="--layer's experts have biases")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--row-blocks", default=",".join(map(str, ROW_BLOCKS)))
     ap.add_argument(
@@ -1059,7 +1093,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--list", action="store_true", help="print the problems to tune, tune none")
     a = ap.parse_args(argv)
-    a.shapes = _names(a.shapes, _configs.CONFIGS, "shape")
+    if a.shapes is None:
+        a.shapes = "" if a.layer else ",".join(SHAPES)
+    a.configs = {n: _configs.CONFIGS[n] for n in _names(a.shapes, _configs.CONFIGS, "shape")}
+    if a.layer:
+        cfg = layer_config(*a.layer, a.gate, a.bias)
+        a.configs[cfg.name] = cfg
+    elif a.gate != "silu" or a.bias:
+        raise SystemExit("tune_gemm: --gate / --bias describe --layer's experts: give --layer")
+    a.shapes = list(a.configs)
     a.schemes = _names(a.schemes, quant.SCHEMES, "scheme")
     a.layouts = _names(a.layouts, _tuned.LAYOUTS, "layout")
     a.every_tile = a.tokens is None
@@ -1128,7 +1170,7 @@ def listing(a: argparse.Namespace, old: Optional[Dict]) -> str:
     n = 0
     for shape in a.shapes:
         for scheme in a.schemes:
-            first, later = selected(a, old, _configs.CONFIGS[shape], scheme)
+            first, later = selected(a, old, a.configs[shape], scheme)
             for p in first + [p for _, ps in later for p in ps]:
                 lines.append(f"{shape:<16}{p.layout:<12}{p.scheme:<7}{p.N:>6}{p.K:>6}{p.E:>5}"
                              f"{p.block:>6}{p.m:>8}{p.tokens:>7}")  # fmt: skip
@@ -1156,7 +1198,7 @@ def run(a: argparse.Namespace, tuner: Tuner, name: str, out: Path) -> Dict:
         # one shape x scheme at a time, its paths right after its GEMMs (reading them): a run cut
         # by its budget leaves whole shapes, paths included
         for shape, scheme in work:
-            cfg = _configs.CONFIGS[shape]
+            cfg = a.configs[shape]
             first, later = selected(a, old, cfg, scheme)
             if not a.paths_only:
                 print(f"== {shape} {scheme}", flush=True)

@@ -1,5 +1,8 @@
 """EPMoE on one rank (local backend) vs the references, all modes and schemes; bad input."""
 
+import json
+import warnings
+
 import pytest
 import torch
 
@@ -341,6 +344,58 @@ def test_ht_gathers_where_measured(quant, fused, monkeypatch):
     xq, xs = rec["quantize"] if quant != "bf16" else (x, None)
     D.check_experts_ht(chk, gathering, rec, xq, xs, ids, w)
     assert len(chk.rows) >= 5 and all(r.ok for r in chk.rows), chk.rows
+
+
+def _untuned_layer(quant="fp8", mode="auto", **kw):
+    """A SMALL layer built on CPU (no weights: only its construction's warning is tested)."""
+    extra = dict(max_tokens_per_rank=32) if mode == "ll" else {}
+    return epmoe.EPMoE(**SMALL, quant=quant, mode=mode, backend="local", device="cpu", **extra,
+                       **kw)  # fmt: skip
+
+
+def test_a_gpu_without_this_layers_tuned_entries_says_so_once(h200_table, monkeypatch):
+    """Built for a GPU whose tuned table lacks problems the layer looks up, a layer warns once per
+    GPU model and layer: the layouts without entries (an "auto" layer's path entries too) and the
+    tuner's command for this layer. A table holding them is silent; so is CPU."""
+    from epmoe.ops.gemm import _tuned
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _untuned_layer()  # (CPU: no table to lack)
+    monkeypatch.setattr(_tuned, "_gpu", lambda device: "NVIDIA H200")
+    with pytest.warns(epmoe.UntunedWarning) as record:
+        layer = _untuned_layer(ll_max_tokens=32)
+        _untuned_layer(ll_max_tokens=32)  # (the same layer: said already)
+    (msg,) = [str(r.message) for r in record]
+    assert "NVIDIA H200's tuned table (epmoe/ops/gemm/tuned/nvidia_h200.json) has no contiguous, " \
+        "gate, masked, masked_gate, gemv_up, gemv_down, path entries for fp8 experts of H 256, " \
+        "I 128, 8 on this GPU, top-3" in msg  # fmt: skip
+    assert msg.endswith("python scripts/tune_gemm.py --layer 256 128 8 3 --schemes fp8 --paths")
+    problems = layer.tuning_problems()
+    assert [p[0] for p in problems] == ["contiguous", "contiguous", "gate", "masked", "masked",
+                                        "masked_gate", "gemv_up", "gemv_down"]  # fmt: skip
+    entries = [dict(layout=lay, scheme=q, N=n, K=k, E=e, block=16, m=1, gate=g, bias=b,
+                    config={}, backend="triton") for lay, q, n, k, e, g, b in problems]  # fmt: skip
+    path = dict(scheme="fp8", E=8, H=256, I=128, K=3, t=64, path="ll", alignment=0)
+    table = h200_table / _tuned.file_name("NVIDIA H200")
+    for held, said in [(entries, "path"), (entries[1:], "contiguous, path")]:
+        table.write_text(json.dumps(dict(entries=held)))
+        _tuned.reread()  # (a rewritten table: said again)
+        with pytest.warns(epmoe.UntunedWarning, match=f"has no {said} entries for fp8 experts"):
+            _untuned_layer(ll_max_tokens=32)
+    table.write_text(json.dumps(dict(entries=entries, paths=[path])))
+    _tuned.reread()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _untuned_layer(ll_max_tokens=32)
+        ll, ht = _untuned_layer(mode="ll"), _untuned_layer(mode="ht")
+    assert [p[0] for p in ll.tuning_problems()] == ["masked", "masked", "masked_gate"]
+    assert [p[0] for p in ht.tuning_problems()] == ["contiguous", "contiguous", "gate"]
+    said = (r"no contiguous, gate entries for bf16 experts of H 256, I 128, 8 on this GPU, top-3, "
+            r"gate gelu_tanh, biases: .* --layer 256 128 8 3 --gate 'gelu_tanh' --bias "
+            r"--schemes bf16$")  # fmt: skip
+    with pytest.warns(epmoe.UntunedWarning, match=said):
+        _untuned_layer(quant="bf16", mode="ht", gate="gelu_tanh", bias=True)
 
 
 def test_auto_mode_bad_config():

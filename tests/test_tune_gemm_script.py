@@ -372,6 +372,53 @@ def test_main_needs_a_gpu(monkeypatch, capsys):
         tg.parse_args(["--shapes", "nope"])
 
 
+GPT_OSS = "silu:alpha=1.702,limit=7.0,up_offset=1.0"
+
+
+@pytest.mark.parametrize(
+    "sizes, scheme, gate, bias",
+    [
+        ((2048, 768, 128, 8), "bf16", "silu", False),
+        ((4096, 14336, 8, 2), "int8", "silu", False),
+        ((2880, 2880, 32, 4), "fp8", GPT_OSS, True),  # (fp8 pads 2880 to 2944)
+        ((1024, 384, 16, 4), "bf16", "gelu_tanh", False),
+    ],
+)
+def test_a_layer_of_ones_own_tunes_what_its_epmoe_looks_up(sizes, scheme, gate, bias):
+    """--layer H I E K (--gate, --bias): a shape of those sizes, alone without --shapes, whose
+    problems cover every one the EPMoE of that layer looks up (what its untuned-table warning
+    names, :meth:`EPMoE.tuning_problems`) and whose path entries are the ones it reads."""
+    import epmoe
+
+    H, I, E, K = sizes  # noqa: E741
+    argv = ["--layer", *map(str, sizes), "--schemes", scheme, "--gate", gate] + \
+        (["--bias"] if bias else [])  # fmt: skip
+    a = tg.parse_args(argv)
+    (name,) = a.shapes
+    cfg = a.configs[name]
+    first, later = tg.selected(a, None, cfg, scheme)
+    problems = first + [p for _, ps in later for p in ps]
+    tuned = {(p.layout, p.scheme, p.N, p.K, p.E) + ((p.gate, p.bias) if p.layout in
+             _tuned._LAYER_KEYED else ()) for p in problems}  # fmt: skip
+    layer = epmoe.EPMoE(E, H, I, K, quant=scheme, mode="auto", gate=gate, bias=bias, device="cpu")
+    looked_up = {p[:5] + (p[5:] if p[0] in _tuned._LAYER_KEYED else ()) for p in
+                 layer.tuning_problems()}  # fmt: skip
+    assert looked_up and looked_up <= tuned
+    assert _tuned.layer_key(tg.layer_sizes(cfg, scheme)) == _tuned.layer_key(dict(
+        scheme=scheme, E=E, H=H, I=I, K=K, gate=layer.gate.spec, bias=bias))  # fmt: skip
+    assert tg.parse_args(argv + ["--shapes", "W"]).shapes == ["W", name]
+
+
+def test_layer_arguments_are_checked():
+    with pytest.raises(SystemExit, match="--layer 2048 0 8 2: EPMoE: intermediate_size expected"):
+        tg.parse_args(["--layer", "2048", "0", "8", "2"])
+    with pytest.raises(SystemExit, match="--gate expected a gate spec"):
+        tg.parse_args(["--layer", "2048", "768", "8", "2", "--gate", "nope"])
+    with pytest.raises(SystemExit, match="--gate / --bias describe --layer's experts"):
+        tg.parse_args(["--bias"])
+    assert tg.parse_args([]).shapes == list(tg.SHAPES)
+
+
 # ------------------------------------------------------------- the GPU code path, on CPU tensors
 @pytest.fixture
 def cpu_tuner(monkeypatch):

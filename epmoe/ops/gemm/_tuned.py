@@ -53,6 +53,7 @@ Each path is one call size of a one-rank ``mode="auto"`` layer and what measured
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -116,6 +117,7 @@ def reread() -> None:
     pointed elsewhere)."""
     for cached in (table, _paths, *_READERS):
         cached.cache_clear()
+    _NOTED.clear()
 
 
 @functools.cache
@@ -197,3 +199,42 @@ def has(layout, scheme, n: int, k: int, e: int, device, gate="silu", bias=False)
         return False
     key = _key(layout, scheme, n, k, e, 0, gate, bias)
     return any(p[:5] == key[:5] and p[6:] == key[6:] for p in table(gpu))
+
+
+class UntunedWarning(UserWarning):
+    """A layer's GEMMs have no entries in this GPU's tuned table (:func:`note_untuned`): filter it
+    by this class (``warnings.filterwarnings("ignore", category=epmoe.UntunedWarning)``)."""
+
+
+# (GPU model, layer) pairs note_untuned has looked at: one warning each
+_NOTED: set = set()
+
+
+def untuned(problems, device) -> List[str]:
+    """The layouts of ``problems`` ((layout, scheme, n, k, e, gate, bias) each) without any entry
+    in ``device``'s table (any block and rows; none off CUDA)."""
+    if _gpu(device) is None:
+        return []
+    return list(dict.fromkeys(p[0] for p in problems if not has(*p[:5], device, *p[5:])))
+
+
+def note_untuned(layer: str, problems, device, hint: str, paths_missing: bool = False) -> None:
+    """Warns once per GPU model and ``layer`` (its sizes, in words) where ``device``'s table has
+    no entry for some of ``problems`` (:func:`untuned`) or, ``paths_missing``, no path entries:
+    those calls run untuned (deep_gemm where it runs, else Triton's autotuner; the GEMVs their
+    default tiles; the rules' path), measured up to 1.7x slower (W bf16 prefill on an H100, where
+    deep_gemm's bf16 GEMM1 took 6770 µs against the tuned GEMM1 + gate's 3751). ``hint``: the
+    command that tunes them."""
+    gpu = _gpu(device)
+    if gpu is None or (gpu, layer) in _NOTED:
+        return
+    _NOTED.add((gpu, layer))
+    missing = untuned(problems, device) + (["path"] if paths_missing else [])
+    if missing:
+        warnings.warn(
+            f"epmoe: {gpu}'s tuned table (epmoe/ops/gemm/tuned/{file_name(gpu)}) has no "
+            f"{', '.join(missing)} entries for {layer}: those calls run untuned defaults, "
+            f"which measured up to 1.7x slower than tuned ones. Tune them on this GPU: {hint}",
+            UntunedWarning,
+            stacklevel=3,
+        )
