@@ -355,8 +355,8 @@ def _untuned_layer(quant="fp8", mode="auto", **kw):
 
 def test_a_gpu_without_this_layers_tuned_entries_says_so_once(h200_table, monkeypatch):
     """Built for a GPU whose tuned table lacks problems the layer looks up, a layer warns once per
-    GPU model and layer: the layouts without entries (an "auto" layer's path entries too) and the
-    tuner's command for this layer. A table holding them is silent; so is CPU."""
+    GPU model, layer and missing set: the layouts without entries (an "auto" layer's path entries
+    too) and the tuner's command for this layer. A table holding them is silent; so is CPU."""
     from epmoe.ops.gemm import _tuned
 
     with warnings.catch_warnings():
@@ -391,6 +391,15 @@ def test_a_gpu_without_this_layers_tuned_entries_says_so_once(h200_table, monkey
         ll, ht = _untuned_layer(mode="ll"), _untuned_layer(mode="ht")
     assert [p[0] for p in ll.tuning_problems()] == ["masked", "masked", "masked_gate"]
     assert [p[0] for p in ht.tuning_problems()] == ["contiguous", "contiguous", "gate"]
+    table.write_text(json.dumps(dict(entries=entries[3:])))
+    _tuned.reread()
+    with pytest.warns(epmoe.UntunedWarning, match="no contiguous, gate entries for fp8"):
+        _untuned_layer(mode="ht")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _untuned_layer(mode="ll")  # (what it looks up is there)
+    with pytest.warns(epmoe.UntunedWarning, match="no contiguous, gate, path entries for fp8"):
+        _untuned_layer()  # (the same sizes, more missing: said)
     said = (r"no contiguous, gate entries for bf16 experts of H 256, I 128, 8 on this GPU, top-3, "
             r"gate gelu_tanh, biases: .* --layer 256 128 8 3 --gate 'gelu_tanh' --bias "
             r"--schemes bf16$")  # fmt: skip

@@ -206,7 +206,7 @@ class UntunedWarning(UserWarning):
     by this class (``warnings.filterwarnings("ignore", category=epmoe.UntunedWarning)``)."""
 
 
-# (GPU model, layer) pairs note_untuned has looked at: one warning each
+# (GPU model, layer, missing layouts) note_untuned has said: one warning each
 _NOTED: set = set()
 
 
@@ -219,18 +219,19 @@ def untuned(problems, device) -> List[str]:
 
 
 def note_untuned(layer: str, problems, device, hint: str, paths_missing: bool = False) -> None:
-    """Warns once per GPU model and ``layer`` (its sizes, in words) where ``device``'s table has
-    no entry for some of ``problems`` (:func:`untuned`) or, ``paths_missing``, no path entries:
+    """Warns once per GPU model, ``layer`` (its sizes, in words) and what is missing where
+    ``device``'s table has no entry for some of ``problems`` (:func:`untuned`) or,
+    ``paths_missing``, no path entries:
     those calls run untuned (deep_gemm where it runs, else Triton's autotuner; the GEMVs their
     default tiles; the rules' path), measured up to 1.7x slower (W bf16 prefill on an H100, where
     deep_gemm's bf16 GEMM1 took 6770 µs against the tuned GEMM1 + gate's 3751). ``hint``: the
     command that tunes them."""
     gpu = _gpu(device)
-    if gpu is None or (gpu, layer) in _NOTED:
+    if gpu is None:
         return
-    _NOTED.add((gpu, layer))
     missing = untuned(problems, device) + (["path"] if paths_missing else [])
-    if missing:
+    if missing and (gpu, layer, tuple(missing)) not in _NOTED:
+        _NOTED.add((gpu, layer, tuple(missing)))
         warnings.warn(
             f"epmoe: {gpu}'s tuned table (epmoe/ops/gemm/tuned/{file_name(gpu)}) has no "
             f"{', '.join(missing)} entries for {layer}: those calls run untuned defaults, "
