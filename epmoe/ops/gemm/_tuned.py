@@ -210,32 +210,23 @@ class UntunedWarning(UserWarning):
 _NOTED: set = set()
 
 
-def untuned(problems, device) -> List[str]:
-    """The layouts of ``problems`` ((layout, scheme, n, k, e, gate, bias) each) without any entry
-    in ``device``'s table (any block and rows; none off CUDA)."""
-    if _gpu(device) is None:
-        return []
-    return list(dict.fromkeys(p[0] for p in problems if not has(*p[:5], device, *p[5:])))
-
-
 def note_untuned(layer: str, problems, device, hint: str, paths_missing: bool = False) -> None:
     """Warns once per GPU model, ``layer`` (its sizes, in words) and what is missing where
-    ``device``'s table has no entry for some of ``problems`` (:func:`untuned`) or,
-    ``paths_missing``, no path entries:
-    those calls run untuned (deep_gemm where it runs, else Triton's autotuner; the GEMVs their
-    default tiles; the rules' path), measured up to 1.7x slower (W bf16 prefill on an H100, where
-    deep_gemm's bf16 GEMM1 took 6770 µs against the tuned GEMM1 + gate's 3751). ``hint``: the
-    command that tunes them."""
+    ``device``'s table has no entry (any block and rows) for some of ``problems`` ((layout, scheme,
+    n, k, e, gate, bias) each) or, ``paths_missing``, no path entries: those calls run untuned
+    (deep_gemm where it runs, else Triton's autotuner; the GEMVs their default tiles; the rules'
+    path). ``hint``: the command that tunes them."""
     gpu = _gpu(device)
     if gpu is None:
         return
-    missing = untuned(problems, device) + (["path"] if paths_missing else [])
+    missing = list(dict.fromkeys(p[0] for p in problems if not has(*p[:5], device, *p[5:])))
+    missing += ["path"] if paths_missing else []
     if missing and (gpu, layer, tuple(missing)) not in _NOTED:
         _NOTED.add((gpu, layer, tuple(missing)))
         warnings.warn(
             f"epmoe: {gpu}'s tuned table (epmoe/ops/gemm/tuned/{file_name(gpu)}) has no "
-            f"{', '.join(missing)} entries for {layer}: those calls run untuned defaults, "
-            f"which measured up to 1.7x slower than tuned ones. Tune them on this GPU: {hint}",
+            f"{', '.join(missing)} entries for {layer}: those calls run untuned defaults, which "
+            f"can be much slower than tuned ones. Tune them on this GPU: {hint}",
             UntunedWarning,
             stacklevel=3,
         )
